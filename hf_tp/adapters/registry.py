@@ -1,0 +1,117 @@
+"""The adapter registry: how hf_tp finds the TP+SP plan of a model family.
+
+An adapter is data, not a model subclass: two functions that return plans (plain dicts of module
+path -> ``ParallelStyle``) plus the config fields that tensor parallelism splits. Adding an
+architecture means writing one small file that calls :func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor.parallel import ParallelStyle
+from transformers import PretrainedConfig
+
+Plan = dict[str, ParallelStyle]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Switches that change the plan an adapter returns."""
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How to tensor-parallelize one model family (one ``config.model_type``).
+
+    Attributes:
+        model_type: the ``config.model_type`` this adapter serves (``"llama"``, ``"qwen2"``...).
+        layer_plan: options -> plan for one decoder layer, paths relative to the layer.
+        top_plan: options -> plan for the modules outside the layers (embedding, final norm,
+            lm_head), paths relative to the ``*ForCausalLM`` model.
+        layers_path: dotted path of the ``ModuleList`` of decoder layers.
+        split_fields: config fields that tp shards and must therefore divide (head counts, the
+            MLP width).
+        check: optional extra validation ``(config, tp) -> None`` that raises ``ValueError``.
+    """
+
+    model_type: str
+    layer_plan: Callable[[PlanOptions], Plan]
+    top_plan: Callable[[PlanOptions], Plan]
+    layers_path: str = "model.layers"
+    split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
+
+    def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
+        """The sizes that tp must divide, read from ``config``."""
+        sizes = {}
+        for name in self.split_fields:
+            value = getattr(config, name, None)
+            if value is None and name == "num_key_value_heads":
+                value = config.num_attention_heads  # HF's default: plain multi-head attention
+            if value is None:
+                raise ValueError(f"{self.model_type} config has no '{name}', which the TP plan splits")
+            sizes[name] = int(value)
+        return sizes
+
+    def valid_tp_sizes(self, config: PretrainedConfig) -> list[int]:
+        """Every tp that divides all split sizes of this model."""
+        g = 0
+        for value in self.split_sizes(config).values():
+            g = math.gcd(g, value)
+        return [d for d in range(1, g + 1) if g % d == 0]
+
+    def validate(self, config: PretrainedConfig, tp: int) -> None:
+        """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model."""
+        if tp < 1:
+            raise ValueError(f"tp must be a positive integer, got tp={tp}")
+        valid = ", ".join(str(v) for v in self.valid_tp_sizes(config))
+        for name, value in self.split_sizes(config).items():
+            if value % tp != 0:
+                raise ValueError(
+                    f"tp must divide {name} ({value}) of this {self.model_type} model, got tp={tp}; "
+                    f"valid tp values for it are: {valid}"
+                )
+        if self.check is not None:
+            self.check(config, tp)
+
+
+_REGISTRY: dict[str, Adapter] = {}
+
+
+def register_adapter(adapter: Adapter, *, overwrite: bool = False) -> Adapter:
+    """Register ``adapter`` for its ``model_type``; registering a type twice is an error."""
+    if adapter.model_type in _REGISTRY and not overwrite:
+        raise ValueError(
+            f"an adapter for model_type '{adapter.model_type}' is already registered; pass overwrite=True to replace it"
+        )
+    _REGISTRY[adapter.model_type] = adapter
+    return adapter
+
+
+def unregister_adapter(model_type: str) -> None:
+    """Remove the adapter of ``model_type`` (mainly for tests and notebooks)."""
+    _REGISTRY.pop(model_type, None)
+
+
+def supported_model_types() -> list[str]:
+    """The ``model_type`` values with a registered adapter, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
+    """The adapter for a config (or a ``model_type`` string); a clear error if there is none."""
+    model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        raise ValueError(
+            f"no hf_tp adapter for model_type '{model_type}'; supported: "
+            f"{', '.join(supported_model_types())}. Add one with hf_tp.register_adapter(Adapter("
+            f"model_type='{model_type}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/llama.py)"
+        ) from None

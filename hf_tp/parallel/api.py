@@ -1,0 +1,50 @@
+"""``hf_tp.parallelize``: TP+SP (and FSDP2 on a dp dim) for a HF causal LM, in place."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.parallel.fsdp import apply_fsdp
+from hf_tp.parallel.mesh import split_mesh
+from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
+
+    ``mesh`` is 1-D (all tp) or 2-D with dims ``("dp", "tp")``; with a dp dim of size > 1 the model
+    is also sharded with FSDP2 over ``mesh["dp"]``. Works on a model from ``from_pretrained`` or one
+    built on the meta device. With ``loss_parallel=True`` the logits are a DTensor sharded on the
+    vocab: compute the loss and call backward inside :func:`hf_tp.loss_parallel`.
+
+    Every check runs before any collective and depends only on the config and the mesh shape, so
+    a bad input raises the same ``ValueError`` on every rank.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")
+    adapter = get_adapter(config)
+    dp_mesh, tp_mesh = split_mesh(mesh)
+    adapter.validate(config, tp_mesh.size())
+    opts = PlanOptions(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    check_plan_paths(model, adapter, opts)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("this model is already parallelized (it has DTensor parameters); call parallelize once")
+
+    apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    model.hf_tp_options = opts  # read by generation/eval helpers
+    return model

@@ -1,0 +1,45 @@
+"""Loss parallelism on vocab-sharded logits."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
+
+_lock = threading.Lock()
+_depth = 0
+_active: contextlib.AbstractContextManager | None = None
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    """Compute cross entropy directly on vocab-sharded DTensor logits (no logits all-gather).
+
+    Put both the forward (``model(..., labels=...)`` or ``F.cross_entropy``) and
+    ``loss.backward()`` inside it::
+
+        with hf_tp.loss_parallel():
+            loss = model(input_ids, labels=labels, use_cache=False).loss
+            loss.backward()
+
+    It wraps ``torch.distributed.tensor.parallel.loss_parallel``. That one installs handlers in a
+    process-global table and removes them on exit, so nested or concurrent uses (threads, e.g.
+    the in-process test process group) would remove them under each other; this one is
+    reference-counted: the first entry installs, the last exit removes.
+    """
+    global _depth, _active
+    with _lock:
+        if _depth == 0:
+            _active = _torch_loss_parallel()
+            _active.__enter__()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _active is not None:
+                _active.__exit__(None, None, None)
+                _active = None

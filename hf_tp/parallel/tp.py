@@ -1,0 +1,59 @@
+"""Apply an adapter's TP(+SP) plans to a model with ``parallelize_module``."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from hf_tp.adapters.registry import Adapter, PlanOptions
+
+
+def embeddings_tied(model: nn.Module) -> bool:
+    """True if the input and output embeddings share one Parameter."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None or get_out() is None:
+        return False
+    return get_in().weight is get_out().weight
+
+
+def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:
+    """Every module a plan names must exist, so a wrong model class fails here and not in torch."""
+    try:
+        layers = model.get_submodule(adapter.layers_path)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layers at '{adapter.layers_path}'; "
+            f"hf_tp.parallelize expects a *ForCausalLM model (e.g. from AutoModelForCausalLM)"
+        )
+    missing = [p for p in adapter.top_plan(opts) if not _has(model, p)]
+    missing += [f"{adapter.layers_path}.0.{p}" for p in adapter.layer_plan(opts) if not _has(layers[0], p)]
+    if missing:
+        raise ValueError(
+            f"the {adapter.model_type} adapter names modules that {type(model).__name__} lacks: "
+            f"{', '.join(missing)}; hf_tp.parallelize expects a *ForCausalLM model"
+        )
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh, opts: PlanOptions) -> None:
+    """Shard every decoder layer and the top-level modules over ``tp_mesh``, in place."""
+    tied = embeddings_tied(model)
+    layer_plan = adapter.layer_plan(opts)
+    for layer in model.get_submodule(adapter.layers_path):
+        parallelize_module(layer, tp_mesh, layer_plan)
+    parallelize_module(model, tp_mesh, adapter.top_plan(opts))
+    if tied:
+        # parallelize_module replaced both weights with separate DTensor Parameters; training two
+        # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight

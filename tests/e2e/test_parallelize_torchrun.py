@@ -1,0 +1,55 @@
+"""End to end with real processes (torchrun, gloo): the README demo and an early error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_config, tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_trains_three_steps_matching_plain_hf() -> None:
+    proc = torchrun(2, "examples/parallelize_demo.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "max relative loss difference" in proc.stdout
+
+
+def test_heads_not_divisible_stop_every_rank_at_once(tmp_path: Path) -> None:
+    model_dir = tmp_path / "qwen2-14-heads"
+    tiny_model(tiny_config("qwen2", heads=14, kv_heads=2, hidden_size=112)).save_pretrained(model_dir)
+    start = time.monotonic()
+    proc = torchrun(4, "examples/parallelize_demo.py", "--model", str(model_dir), timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    message = "tp must divide num_attention_heads (14) of this qwen2 model, got tp=4; valid tp values for it are: 1, 2"
+    assert proc.stderr.count(f"ValueError: {message}") == 4, proc.stderr[-3000:]
+    assert "RuntimeError: shape" not in proc.stderr
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"family": "mistral", "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9},
+        {"family": "llama", "tied": True, "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9},
+    ],
+)
+def test_2d_parity_with_real_processes(case: dict) -> None:
+    proc = torchrun(4, "tests/e2e/parity_worker.py", json.dumps(case))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "PARITY OK" in proc.stdout

@@ -1,0 +1,162 @@
+"""Shared test helpers: tiny models of real config classes, a threaded process group, parity."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+# fp32 parity: the standard of the project. Not to be loosened to make a test pass.
+RTOL = 1e-5
+ATOL = 1e-6
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: int = 2, **overrides) -> PretrainedConfig:
+    """A small but real config; vocab 1001 is not divisible by any tp > 1 on purpose."""
+    common = dict(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        common.update(
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
+        cls = LlamaConfig
+    elif family == "qwen2":
+        cls = Qwen2Config
+    elif family == "mistral":
+        common.update(sliding_window=5)
+        cls = MistralConfig
+    else:
+        raise ValueError(family)
+    common.update(overrides)
+    return cls(**common)
+
+
+def tiny_model(config: PretrainedConfig, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    # HF initialises with std 0.02 and zero biases; random biases and norm weights make the test
+    # see them (a bias that was not sharded with its weight would otherwise go unnoticed).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if p.shape[0] == config.hidden_size else 0.0, 0.1)
+    return model
+
+
+def batch(vocab: int, b: int = 2, s: int = 13, pad: str | None = "right", seed: int = 1) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and labels (-100 on padding); the rows have different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    if pad is not None:
+        for row in range(1, b):
+            n = min(s - 2, 3 * row)
+            if pad == "right":
+                mask[row, s - n :] = 0
+            else:
+                mask[row, :n] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def run_threaded(world_size: int, fn: Callable[[int], None], timeout: float = 300.0) -> None:
+    """Run ``fn(rank)`` on ``world_size`` threads, each a rank of torch's in-process process group.
+
+    Hand-written because torch ships this only inside ``MultiThreadedTestCase`` (unittest-style,
+    one class per world size); a function keeps pytest parametrization and lets the reference
+    model be built once in the main thread (threads share the CPU RNG).
+    """
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    store = dist.HashStore()
+    errors: dict[int, str] = {}
+
+    def target(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below with the rank
+            errors[rank] = traceback.format_exc()
+            ProcessLocalGroup.exception_handle(exc)
+        finally:
+            dist.destroy_process_group()
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+            if t.is_alive():
+                errors.setdefault(-1, f"a rank did not finish within {timeout}s")
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a DTensor (or the tensor itself)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def assert_close_dict(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, **tol) -> None:
+    assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())}"
+    for name in want:
+        torch.testing.assert_close(
+            got[name],
+            want[name],
+            rtol=tol.get("rtol", RTOL),
+            atol=tol.get("atol", ATOL),
+            msg=lambda m, n=name: f"{what} {n}: {m}",
+        )
+
+
+def clone(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)

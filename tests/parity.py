@@ -1,0 +1,121 @@
+"""The parity harness every parity test uses: run plain HF and hf_tp on the same weights/batch.
+
+The reference is always a plain single-process HF model; the candidate is a deep copy of it
+parallelized with hf_tp. Both go through ``train_steps`` so the only difference is hf_tp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import hf_tp
+from tests.helpers import assert_close_dict, batch, full, full_grads, full_params, tiny_config, tiny_model
+
+
+@dataclass
+class Trace:
+    logits: torch.Tensor  # first forward, global view
+    grads: dict[str, torch.Tensor]  # after the first backward
+    losses: list[float]
+    params: dict[str, torch.Tensor]  # after the last step
+    start: dict[str, torch.Tensor]  # before the first step
+
+
+def train_steps(
+    model, batch: dict, steps: int = 3, lr: float = 1e-3, ctx=contextlib.nullcontext, dp_group=None
+) -> Trace:
+    """``steps`` AdamW steps on ``batch`` with HF's own ``labels=`` loss.
+
+    With ``dp_group`` each dp rank holds an equal slice of the rows (all tokens valid), so the
+    global-batch loss is the mean of the dp ranks' losses.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses, logits, grads, start = [], None, None, full_params(model)
+    for step in range(steps):
+        with ctx():
+            out = model(**batch, use_cache=False)
+            out.loss.backward()
+        loss = full(out.loss).detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
+        losses.append(loss.item())
+        if step == 0:
+            logits = full(out.logits).detach().clone()
+            grads = full_grads(model)
+        opt.step()
+        opt.zero_grad()
+    return Trace(logits=logits, grads=grads, losses=losses, params=full_params(model), start=start)
+
+
+def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
+    """Logits (the given batch rows), every gradient and the loss curve to fp32 tolerance; then
+    the weights after the AdamW steps.
+
+    Weights are compared tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms).
+    An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
+    lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone.
+    """
+    torch.testing.assert_close(got.logits, want.logits[rows], rtol=1e-5, atol=1e-5)
+    assert_close_dict(got.grads, want.grads, "grad")
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
+    assert got.params.keys() == want.params.keys()
+    for name, w in want.params.items():
+        if name.endswith("k_proj.bias"):
+            # Exactly zero gradient in exact arithmetic (softmax ignores a per-query constant
+            # q.b_k), so its whole update is round-off; its ~0 gradient was compared above.
+            continue
+        moved = (w - want.start[name]).norm().item()
+        err = (got.params[name] - w).norm().item()
+        assert err <= 1e-3 * moved + 1e-7, f"param {name}: |diff|={err:.3g} vs |update|={moved:.3g}"
+
+
+@dataclass
+class ParityCase:
+    """One parity scenario: a tiny model of ``family`` trained at (tp, dp) versus plain HF."""
+
+    family: str
+    tied: bool = False
+    tp: int = 2
+    dp: int = 1
+    attn: str = "sdpa"
+    pad: str | None = "right"
+    heads: int = 4
+    kv: int = 2
+    s: int = 13
+    b: int = 2
+    sp: bool = True
+    lp: bool = True
+
+    def reference(self):
+        """Build the model and batch (call in one thread: it draws from the CPU RNG) and run
+        plain single-process HF on the whole batch."""
+        config = tiny_config(self.family, tied=self.tied, heads=self.heads, kv_heads=self.kv)
+        ref = tiny_model(config, attn=self.attn)
+        data = batch(config.vocab_size, b=self.b, s=self.s, pad=self.pad)
+        start = copy.deepcopy(ref)
+        return start, data, train_steps(ref, data)
+
+    def check(self, model, data: dict, want: Trace) -> None:
+        """On one rank: parallelize ``model`` (an untouched copy of the reference), train it on
+        this dp rank's rows and assert parity."""
+        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
+        hf_tp.parallelize(model, mesh, sequence_parallel=self.sp, loss_parallel=self.lp)
+        q = model.model.layers[0].self_attn.q_proj.weight
+        assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() // (self.tp * self.dp)
+        if self.tied:
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        rows = slice(None)
+        if self.dp > 1:
+            per = self.b // self.dp
+            d = mesh.get_local_rank("dp")
+            rows = slice(d * per, (d + 1) * per)
+        local = {k: v[rows] for k, v in data.items()}
+        ctx = hf_tp.loss_parallel if self.lp else contextlib.nullcontext
+        got = train_steps(model, local, ctx=ctx, dp_group=mesh["dp"].get_group() if self.dp > 1 else None)
+        assert_parity(got, want, rows)

@@ -1,0 +1,90 @@
+"""Bad inputs to the registry and to parallelize fail early with a clear ValueError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+import hf_tp
+from hf_tp.adapters import Adapter, get_adapter, llama, register_adapter, unregister_adapter
+from tests.helpers import run_threaded, tiny_config, tiny_model
+
+
+def test_builtin_adapters_are_registered() -> None:
+    assert {"llama", "qwen2", "mistral"} <= set(hf_tp.supported_model_types())
+
+
+def test_unknown_model_type_names_supported_and_how_to_register() -> None:
+    with pytest.raises(
+        ValueError, match=r"no hf_tp adapter for model_type 'gpt2'; supported: .*llama.*register_adapter"
+    ):
+        get_adapter(GPT2Config())
+
+
+def test_register_twice_is_an_error_and_custom_adapter_works() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_adapter(Adapter(model_type="qwen2", layer_plan=llama.layer_plan, top_plan=llama.top_plan))
+    custom = Adapter(model_type="my_llama", layer_plan=llama.layer_plan, top_plan=llama.top_plan)
+    register_adapter(custom)
+    try:
+        assert get_adapter("my_llama") is custom
+    finally:
+        unregister_adapter("my_llama")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "inter", "tp", "message"),
+    [
+        (
+            14,
+            2,
+            4864,
+            4,
+            r"tp must divide num_attention_heads \(14\) of this qwen2 model, got tp=4; valid tp values for it are: 1, 2$",
+        ),
+        (8, 2, 128, 4, r"tp must divide num_key_value_heads \(2\) .* got tp=4; valid tp values for it are: 1, 2$"),
+        (8, 8, 100, 8, r"tp must divide intermediate_size \(100\) .* got tp=8; valid tp values for it are: 1, 2, 4$"),
+        (8, 8, 128, 0, r"tp must be a positive integer, got tp=0"),
+    ],
+)
+def test_divisibility_errors_name_the_numbers(heads, kv, inter, tp, message) -> None:
+    config = tiny_config("qwen2", heads=heads, kv_heads=kv, intermediate_size=inter, hidden_size=heads * 8)
+    with pytest.raises(ValueError, match=message):
+        get_adapter(config).validate(config, tp)
+
+
+def test_build_mesh_needs_a_process_group() -> None:
+    with pytest.raises(ValueError, match="needs an initialised process group"):
+        hf_tp.build_mesh(tp=2)
+
+
+def test_mesh_and_model_errors_on_every_rank() -> None:
+    config = tiny_config("qwen2", heads=14, kv_heads=2, hidden_size=112)
+    bad_heads = [tiny_model(config) for _ in range(4)]
+    base_models = [tiny_model(tiny_config("llama")).model for _ in range(2)]
+    twice = [tiny_model(tiny_config("llama")) for _ in range(2)]
+    seen: dict[int, list[str]] = {r: [] for r in range(4)}
+
+    def expect(rank: int, fn, pattern: str) -> None:
+        with pytest.raises(ValueError, match=pattern) as info:
+            fn()
+        seen[rank].append(str(info.value))
+
+    def rank_fn(rank: int) -> None:
+        expect(rank, lambda: hf_tp.build_mesh(tp=2, dp=3), r"world size \(4\) must equal tp\*dp \(2\*3=6\)")
+        mesh = hf_tp.build_mesh(tp=4, device_type="cpu")
+        expect(rank, lambda: hf_tp.parallelize(bad_heads[rank], mesh), r"num_attention_heads \(14\)")
+        named = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        expect(rank, lambda: hf_tp.parallelize(bad_heads[rank], named), r"dims named \('dp', 'tp'\)")
+
+    run_threaded(4, rank_fn)
+    assert all(len(v) == 3 for v in seen.values()) and len({tuple(v) for v in seen.values()}) == 1
+
+    def rank_fn2(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
+        expect(rank, lambda: hf_tp.parallelize(base_models[rank], mesh), r"expects a \*ForCausalLM model")
+        hf_tp.parallelize(twice[rank], mesh)
+        expect(rank, lambda: hf_tp.parallelize(twice[rank], mesh), "already parallelized")
+
+    run_threaded(2, rank_fn2)
