@@ -25,7 +25,8 @@ def parallelize(
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
     ``mesh`` is 1-D (all tp) or 2-D with dims ``("dp", "tp")``; with a dp dim of size > 1 the model
-    is also sharded with FSDP2 over ``mesh["dp"]``. Works on a model from ``from_pretrained`` or one
+    is also sharded with FSDP2 over ``mesh["dp"]`` (at dp=1 too when ``mp_policy`` asks for FSDP2's
+    mixed precision). Works on a model from ``from_pretrained`` or one
     built on the meta device. With ``loss_parallel=True`` the logits are a DTensor sharded on the
     vocab: compute the loss and call backward inside :func:`hf_tp.loss_parallel`.
 
@@ -44,7 +45,7 @@ def parallelize(
         raise ValueError("this model is already parallelized (it has DTensor parameters); call parallelize once")
 
     apply_tensor_parallel(model, adapter, tp_mesh, opts)
-    if dp_mesh is not None and dp_mesh.size() > 1:
+    if dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None):
         apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     model.hf_tp_options = opts  # read by generation/eval helpers
     return model

@@ -36,13 +36,6 @@ def test_tp4_parity(family: str) -> None:
     _check(family, tied=True, tp=4, heads=8, kv=4, s=7)
 
 
-def test_2d_dp2_tp2_parity() -> None:
-    # More 2-D cases run with real processes in tests/e2e: torch's threaded process group
-    # mismatches some all-gathers of unevenly sharded 2-D DTensors (an untied 1001-row lm_head),
-    # which real gloo does not.
-    _check("qwen2", tied=True, tp=2, dp=2, b=4, pad=None, s=9)
-
-
 @pytest.mark.parametrize(("sp", "lp"), [(False, True), (True, False), (False, False)])
 def test_plan_options(sp: bool, lp: bool) -> None:
     _check("qwen2", tied=True, sp=sp, lp=lp)

@@ -1,0 +1,23 @@
+"""``hf-tp``: one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hf_tp.cli import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-tp", description="TP+SP x FSDP2 training of HF causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train.add_arguments(sub.add_parser("train", help="train a model (launches tp*dp ranks)"))
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return train.run(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

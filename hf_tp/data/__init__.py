@@ -1,0 +1,7 @@
+"""Data for training: load and tokenize a text dataset, plan global batches, pad batches."""
+
+from hf_tp.data.collator import PadToMultipleCollator
+from hf_tp.data.datasets import load_text_dataset, tokenize_dataset
+from hf_tp.data.sampler import GlobalBatchPlan
+
+__all__ = ["GlobalBatchPlan", "PadToMultipleCollator", "load_text_dataset", "tokenize_dataset"]

@@ -1,0 +1,136 @@
+"""``TrainConfig``: every setting of a training run, from defaults < YAML < CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """A training run. ``None`` means "not set": :meth:`resolve` fills it from a profile.
+
+    Sizes: ``batch_size`` is sequences per dp rank per micro-step, so the global batch is
+    ``batch_size * dp * grad_accum`` sequences; it alone (with the seed) decides the data of a step.
+    """
+
+    # model and data
+    model: str | None = None  # Hub id or local dir; None: the embedded tiny Llama
+    dataset: str | None = None  # Hub id, local file or dir; None: the embedded generated corpus
+    text_column: str = "text"
+    seq_len: int | None = None
+    pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
+    # parallelism
+    tp: int | None = None
+    dp: int | None = None
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    activation_checkpointing: bool = False
+    device: str = "auto"
+    dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
+    # optimisation
+    batch_size: int | None = None
+    grad_accum: int = 1
+    max_steps: int | None = None
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    # output
+    output_dir: str = "outputs/run"
+    overwrite: bool = False
+    log_every: int = 1
+    tensorboard: bool = True
+    # launch (multi-node flags pass through to accelerate's launcher)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> dict[str, Any]:
+        """The settings in a YAML file (keys as the CLI flags, ``-`` or ``_``), checked by name."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {p} must hold a mapping of settings, got {type(data).__name__}")
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown settings in {p}: {', '.join(unknown)}; valid: {', '.join(cls.field_names())}")
+        return data
+
+    def resolve(self) -> TrainConfig:
+        """Fill unset fields: the embedded-default profile without --model, the general one with."""
+        profile = EMBEDDED_PROFILE if self.model is None else GENERAL_PROFILE
+        values = {k: (profile[k] if getattr(self, k) is None and k in profile else getattr(self, k)) for k in profile}
+        if self.model is None and self.device == "auto":
+            values["device"] = "cpu"  # the tiny default gains nothing from a GPU
+        return dataclasses.replace(self, **values)
+
+    def validate(self) -> None:
+        """Checks that need nothing but the numbers (the model's are checked on load)."""
+        for name in ("tp", "dp", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.tp is not None and self.dp is not None and (self.tp * self.dp) % self.nnodes:
+            raise ValueError(
+                f"tp*dp ({self.tp * self.dp}) processes cannot be split evenly over --nnodes {self.nnodes}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return (self.tp or 1) * (self.dp or 1)
+
+    @property
+    def global_batch(self) -> int:
+        return (self.batch_size or 1) * (self.dp or 1) * self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# Without --model: the tiny Llama and generated corpus, sized so the loss falls in about a minute.
+EMBEDDED_PROFILE: dict[str, Any] = dict(seq_len=64, tp=2, dp=2, batch_size=4, max_steps=120, lr=3e-3, warmup_steps=10)
+# With --model: conservative fine-tuning/pretraining defaults.
+GENERAL_PROFILE: dict[str, Any] = dict(
+    seq_len=2048, tp=1, dp=1, batch_size=1, max_steps=1000, lr=3e-4, warmup_steps=100
+)
+
+
+def merge(base: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """``base`` with ``overrides`` (only keys whose value is not None) applied."""
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})

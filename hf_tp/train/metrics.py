@@ -1,0 +1,79 @@
+"""Per-step metrics: metrics.jsonl, a tqdm bar and TensorBoard on rank 0; MFU and peak memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+# Dense bf16 peak FLOP/s per GPU (vendor data sheets), for MFU; unknown devices report no MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+def flops_per_token(model_config, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM's formula (as torchtitan reports): 6N + 12 L H S, with N the
+    non-embedding parameters."""
+    embed = model_config.vocab_size * model_config.hidden_size
+    n = num_params - embed
+    return 6 * n + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def peak_memory_mib(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"peak_rss_mib": kib / 1024}
+
+
+class MetricsLogger:
+    """Writes one JSON object per optimizer step; only rank 0 writes or draws."""
+
+    def __init__(self, output_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.file = None
+        self.bar = None
+        self.writer = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(output_dir / "metrics.jsonl", "a" if start_step else "w")  # noqa: SIM115
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("hf-tp: tensorboard is not installed; skipping TensorBoard logs", file=sys.stderr)
+            else:
+                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
+        self.bar.update(record["step"] - self.bar.n)
+        if self.writer is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float):
+                    self.writer.add_scalar(f"train/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

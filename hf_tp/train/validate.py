@@ -1,0 +1,77 @@
+"""Checks of a run's inputs that can fail before any process or process group exists.
+
+The launcher runs them once in the parent process so that a typo costs a second, not a
+4-process start-up; each rank runs the model checks again, identically, before any collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from hf_tp.adapters import get_adapter
+from hf_tp.train.config import TrainConfig
+
+
+def load_model_config(model: str) -> PretrainedConfig:
+    """``AutoConfig.from_pretrained`` with a one-line error for a missing model."""
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        where = "local directory" if Path(model).exists() else "Hub id or local directory"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
+
+
+def validate_model_config(config: PretrainedConfig, cfg: TrainConfig) -> None:
+    """tp against the architecture, seq_len against the model's positions."""
+    get_adapter(config).validate(config, cfg.tp)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.seq_len > max_pos:
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} is over this model's max_position_embeddings ({max_pos}); use --seq-len {max_pos} or less"
+        )
+
+
+def check_output_dir(out: Path, cfg: TrainConfig) -> None:
+    """Never write over a finished or running run's metrics unless asked to."""
+    if (out / "metrics.jsonl").exists() and not cfg.overwrite:
+        raise ValueError(
+            f"output dir {out} already holds a run (metrics.jsonl); pass another --output-dir or --overwrite"
+        )
+
+
+def check_dataset_source(source: str) -> None:
+    """A path-looking dataset that does not exist is an error now; Hub ids are checked on load."""
+    looks_local = source.startswith((".", "/", "~")) or Path(source).suffix in {
+        ".txt",
+        ".json",
+        ".jsonl",
+        ".parquet",
+        ".csv",
+    }
+    if looks_local and not Path(source).expanduser().exists():
+        raise ValueError(f"dataset not found: no file or directory at '{source}'")
+
+
+def check_devices(cfg: TrainConfig, device_type: str) -> None:
+    if device_type != "cuda":
+        return
+    per_node = cfg.world_size // cfg.nnodes
+    have = torch.cuda.device_count()
+    if per_node > have:
+        raise ValueError(
+            f"tp*dp = {cfg.tp}*{cfg.dp} = {cfg.world_size} processes need {per_node} GPUs per node, but {have} "
+            f"are visible; lower --tp/--dp or use --device cpu"
+        )
+
+
+def prelaunch_checks(cfg: TrainConfig, device_type: str) -> None:
+    """Everything that can be checked from the parent process, in the order a user would fix it."""
+    cfg.validate()
+    check_devices(cfg, device_type)
+    validate_model_config(load_model_config(cfg.model), cfg)
+    check_dataset_source(cfg.dataset)
+    check_output_dir(Path(cfg.output_dir), cfg)

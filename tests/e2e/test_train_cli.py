@@ -1,0 +1,84 @@
+"""`hf-tp train` end to end: real launches through accelerate, compared with plain HF training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_config, tiny_model
+from tests.reference_loop import reference_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+STEPS = 6
+COMMON = ["--seq-len", "15", "--max-steps", str(STEPS), "--lr", "3e-3", "--warmup-steps", "2", "--no-tensorboard"]
+
+
+def hf_tp_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_tp.cli.main", "train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Qwen2 (tied, vocab of the default tokenizer) saved with a tokenizer, and a corpus."""
+    from transformers import AutoTokenizer
+
+    from hf_tp.data.default import ensure_default_assets
+
+    root = tmp_path_factory.mktemp("train")
+    assets = ensure_default_assets(root / "assets")
+    tok = AutoTokenizer.from_pretrained(assets.model_dir)
+    model_dir = root / "qwen2"
+    config = tiny_config("qwen2", tied=True, kv_heads=4, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    tiny_model(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return model_dir, assets.data_file
+
+
+def test_mesh_shapes_and_plain_hf_give_one_loss_curve(setup, tmp_path) -> None:
+    model_dir, data = setup
+    runs = {
+        "tp2_dp2_b2": ["--tp", "2", "--dp", "2", "--batch-size", "2"],
+        "tp1_dp1_b4": ["--tp", "1", "--dp", "1", "--batch-size", "4"],
+        "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
+        "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
+    }
+    curves = {}
+    for name, flags in runs.items():
+        out = tmp_path / name
+        proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *flags)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_sec"} <= rows[0].keys()
+        assert (out / "config.yaml").exists()
+        curves[name] = rows
+    want_loss, want_norm = reference_losses(
+        str(model_dir), str(data), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
+    )
+    assert want_loss[-1] < want_loss[0]
+    for name, rows in curves.items():
+        got = [r["loss"] for r in rows]
+        for step, (g, w) in enumerate(zip(got, want_loss, strict=True)):
+            assert abs(g - w) <= 1e-5 * abs(w), f"{name} step {step + 1}: loss {g} vs plain HF {w}"
+        for step, (g, w) in enumerate(zip([r["grad_norm"] for r in rows], want_norm, strict=True)):
+            assert abs(g - w) <= 1e-4 * abs(w), f"{name} step {step + 1}: grad norm {g} vs plain HF {w}"
+
+
+def test_bad_tp_fails_before_launch(setup, tmp_path) -> None:
+    model_dir, data = setup
+    proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--tp", "3", "--output-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert "tp must divide num_attention_heads (4) of this qwen2 model, got tp=3" in proc.stderr

@@ -1,0 +1,49 @@
+"""Plain single-process HF training on the global batches: the reference for ``hf-tp train``.
+
+No hf_tp model code runs here: the model is a plain ``from_pretrained`` model, the loss is HF's
+``labels=`` token mean over the whole global batch, and clipping is torch's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
+
+from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+
+
+def reference_losses(
+    model_dir: str,
+    dataset: str,
+    *,
+    seq_len: int,
+    global_batch: int,
+    steps: int,
+    lr: float,
+    warmup_steps: int,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.1,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+) -> tuple[list[float], list[float]]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = tokenize_dataset(load_text_dataset(dataset), tok, seq_len=seq_len)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    plan = GlobalBatchPlan(num_examples=len(data), global_batch=global_batch, seed=seed)
+    collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(
+        opt, num_warmup_steps=warmup_steps, num_training_steps=steps, min_lr_rate=min_lr_ratio
+    )
+    losses, norms = [], []
+    for step in range(steps):
+        batch = collate([data[i] for i in plan.step_indices(step)])
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        losses.append(loss.item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, norms

@@ -1,0 +1,101 @@
+"""TrainConfig precedence and every bad-input message of `hf-tp train` (no process is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_tp.cli.main import main
+from hf_tp.cli.train import add_arguments, config_from_args
+from hf_tp.train.config import TrainConfig
+from tests.helpers import tiny_config, tiny_model
+
+
+def parse(argv: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(argv))
+
+
+def test_defaults_then_yaml_then_flags(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("tp: 2\ndp: 4\nseq-len: 256\nlr: 1.0e-4\nsequence_parallel: false\n")
+    cfg = parse(["--config", str(y), "--dp", "1", "--lr", "5e-4"])
+    assert (cfg.tp, cfg.dp, cfg.seq_len, cfg.lr, cfg.sequence_parallel) == (2, 1, 256, 5e-4, False)
+    assert cfg.grad_accum == 1 and cfg.loss_parallel is True  # untouched defaults
+    assert parse(["--no-loss-parallel"]).loss_parallel is False
+
+
+def test_profiles_fill_only_unset_fields() -> None:
+    embedded = TrainConfig(seq_len=32).resolve()
+    assert (embedded.seq_len, embedded.tp, embedded.dp, embedded.device) == (32, 2, 2, "cpu")
+    general = TrainConfig(model="Qwen/Qwen2-0.5B", tp=2).resolve()
+    assert (general.seq_len, general.tp, general.dp, general.device) == (2048, 2, 1, "auto")
+    assert TrainConfig(batch_size=2, dp=2, grad_accum=3).global_batch == 12
+
+
+def test_shipped_configs_parse() -> None:
+    for path in sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml")):
+        cfg = parse(["--config", str(path)]).resolve()
+        cfg.validate()
+
+
+def test_unknown_yaml_key(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("tp: 2\nbatchsize: 4\n")
+    with pytest.raises(ValueError, match="unknown settings in .*: batchsize; valid: model"):
+        parse(["--config", str(y)])
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("qwen14")
+    tiny_model(tiny_config("qwen2", heads=14, kv_heads=2, hidden_size=112)).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("data") / "corpus.txt"
+    f.write_text("hello world\n" * 50)
+    return f
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "0"], "--tp must be a positive integer, got 0"),
+        (["--lr", "-1"], "--lr must be positive, got -1.0"),
+        (["--node-rank", "2", "--nnodes", "2"], r"--node-rank must be in \[0, nnodes=2\), got 2"),
+        (
+            ["--model", "/no/such/model"],
+            "model not found: cannot load a config from Hub id or local directory '/no/such/model'",
+        ),
+        (
+            ["--tp", "4"],
+            r"tp must divide num_attention_heads \(14\) of this qwen2 model, got tp=4; valid tp values for it are: 1, 2",
+        ),
+        (["--seq-len", "4096"], r"--seq-len 4096 is over this model's max_position_embeddings \(128\)"),
+        (["--dataset", "/no/such/file.txt"], "dataset not found: no file or directory at '/no/such/file.txt'"),
+    ],
+)
+def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
+    base = ["train", "--model", str(qwen_dir), "--dataset", str(corpus), "--seq-len", "32", "--tp", "2"]
+    base += ["--output-dir", str(tmp_path / "out")]
+    assert main(base + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-tp train: error: ") and "\n" not in err
+    assert __import__("re").search(message, err), err
+
+
+def test_output_dir_with_a_run_is_not_overwritten(qwen_dir, corpus, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    argv = ["train", "--model", str(qwen_dir), "--dataset", str(corpus), "--output-dir", str(out), "--seq-len", "32"]
+    assert main(argv) == 2
+    assert "already holds a run (metrics.jsonl); pass another --output-dir or --overwrite" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
