@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_tp.cli import train
+from hf_tp.cli import export, train
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-tp", description="TP+SP x FSDP2 training of HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_arguments(sub.add_parser("train", help="train a model (launches tp*dp ranks)"))
+    export.add_arguments(sub.add_parser("export", help="checkpoint -> HF safetensors folder (+ Hub push)"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train.run(args)
+    if args.command == "export":
+        return export.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -45,6 +45,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     seed: int = 0
+    # checkpoints
+    save_every: int = 0  # optimizer steps between checkpoints; 0: only a final one if exporting
+    keep_checkpoints: int = 0  # keep the newest K complete checkpoints; 0: keep all
+    resume: bool = False  # continue from the newest complete checkpoint in output_dir
+    export_on_finish: bool = False  # write OUTPUT_DIR/export (HF safetensors folder) at the end
     # output
     output_dir: str = "outputs/run"
     overwrite: bool = False
@@ -91,6 +96,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        for name in ("save_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

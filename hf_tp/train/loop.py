@@ -22,12 +22,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.utils import logging as hf_logging
 
+from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 from hf_tp.parallel import build_mesh, loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
-from hf_tp.train.validate import check_output_dir, validate_model_config
+from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint, validate_model_config
 
 T = TypeVar("T")
 
@@ -37,6 +38,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     output_dir: Path | None = None
+    checkpoint: Path | None = None
+    export: Path | None = None
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -72,18 +75,19 @@ def rank0_first(fn: Callable[[], T]) -> T:
 
     An error on rank 0 is broadcast, so every rank raises it instead of waiting in a barrier.
     """
-    err: list[str | None] = [None]
+    err: list[tuple[bool, str] | None] = [None]
     result = None
     if dist.get_rank() == 0:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-            err[0] = f"{type(exc).__name__}: {exc}"
+            err[0] = (isinstance(exc, ValueError), str(exc) if isinstance(exc, ValueError) else repr(exc))
             dist.broadcast_object_list(err, src=0)
             raise
     dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
-        raise RuntimeError(err[0])
+        is_value_error, message = err[0]
+        raise (ValueError if is_value_error else RuntimeError)(message)
     return result if dist.get_rank() == 0 else fn()
 
 
@@ -99,7 +103,6 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device) -> torch.nn.Module
         hf_logging.disable_progress_bar()  # one "Loading weights" bar, not one per rank
     model = rank0_first(lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32))
     validate_model_config(model.config, cfg)
-    model.config.use_cache = False
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
@@ -142,17 +145,21 @@ def train(cfg: TrainConfig) -> TrainResult:
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps, min_lr_rate=cfg.min_lr_ratio
     )
+    fingerprint = run_fingerprint(cfg, model.config)
+    start_step = resume(cfg, out, model, opt, sched, fingerprint)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
+        truncate_metrics(out / "metrics.jsonl", start_step)
     num_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(model.config, num_params, cfg.seq_len)
     peak = peak_flops(device, _compute_dtype(cfg, device))
-    logger = MetricsLogger(out, cfg.max_steps, enabled=rank == 0, tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(out, cfg.max_steps, enabled=rank == 0, tensorboard=cfg.tensorboard, start_step=start_step)
     result = TrainResult(output_dir=out)
     ctx = loss_parallel if cfg.loss_parallel else _null
     try:
-        for step in range(cfg.max_steps):
+        for step in range(start_step, cfg.max_steps):
+            crash_point("train", step + 1)
             t0 = time.perf_counter()
             examples = [data[i]["input_ids"] for i in plan.step_indices(step)]
             # Targets of the whole global batch (HF shifts labels by one): known on every rank.
@@ -202,14 +209,61 @@ def train(cfg: TrainConfig) -> TrainResult:
                     record["mfu"] = fpt * tokens / dt / (peak * dist.get_world_size())
                 record.update(peak_memory_mib(device))
                 logger.log(record)
+            final = step + 1 == cfg.max_steps
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (
+                final and (cfg.save_every or cfg.export_on_finish)
+            ):
+                state = {"scheduler": sched.state_dict(), "fingerprint": fingerprint, "config": cfg.to_dict()}
+                result.checkpoint = save_checkpoint(
+                    out, step + 1, model, opt, state, [model.config, tokenizer], keep=cfg.keep_checkpoints
+                )
     finally:
         logger.close()
+    if cfg.export_on_finish:
+        from hf_tp.checkpoint.export import export_checkpoint
+
+        dist.barrier()
+        ckpt = result.checkpoint or latest_checkpoint(out)
+        if rank == 0:
+            result.export = export_checkpoint(ckpt, out / "export", overwrite=True)
+            print(f"hf-tp: exported {result.checkpoint.name} to {result.export}")
+        dist.barrier()
     if rank == 0 and result.losses:
         print(
             f"hf-tp: {len(result.losses)} steps, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
             f"metrics in {out / 'metrics.jsonl'}"
         )
     return result
+
+
+def resume(cfg: TrainConfig, out: Path, model, opt, sched, fingerprint: dict) -> int:
+    """Load the newest complete checkpoint when ``--resume``; return the step to continue from."""
+    if not cfg.resume:
+        return 0
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        if dist.get_rank() == 0:
+            print(f"hf-tp: --resume: no complete checkpoint in {out / 'checkpoints'}; starting from step 0")
+        return 0
+    saved = load_trainer_state(ckpt)
+    check_resume_compatible(saved["fingerprint"], fingerprint, ckpt)
+    load_checkpoint(ckpt, model, opt)
+    sched.load_state_dict(saved["scheduler"])
+    if dist.get_rank() == 0:
+        print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
+    return int(saved["step"])
+
+
+def truncate_metrics(path: Path, keep_steps: int) -> None:
+    """Drop records after the resumed step (written by the run that crashed), atomically."""
+    if keep_steps == 0 or not path.exists():
+        return
+    import json
+
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    os.replace(tmp, path)
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

@@ -37,7 +37,7 @@ def validate_model_config(config: PretrainedConfig, cfg: TrainConfig) -> None:
 
 def check_output_dir(out: Path, cfg: TrainConfig) -> None:
     """Never write over a finished or running run's metrics unless asked to."""
-    if (out / "metrics.jsonl").exists() and not cfg.overwrite:
+    if (out / "metrics.jsonl").exists() and not (cfg.overwrite or cfg.resume):
         raise ValueError(
             f"output dir {out} already holds a run (metrics.jsonl); pass another --output-dir or --overwrite"
         )
@@ -75,3 +75,38 @@ def prelaunch_checks(cfg: TrainConfig, device_type: str) -> None:
     validate_model_config(load_model_config(cfg.model), cfg)
     check_dataset_source(cfg.dataset)
     check_output_dir(Path(cfg.output_dir), cfg)
+
+
+FINGERPRINT_MODEL_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
+    """What a resumed run must share with the saved one for the data stream and weights to line up."""
+    fp = {k: getattr(config, k, None) for k in FINGERPRINT_MODEL_FIELDS}
+    fp.update(
+        dataset=cfg.dataset,
+        text_column=cfg.text_column,
+        pack=cfg.pack,
+        seq_len=cfg.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+    )
+    return fp
+
+
+def check_resume_compatible(saved: dict, current: dict, where: Path) -> None:
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise ValueError(
+                f"cannot resume from {where}: it was saved with {key}={saved.get(key)!r} but this run has "
+                f"{key}={current.get(key)!r}; use the same setting or a new --output-dir"
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,21 @@ def hf_tp_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "hf_tp.cli.main", "train", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_killing_group(cmd, env, timeout)
+
+
+def run_killing_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills the launcher's whole process group (ranks included)."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -82,3 +97,73 @@ def test_bad_tp_fails_before_launch(setup, tmp_path) -> None:
     proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--tp", "3", "--output-dir", str(tmp_path))
     assert proc.returncode == 2
     assert "tp must divide num_attention_heads (4) of this qwen2 model, got tp=3" in proc.stderr
+
+
+def test_nan_loss_stops_naming_the_step(setup, tmp_path) -> None:
+    model_dir, data = setup
+    out = tmp_path / "nan"
+    proc = hf_tp_train(
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--tp",
+        "1",
+        "--dp",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "15",
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e30",
+        "--warmup-steps",
+        "0",
+        "--max-grad-norm",
+        "0",
+        "--no-tensorboard",
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert __import__("re").search(
+        r"error \[rank 0\]: loss is (nan|inf) .* at step [2-6]: stopping before", proc.stderr
+    )
+
+
+def test_in_place_under_torchrun_every_rank_reports_an_empty_dataset(setup, tmp_path) -> None:
+    """Run under torchrun (WORLD_SIZE set): no relaunch, and a data error on rank 0 reaches every
+    rank instead of leaving them waiting in a collective."""
+    model_dir, _ = setup
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "hf_tp.train",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(empty),
+        "--tp",
+        "2",
+        "--dp",
+        "1",
+        "--seq-len",
+        "15",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--no-tensorboard",
+    ]
+    proc = run_killing_group(cmd, env, 120)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"hf-tp train: error [rank {rank}]:" in proc.stderr, proc.stderr[-3000:]
+    assert "is empty" in proc.stderr

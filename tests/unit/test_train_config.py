@@ -99,3 +99,27 @@ def test_output_dir_with_a_run_is_not_overwritten(qwen_dir, corpus, tmp_path, ca
     assert main(argv) == 2
     assert "already holds a run (metrics.jsonl); pass another --output-dir or --overwrite" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
+    from hf_tp.train.validate import check_resume_compatible, run_fingerprint
+
+    model_config = tiny_config("qwen2")
+    saved = run_fingerprint(TrainConfig(model="m", dataset="d", seq_len=64, tp=2, dp=2, batch_size=2), model_config)
+    # Another mesh with the same global batch is fine (DCP reshards) ...
+    check_resume_compatible(
+        saved,
+        run_fingerprint(TrainConfig(model="m", dataset="d", seq_len=64, tp=4, dp=1, batch_size=4), model_config),
+        tmp_path,
+    )
+    # ... another model or sequence length is not.
+    other = run_fingerprint(TrainConfig(model="m", dataset="d", seq_len=32, tp=2, dp=2, batch_size=2), model_config)
+    with pytest.raises(
+        ValueError, match=r"cannot resume from .*: it was saved with seq_len=64 but this run has seq_len=32"
+    ):
+        check_resume_compatible(saved, other, tmp_path)
+    bigger = run_fingerprint(
+        TrainConfig(model="m", dataset="d", seq_len=64, tp=2, dp=2, batch_size=2), tiny_config("qwen2", hidden_size=128)
+    )
+    with pytest.raises(ValueError, match="hidden_size=64 but this run has hidden_size=128"):
+        check_resume_compatible(saved, bigger, tmp_path)

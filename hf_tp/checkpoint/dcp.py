@@ -1,0 +1,126 @@
+"""Distributed checkpoints (torch DCP) that are published atomically and can be resharded.
+
+Layout of ``OUTPUT_DIR/checkpoints/step-N``: DCP shards of ``{"model", "optim"}``, ``trainer_state.json``
+(step, LR scheduler, run fingerprint), ``rng.pt``, ``model_files/`` (config + tokenizer, for export),
+and ``COMPLETE``. Everything is written under ``.tmp-step-N`` and renamed when complete, so a crash
+mid-save never leaves a directory that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Published checkpoints (with their marker), oldest first; temp and half-written dirs are skipped."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    ckpts = complete_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    model_files: list[Any],
+    keep: int = 0,
+) -> Path:
+    """Collective: every rank writes its shards; rank 0 publishes. Returns the final path.
+
+    ``model_files`` are objects with ``save_pretrained`` (config, tokenizer) saved for export.
+    ``keep`` > 0 deletes all but the newest ``keep`` complete checkpoints after publishing.
+    """
+    root = checkpoint_root(output_dir)
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    if rank == 0:
+        for obj in model_files:
+            obj.save_pretrained(tmp / "model_files")
+        torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
+        _fsync_write(tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=2))
+    crash_point("save", step)
+    dist.barrier()
+    if rank == 0:
+        _fsync_write(tmp / MARKER, f"step {step}\n")
+        if final.exists():  # a re-run of the same step after resume: replace the old copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        if keep > 0:
+            for old in complete_checkpoints(output_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: load model and optimizer into the current (possibly different) mesh; DCP reshards."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    return load_trainer_state(path)
+
+
+def crash_point(where: str, step: int) -> None:
+    """Fault injection for the crash-safety tests: ``HF_TP_CRASH=where:step:rank`` SIGKILLs that
+    rank at that point (where: ``train`` = start of the step, ``save`` = shards written, not published)."""
+    spec = os.environ.get("HF_TP_CRASH")
+    if not spec:
+        return
+    w, s, r = spec.split(":")
+    if w == where and int(s) == step and int(r) == dist.get_rank():
+        os.kill(os.getpid(), 9)

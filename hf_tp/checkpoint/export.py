@@ -1,0 +1,93 @@
+"""DCP checkpoint (any mesh) -> a plain HF model folder, offline, in one process, no optimizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_tp.checkpoint.dcp import MARKER, latest_checkpoint, load_trainer_state
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A ``step-N`` checkpoint dir, or a run's output dir (its newest complete checkpoint)."""
+    p = Path(path)
+    if (p / MARKER).is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise ValueError(f"no complete checkpoint in {p / 'checkpoints'} (half-written ones are ignored)")
+        return latest
+    if (p / ".metadata").is_file():
+        raise ValueError(f"{p} is an incomplete checkpoint (no {MARKER} marker: its save did not finish)")
+    raise ValueError(f"not a checkpoint: {p} (expected OUTPUT_DIR or OUTPUT_DIR/checkpoints/step-N)")
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "fp32",
+    overwrite: bool = False,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Write ``out_dir`` with safetensors weights, config, generation config, tokenizer and a card.
+
+    Reads only the model's tensors from the DCP checkpoint (DCP gathers every shard, whatever the
+    mesh was). Saving goes through ``save_pretrained``, which writes exactly what
+    ``from_pretrained`` expects (tied weights stored once, an index when sharded). The folder is
+    built next to ``out_dir`` and renamed into place, so a crash never leaves half an export.
+    """
+    ckpt = resolve_checkpoint(checkpoint)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"export dir {out} is not empty; pass another dir or --overwrite")
+    files = ckpt / "model_files"
+    config = AutoConfig.from_pretrained(files)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    state = model.state_dict()  # tied weights: two keys, one storage, filled once
+    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
+    model.to(DTYPES[dtype])
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        for f in files.iterdir():  # tokenizer files and the source's generation config
+            if f.is_file() and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "README.md").write_text(_model_card(ckpt, config, dtype))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _model_card(ckpt: Path, config, dtype: str) -> str:
+    state = load_trainer_state(ckpt)
+    run = state.get("config", {})
+    return (
+        "---\nlibrary_name: transformers\ntags:\n- hf_tp\n---\n\n"
+        f"# {run.get('model', config.model_type)} (trained with hf_tp)\n\n"
+        f"- architecture: `{config.model_type}`, {config.num_hidden_layers} layers, hidden {config.hidden_size}\n"
+        f"- training: {state['step']} optimizer steps, tp={run.get('tp')} dp={run.get('dp')}, "
+        f"global batch {run.get('batch_size')}x{run.get('dp')}x{run.get('grad_accum')} sequences of {run.get('seq_len')} tokens, "
+        f"lr {run.get('lr')}\n"
+        f"- dataset: `{run.get('dataset')}`\n- weights exported in {dtype} from `{ckpt.name}`\n\n"
+        "Load with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.\n"
+    )

@@ -1,0 +1,42 @@
+"""``hf-tp export``: a DCP checkpoint -> a plain HF model folder (and optionally the Hub)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="OUTPUT_DIR of a run (its newest checkpoint) or OUTPUT_DIR/checkpoints/step-N")
+    p.add_argument("out_dir", help="where to write the HF folder (safetensors, config, tokenizer, card)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (an index is written if >1)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_tp.checkpoint.export import export_checkpoint
+    from hf_tp.checkpoint.hub import push_to_hub
+
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out_dir,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+        )
+    except ValueError as exc:
+        print(f"hf-tp export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"hf-tp export: wrote {out}")
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(out, args.push_to_hub, private=args.private)
+        except (RuntimeError, ValueError) as exc:
+            print(f"hf-tp export: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"hf-tp export: pushed to {url}")
+    return 0

@@ -1,0 +1,116 @@
+"""Checkpoints end to end: crash (SIGKILL) mid-step and mid-save, resume on other meshes, export,
+reload with plain transformers; compared with one uninterrupted single-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_tp.checkpoint.dcp import complete_checkpoints, latest_checkpoint
+from tests.e2e.test_train_cli import ROOT, hf_tp_train, metrics, setup  # noqa: F401 - fixture
+from tests.parity import assert_weights_after_adam_close
+
+pytestmark = pytest.mark.e2e
+RUN = ["--seq-len", "15", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2", "--no-tensorboard"]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict())
+
+
+def test_crash_resume_on_other_meshes_then_export(setup, tmp_path) -> None:  # noqa: F811
+    model_dir, data = setup
+    base = ["--model", str(model_dir), "--dataset", str(data), *RUN]
+
+    ref = tmp_path / "ref"
+    proc = hf_tp_train(
+        *base, "--tp", "1", "--dp", "1", "--batch-size", "4", "--output-dir", str(ref), "--export-on-finish"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = [r["loss"] for r in metrics(ref)]
+
+    run = tmp_path / "run"
+    flags = [*base, "--output-dir", str(run), "--save-every", "2"]
+    # 1) tp=2 x dp=2; rank 1 is killed while the step-4 checkpoint is being written.
+    os.environ["HF_TP_CRASH"] = "save:4:1"
+    try:
+        proc = hf_tp_train(*flags, "--tp", "2", "--dp", "2", "--batch-size", "2")
+    finally:
+        del os.environ["HF_TP_CRASH"]
+    assert proc.returncode != 0 and "training failed" in proc.stderr
+    assert (run / "checkpoints" / ".tmp-step-4").is_dir()  # half-written, never published
+    assert [p.name for p in complete_checkpoints(run)] == ["step-2"]
+
+    # 2) resume at tp=4 x dp=1 from step 2; rank 3 is killed at the start of step 5.
+    os.environ["HF_TP_CRASH"] = "train:5:3"
+    try:
+        proc = hf_tp_train(*flags, "--tp", "4", "--dp", "1", "--batch-size", "4", "--resume")
+    finally:
+        del os.environ["HF_TP_CRASH"]
+    assert proc.returncode != 0
+    assert "resumed from" in proc.stdout and "step-2" in proc.stdout
+    assert latest_checkpoint(run).name == "step-4"
+
+    # 3) resume at tp=1 x dp=2 from step 4 and finish, exporting at the end.
+    proc = hf_tp_train(*flags, "--tp", "1", "--dp", "2", "--batch-size", "2", "--resume", "--export-on-finish")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [r["loss"] for r in metrics(run)]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"step {step + 1}: resumed loss {g} vs uninterrupted {w}"
+
+    # The exported folders load with plain transformers and hold the same weights.
+    assert_weights_after_adam_close(weights(run / "export"), weights(ref / "export"), weights(model_dir))
+    files = {p.name for p in (run / "export").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= files
+
+
+def test_export_cli_errors_and_push_without_network(setup, tmp_path) -> None:  # noqa: F811
+    model_dir, data = setup
+    out = tmp_path / "run"
+    proc = hf_tp_train(
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        *RUN,
+        "--max-steps",
+        "2",
+        "--tp",
+        "2",
+        "--dp",
+        "1",
+        "--batch-size",
+        "2",
+        "--output-dir",
+        str(out),
+        "--save-every",
+        "2",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+
+    def export(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "hf_tp.cli.main", "export", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    bad = export(str(tmp_path / "nothing"), str(tmp_path / "x"))
+    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr
+    dest = tmp_path / "hf"
+    pushed = export(str(out), str(dest), "--push-to-hub", "someone/tiny")
+    assert pushed.returncode == 1
+    assert "push to the Hub repo 'someone/tiny' failed" in pushed.stderr and f"kept at {dest}" in pushed.stderr
+    assert (dest / "model.safetensors").is_file()
+    again = export(str(out), str(dest))
+    assert again.returncode == 2 and "is not empty" in again.stderr
+    card = (dest / "README.md").read_text()
+    assert "2 optimizer steps" in card
+    assert json.loads((dest / "config.json").read_text())["model_type"] == "qwen2"
