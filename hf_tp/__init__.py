@@ -5,8 +5,35 @@ from hf_tp.parallel import build_mesh, loss_parallel, parallelize
 
 __version__ = "0.1.0"
 
+# The training, checkpoint and inference entry points pull in datasets and more: import lazily.
+_LAZY = {
+    "TrainConfig": "hf_tp.train.config",
+    "fit": "hf_tp.train.loop",
+    "export": "hf_tp.checkpoint.export",
+    "push_to_hub": "hf_tp.checkpoint.hub",
+    "generate": "hf_tp.inference",
+    "evaluate": "hf_tp.inference",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        attr = {"fit": "train", "export": "export_checkpoint"}.get(name, name)
+        return getattr(module, attr)
+    raise AttributeError(f"module 'hf_tp' has no attribute {name!r}")
+
+
 __all__ = [
     "Adapter",
+    "TrainConfig",
+    "evaluate",
+    "export",
+    "fit",
+    "generate",
+    "push_to_hub",
     "PlanOptions",
     "build_mesh",
     "get_adapter",

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.utils import logging as hf_logging
 
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
+from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 from hf_tp.parallel import build_mesh, loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm
@@ -98,19 +99,28 @@ def _compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def build_model(cfg: TrainConfig, mesh, device: torch.device) -> torch.nn.Module:
-    """Load the HF model in fp32 (master weights) and parallelize it over ``mesh``."""
+    """Build the model on the meta device, parallelize it, then let each rank read only its shards
+    of the safetensors files (fp32 master weights). Folders without safetensors fall back to a
+    full ``from_pretrained`` on every rank."""
     if dist.get_rank() != 0:
-        hf_logging.disable_progress_bar()  # one "Loading weights" bar, not one per rank
-    model = rank0_first(lambda: AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32))
-    validate_model_config(model.config, cfg)
+        hf_logging.disable_progress_bar()  # one progress bar, not one per rank
+    model_dir = rank0_first(lambda: local_model_dir(cfg.model))
+    config = AutoConfig.from_pretrained(model_dir)
+    validate_model_config(config, cfg)
+    sharded = safetensors_keys(model_dir) is not None
+    if sharded:
+        model = build_empty(config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.to(device)
     model.train()
     mp = None
     if _compute_dtype(cfg, device) == torch.bfloat16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     parallelize(model, mesh, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel, mp_policy=mp)
+    if sharded:
+        materialize_and_load(model, model_dir, device)
     return model
 
 

@@ -1,0 +1,77 @@
+"""Sharded loading: a meta-device model, parallelized, then each rank reads only its slices of the
+HF safetensors files, so host memory per process stays near model size / (tp*dp)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from hf_tp.parallel.tp import embeddings_tied
+
+
+def safetensors_keys(model_dir: Path) -> set[str] | None:
+    """Tensor names in a folder's safetensors files (header reads only); None if it has none."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            keys.update(st.keys())
+    return keys
+
+
+def local_model_dir(model: str) -> Path:
+    """A local folder holding the model's files (downloading config + safetensors from the Hub if needed)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+
+
+def build_empty(config: PretrainedConfig) -> torch.nn.Module:
+    """The model with parameters on the meta device and real buffers (rotary tables are computed,
+    not loaded, so they must not be left uninitialised)."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "tie_word_embeddings", False):
+        # init_empty_weights re-creates each Parameter on meta, which unties them.
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model
+
+
+def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.device) -> None:
+    """Allocate the (already parallelized) meta parameters on ``device`` and fill each rank's
+    shards straight from the safetensors files with DCP's HF reader."""
+    keys = safetensors_keys(model_dir)
+    if keys is None:
+        raise ValueError(f"no safetensors files in {model_dir}; sharded loading needs safetensors weights")
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+    state = get_model_state_dict(model)
+    tied_alias = "lm_head.weight" if embeddings_tied(model) else None
+    missing = sorted(k for k in state if k not in keys and k != tied_alias)
+    if missing:
+        raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
+    state = {k: v for k, v in state.items() if k in keys}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
+
+
+def load_config(model: str) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(model)

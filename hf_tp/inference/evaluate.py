@@ -1,0 +1,86 @@
+"""Held-out loss of a parallelized model, computed exactly as the training loop computes it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
+from hf_tp.parallel.loss import loss_parallel as _loss_parallel
+
+__all__ = ["EvalResult", "count_targets", "evaluate"]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Token-mean loss over every target token of the evaluation (all dp ranks together)."""
+
+    loss: float
+    perplexity: float
+    tokens: int  # target tokens: labels != -100 after HF's one-token shift
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens HF's causal-LM loss takes: it predicts ``labels[..., 1:]``, skipping -100."""
+    return int((labels[..., 1:] != -100).sum())
+
+
+def _dp_total(dp_mesh: DeviceMesh, tokens: int, num_batches: int) -> int:
+    """Sum the dp ranks' target counts; they must run the same number of forwards (FSDP2)."""
+    mine = torch.tensor([tokens, num_batches], dtype=torch.int64, device=comm_device(dp_mesh))
+    gathered = [torch.empty_like(mine) for _ in range(dp_mesh.size())]
+    dist.all_gather(gathered, mine, group=dp_mesh.get_group())
+    counts = {int(g[1]) for g in gathered}
+    if len(counts) > 1:
+        raise ValueError(f"every dp rank must evaluate the same number of batches, got {sorted(counts)}")
+    return int(sum(int(g[0]) for g in gathered))
+
+
+def evaluate(model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_parallel: bool = True) -> EvalResult:
+    """Token-mean cross entropy of ``model`` over ``batches`` (dicts of input_ids, attention_mask,
+    labels with -100 where no loss is taken), under ``torch.no_grad`` and eval mode.
+
+    As in training, each batch's HF loss is a sum over its target tokens divided by the total
+    count of the whole evaluation (``num_items_in_batch``), so the result is the mean over all
+    tokens, not a mean of batch means, and equals plain HF on the same batches. Call it on every
+    rank; the ranks of a tp group must pass the same batches (checked), dp ranks their own rows
+    (the same number of batches each; the result covers all of them). ``loss_parallel=True``
+    computes the loss on vocab-sharded logits; ``False`` all-gathers them first (same value, more
+    memory). The model's training flags are restored on return.
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    if any("labels" not in b for b in batches):
+        raise ValueError("every evaluation batch needs 'labels' (-100 where no loss is taken)")
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    dp_mesh, tp_mesh = model_meshes(model)
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        tensors = [b[k] for b in batches for k in sorted(b) if torch.is_tensor(b[k])]
+        check_same_on_tp(tp_mesh, tensors, "evaluation batches")
+    tokens = sum(count_targets(b["labels"]) for b in batches)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        tokens = _dp_total(dp_mesh, tokens, len(batches))
+    if tokens == 0:
+        raise ValueError("the evaluation batches hold no target tokens (every shifted label is -100)")
+
+    ctx = _loss_parallel() if loss_parallel else replicated_logits(model)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad(), eval_mode(model), ctx:
+        for b in batches:
+            kwargs = {**b, "num_items_in_batch": tokens, "use_cache": False}
+            loss = model(**kwargs).loss
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
+    value = total.item()
+    return EvalResult(loss=value, perplexity=math.exp(value) if value < 700 else math.inf, tokens=tokens)
