@@ -1,0 +1,106 @@
+"""Communication accounting of the TP+SP plan, counted on a fake process group (one process).
+
+The fake group makes collectives no-ops, so only counts and sizes are meaningful here (numerics are
+checked by the parity tests).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_tp
+from hf_tp.parallel.grad import reduce_partial_grads
+from tests.helpers import batch, tiny_config, tiny_model
+
+TP, B, S, H = 2, 2, 12, 64
+COLLECTIVES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "allreduce_"}
+
+
+class Collectives(TorchDispatchMode):
+    """Records every collective on local tensors: (name, elements of the full b*s*h-sized side)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("_c10d_functional", "c10d"):
+            t = args[0][0] if isinstance(args[0], list | tuple) else args[0]
+            numel = t.numel() * (TP if name == "all_gather_into_tensor" else 1)
+            self.calls.append((name, numel))
+        return func(*args, **(kwargs or {}))
+
+    def counts(self) -> Counter:
+        return Counter(n for n, _ in self.calls if n in COLLECTIVES)
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_decoder_layer_is_the_megatron_sp_minimum(fake_world) -> None:
+    model = hf_tp.parallelize(
+        tiny_model(tiny_config("llama", attention_bias=False, mlp_bias=False)),
+        hf_tp.build_mesh(tp=TP, device_type="cpu"),
+    )
+    mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh
+    x = DTensor.from_local(
+        torch.randn(B, S // TP, H, requires_grad=True), mesh, [Shard(1)], shape=(B, S, H), stride=(S * H, H, 1)
+    )
+    pos = torch.arange(S)[None].expand(B, S)
+    emb = model.model.rotary_emb(x.to_local(), pos)
+    fwd, bwd = Collectives(), Collectives()
+    with fwd:
+        out = model.model.layers[0](x, position_embeddings=emb, position_ids=pos, attention_mask=None)
+    with bwd:
+        out.to_local().sum().backward()
+    for mode in (fwd, bwd):
+        assert mode.counts() == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, mode.calls
+        assert all(numel == B * S * H for name, numel in mode.calls if name in COLLECTIVES)
+
+
+def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> None:
+    config = tiny_config("llama")
+    ref = tiny_model(config)
+    data = batch(config.vocab_size, b=B, s=S, pad=None)
+    layers = config.num_hidden_layers
+    counts = {}
+    for fuse in (False, True):
+        model = hf_tp.parallelize(copy.deepcopy(ref), hf_tp.build_mesh(tp=TP, device_type="cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fwd, bwd, step = CommDebugMode(), CommDebugMode(), CommDebugMode()
+        with hf_tp.loss_parallel():
+            with fwd:
+                loss = model(**data, use_cache=False).loss
+            with bwd:
+                loss.backward()
+        with step:
+            if fuse:
+                reduce_partial_grads(model.parameters())
+            opt.step()
+        counts[fuse] = _names(step)
+        # Forward: 2 all-gathers + 2 reduce-scatters per layer, the embedding's reduce-scatter,
+        # lm_head's all-gather, and loss parallel's 3 all-reduces (max, sum-exp, target logit).
+        want = {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1, "all_reduce": 3}
+        assert _names(fwd) == want
+        assert _names(bwd) == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+    norms = 2 * layers + 1
+    assert counts[False] == {"all_reduce": 3 * norms}  # each Partial norm grad, 3 times in AdamW
+    assert counts[True] == {"allreduce_": 1}  # one fused all-reduce, nothing in the optimizer
+
+
+def _names(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
