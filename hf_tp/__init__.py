@@ -13,6 +13,7 @@ _LAZY = {
     "push_to_hub": "hf_tp.checkpoint.hub",
     "generate": "hf_tp.inference",
     "evaluate": "hf_tp.inference",
+    "shutdown": "hf_tp.train.loop",
 }
 
 
@@ -34,6 +35,7 @@ __all__ = [
     "fit",
     "generate",
     "push_to_hub",
+    "shutdown",
     "PlanOptions",
     "build_mesh",
     "get_adapter",

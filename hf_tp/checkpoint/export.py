@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ def export_checkpoint(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
     state = model.state_dict()  # tied weights: two keys, one storage, filled once
-    dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
     model.to(DTYPES[dtype])
 
     out.parent.mkdir(parents=True, exist_ok=True)

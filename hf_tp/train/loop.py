@@ -226,7 +226,13 @@ def train(cfg: TrainConfig) -> TrainResult:
             ):
                 state = {"scheduler": sched.state_dict(), "fingerprint": fingerprint, "config": cfg.to_dict()}
                 result.checkpoint = save_checkpoint(
-                    out, step + 1, model, opt, state, [model.config, tokenizer], keep=cfg.keep_checkpoints
+                    out,
+                    step + 1,
+                    model,
+                    opt,
+                    state,
+                    [model.config, model.generation_config, tokenizer],
+                    keep=cfg.keep_checkpoints,
                 )
     finally:
         logger.close()
