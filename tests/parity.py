@@ -97,6 +97,8 @@ class ParityCase:
     b: int = 2
     sp: bool = True
     lp: bool = True
+    ac: bool = False
+    compile: bool = False
 
     def reference(self):
         """Build the model and batch (call in one thread: it draws from the CPU RNG) and run
@@ -111,7 +113,14 @@ class ParityCase:
         """On one rank: parallelize ``model`` (an untouched copy of the reference), train it on
         this dp rank's rows and assert parity."""
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
-        hf_tp.parallelize(model, mesh, sequence_parallel=self.sp, loss_parallel=self.lp)
+        hf_tp.parallelize(
+            model,
+            mesh,
+            sequence_parallel=self.sp,
+            loss_parallel=self.lp,
+            activation_checkpointing=self.ac,
+            compile=self.compile,
+        )
         q = model.model.layers[0].self_attn.q_proj.weight
         assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() // (self.tp * self.dp)
         if self.tied:

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint")
     p.add_argument("--export-on-finish", action="store_const", const=True, help="export an HF folder at the end")
     p.add_argument("--activation-checkpointing", action="store_const", const=True)
+    p.add_argument("--compile", action="store_const", const=True, help="torch.compile each decoder layer")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)

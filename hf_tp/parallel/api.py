@@ -21,6 +21,8 @@ def parallelize(
     loss_parallel: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
@@ -32,6 +34,10 @@ def parallelize(
 
     Every check runs before any collective and depends only on the config and the mesh shape, so
     a bad input raises the same ``ValueError`` on every rank.
+
+    ``activation_checkpointing`` recomputes each decoder layer in backward (HF's own per-layer
+    checkpointing, non-reentrant); ``compile`` applies ``torch.compile`` to each decoder layer after
+    TP and before FSDP2 (so the compiled region holds the TP collectives, not FSDP's hooks).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -44,8 +50,22 @@ def parallelize(
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("this model is already parallelized (it has DTensor parameters); call parallelize once")
 
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    if compile:
+        for layer in model.get_submodule(adapter.layers_path):
+            layer.compile()
     if dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None):
         apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     model.hf_tp_options = opts  # read by generation/eval helpers
     return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """HF's per-decoder-layer checkpointing (non-reentrant: works with DTensor activations)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name in recent transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

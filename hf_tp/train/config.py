@@ -33,6 +33,7 @@ class TrainConfig:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     # optimisation

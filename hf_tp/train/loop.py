@@ -112,13 +112,19 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device) -> torch.nn.Module
         model = build_empty(config)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     mp = None
     if _compute_dtype(cfg, device) == torch.bfloat16:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    parallelize(model, mesh, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel, mp_policy=mp)
+    parallelize(
+        model,
+        mesh,
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+        mp_policy=mp,
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
+    )
     if sharded:
         materialize_and_load(model, model_dir, device)
     return model

@@ -67,3 +67,8 @@ def test_meta_device_model_is_parallelized_without_memory() -> None:
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
     run_threaded(2, rank_fn)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_activation_checkpointing_keeps_parity(family: str) -> None:
+    _check(family, tied=family == "qwen2", ac=True)

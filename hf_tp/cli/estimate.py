@@ -1,0 +1,67 @@
+"""``hf-tp estimate``: per-rank memory and communication of a run, or the best (tp, dp) for N GPUs.
+
+Simulated on this machine's CPU (fake process group, fake tensors): no GPU, no weights, no
+network for the bundled models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hf_tp.plan.configs import bundled_models
+
+    names = ", ".join(bundled_models())
+    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size (default 1)")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--batch-size", type=int, required=True, help="sequences per dp rank per micro-step")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision (default)")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB: sweep (tp, dp) and recommend one")
+    p.add_argument("--world-size", type=int, help="GPUs to split into (tp, dp) for the sweep (default tp*dp)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_tp.plan.configs import resolve_model_config
+    from hf_tp.plan.estimate import estimate
+    from hf_tp.plan.report import format_estimate, format_sweep
+    from hf_tp.plan.sweep import parse_memory, sweep
+
+    try:
+        config, name = resolve_model_config(args.model)
+        common = dict(
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            activation_checkpointing=args.activation_checkpointing,
+            model_name=name,
+        )
+        if args.gpu_memory is None and args.world_size is None:
+            result = estimate(config, args.tp, args.dp, **common)
+            print(json.dumps(result.to_dict(), indent=2) if args.json else format_estimate(result))
+            return 0
+        gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
+        world = args.world_size if args.world_size is not None else args.tp * args.dp
+
+        def progress(tp: int, dp: int) -> None:
+            if not args.json:
+                print(f"hf-tp estimate: simulating tp={tp} x dp={dp} ...", file=sys.stderr, flush=True)
+
+        result = sweep(config, world, gpu_memory=gpu, progress=progress, **common)
+    except ValueError as exc:
+        print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_sweep(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hf-tp estimate", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,145 @@
+"""Counting the collectives of a training step, per mesh dim, from the ops that reach dispatch.
+
+DTensor (tensor parallel) issues functional collectives (``_c10d_functional``) and FSDP2 issues
+c10d ones (``c10d._allgather_base_``...); both pass through a ``TorchDispatchMode``, also under
+``FakeTensorMode`` with the fake process group, so one counter sees all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# op packet name -> (collective, where the full-size buffer is: an arg index or "result").
+# "Full size" is the gathered output of an all-gather and the input of a reduce-scatter.
+_OPS: dict[tuple[str, str], tuple[str, int | str]] = {
+    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", "result"),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", "result"),
+    ("_c10d_functional", "all_gather_into_tensor_out"): ("all_gather", "result"),
+    ("_c10d_functional_autograd", "all_gather_into_tensor"): ("all_gather", "result"),
+    ("c10d", "_allgather_base_"): ("all_gather", 0),
+    ("c10d", "allgather_"): ("all_gather", 0),
+    ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", 0),
+    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 0),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 0),
+    ("_c10d_functional_autograd", "reduce_scatter_tensor"): ("reduce_scatter", 0),
+    ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1),
+    ("c10d", "reduce_scatter_"): ("reduce_scatter", 1),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", 1),
+    ("_c10d_functional", "all_reduce"): ("all_reduce", 0),
+    ("_c10d_functional", "all_reduce_"): ("all_reduce", 0),
+    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 0),
+    ("_c10d_functional", "all_reduce_coalesced_"): ("all_reduce", 0),
+    ("c10d", "allreduce_"): ("all_reduce", 0),
+    ("c10d", "allreduce_coalesced_"): ("all_reduce", 0),
+    ("_c10d_functional", "broadcast"): ("broadcast", 0),
+    ("_c10d_functional", "broadcast_"): ("broadcast", 0),
+    ("c10d", "broadcast_"): ("broadcast", 0),
+    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 0),
+    ("_c10d_functional_autograd", "all_to_all_single"): ("all_to_all", 0),
+    ("c10d", "alltoall_base_"): ("all_to_all", 1),
+}
+
+# Bytes one rank sends per byte of full-size buffer in a ring of n ranks.
+_RING_FACTOR = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+@dataclass(frozen=True)
+class CommStat:
+    """The collectives of one kind on one mesh dim during one training step, on one rank.
+
+    ``bytes`` sums the full-size buffers (gathered output / reduce input / reduced tensor);
+    ``sent_bytes`` is what one rank sends with ring algorithms (e.g. (n-1)/n of an all-gather).
+    """
+
+    dim: str
+    collective: str
+    group_size: int
+    count: int
+    bytes: int
+    sent_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nbytes(obj) -> int:
+    leaves, _ = tree_flatten(obj)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts collectives and their bytes by (mesh dim, collective) while active.
+
+    ``groups`` maps a process group name to ``(dim name, group size)``; collectives on groups of
+    size 1 move nothing and are skipped.
+    """
+
+    def __init__(self, groups: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.groups = groups
+        self._stats: dict[tuple[str, str], list[int]] = {}
+        self._sizes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower to local ops (and collectives) first
+        result = func(*args, **(kwargs or {}))
+        key = (func.namespace, func.overloadpacket.__name__)
+        if key in _OPS:
+            self._record(_OPS[key], args, kwargs or {}, result)
+        return result
+
+    def _record(self, op: tuple[str, int | str], args, kwargs, result) -> None:
+        collective, where = op
+        dim, size = self._group_of(args, kwargs)
+        if size <= 1:
+            return
+        full = result if where == "result" else args[where]
+        entry = self._stats.setdefault((dim, collective), [0, 0])
+        entry[0] += 1
+        entry[1] += _nbytes(full)
+        self._sizes[dim] = size
+
+    def _group_of(self, args, kwargs) -> tuple[str, int]:
+        """``(dim name, group size)`` of the process group a collective names (by object or name)."""
+        groups: list[ProcessGroup] = []
+        names: list[str] = []
+        for arg in list(args) + list(kwargs.values()):
+            if isinstance(arg, torch.ScriptObject):
+                try:
+                    groups.append(ProcessGroup.unbox(arg))
+                except (RuntimeError, TypeError):  # another script object (e.g. a ReduceOp)
+                    continue
+                names.append(groups[-1].group_name)
+            elif isinstance(arg, str):
+                names.append(arg)  # a group name, or a reduce op such as "sum"
+        for name in names:
+            if name in self.groups:
+                return self.groups[name]
+        for name in names:  # a group outside the mesh dims
+            try:
+                groups.append(_resolve_process_group(name))
+            except (RuntimeError, ValueError, KeyError):
+                continue
+        return ("other", groups[0].size()) if groups else ("other", 0)
+
+    def stats(self) -> list[CommStat]:
+        """One ``CommStat`` per (dim, collective), ordered by dim then collective."""
+        out = []
+        for (dim, collective), (count, nbytes) in sorted(self._stats.items()):
+            n = self._sizes[dim]
+            sent = int(nbytes * _RING_FACTOR[collective](n))
+            out.append(CommStat(dim, collective, n, count, nbytes, sent))
+        return out

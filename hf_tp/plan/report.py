@@ -1,0 +1,108 @@
+"""Plain-text tables of estimates and sweeps for the terminal."""
+
+from __future__ import annotations
+
+from hf_tp.plan.estimate import Estimate, GiB, MiB
+from hf_tp.plan.sweep import RULE, Sweep, fits
+
+_CATEGORIES = (
+    ("parameters", "parameters"),
+    ("gradients", "gradients"),
+    ("optimizer", "optimizer state"),
+    ("activations", "activations"),
+    ("temporary", "temporary (backward)"),
+    ("other", "other (buffers)"),
+)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:,.1f}"
+
+
+def describe_model(est: Estimate) -> str:
+    return f"{est.model} ({est.model_type}, {_params(est.num_params)} params)"
+
+
+def describe(est: Estimate) -> str:
+    """One line naming the model and the run shape."""
+    ac = "activation checkpointing" if est.activation_checkpointing else "no activation checkpointing"
+    return (
+        f"{describe_model(est)}, tp={est.tp} x dp={est.dp} "
+        f"({est.world_size} ranks), seq {est.seq_len} x batch {est.batch_size} per dp rank, {est.dtype}, {ac}"
+    )
+
+
+def format_estimate(est: Estimate) -> str:
+    """The memory table (peak and between steps) and the collectives table of one estimate."""
+    lines = [f"hf-tp estimate: {describe(est)}", ""]
+    lines.append(f"{'memory per rank':<24}{'at peak MiB':>14}{'GiB':>9}{'after step MiB':>17}")
+    for key, label in _CATEGORIES:
+        peak, state = getattr(est.peak, key), getattr(est.state, key)
+        lines.append(f"  {label:<22}{_mib(peak):>14}{peak / GiB:>9.2f}{_mib(state):>17}")
+    lines.append(f"  {'total':<22}{_mib(est.peak.total):>14}{est.peak.total / GiB:>9.2f}{_mib(est.state.total):>17}")
+    lines.append("")
+    if est.comms:
+        lines.append(f"{'collectives per step':<24}{'ranks':>6}{'count':>7}{'tensor MiB':>13}{'sent/rank MiB':>15}")
+        for c in est.comms:
+            label = f"{c.dim} {c.collective}"
+            lines.append(f"  {label:<22}{c.group_size:>6}{c.count:>7}{_mib(c.bytes):>13}{_mib(c.sent_bytes):>15}")
+        for dim in sorted({c.dim for c in est.comms}):
+            lines.append(f"  {dim + ' total sent per rank':<22}{'':>26}{_mib(est.sent_bytes(dim)):>15}")
+    else:
+        lines.append("collectives per step: none (a single rank)")
+    lines += [
+        "",
+        "Peak: the largest sum of live tensors on one rank during a step (forward, backward, clipping, AdamW),",
+        "with FSDP-unsharded parameters counted as parameters. 'after step': the sharded state kept between",
+        "steps (gradients are freed by zero_grad). Not included: CUDA context, NCCL buffers, allocator",
+        "fragmentation (leave 1-2 GiB and ~10%). sent/rank: bytes one rank sends with ring algorithms.",
+        f"Simulated in {est.seconds:.1f} s on CPU with a fake process group and fake tensors (no weights, no GPU).",
+    ]
+    return "\n".join(lines)
+
+
+def format_sweep(result: Sweep) -> str:
+    """One row per (tp, dp) split, the recommendation and the rule behind it."""
+    first = result.estimates[0]
+    gpu = result.gpu_memory
+    lines = [f"hf-tp estimate: every (tp, dp) split of {result.world_size} ranks for {describe_model(first)}"]
+    lines.append(
+        f"seq {first.seq_len} x batch {first.batch_size} per dp rank, {first.dtype}, "
+        f"{'with' if first.activation_checkpointing else 'no'} activation checkpointing"
+        + (f"; GPU memory {gpu / GiB:.1f} GiB" if gpu else "")
+    )
+    lines.append("")
+    header = f"{'tp':>4}{'dp':>5}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}"
+    header += f"{'TP sent/step GiB':>18}{'DP sent/step GiB':>18}"
+    header += f"{'fits':>6}" if gpu else ""
+    lines.append(header)
+    for e in result.estimates:
+        p = e.peak
+        row = f"{e.tp:>4}{e.dp:>5}{p.total / GiB:>10.2f}{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}"
+        row += f"{p.optimizer / GiB:>8.2f}{p.activations / GiB:>8.2f}{(p.temporary + p.other) / GiB:>8.2f}"
+        row += f"{e.sent_bytes('tp') / GiB:>18.2f}{e.sent_bytes('dp') / GiB:>18.2f}"
+        if gpu:
+            row += f"{'yes' if fits(e, gpu) else 'no':>6}"
+        if result.recommended is e:
+            row += "  <- recommended"
+        lines.append(row)
+    lines.append("(memory columns: GiB per rank at the step's peak; sent: bytes one rank sends per step)")
+    lines.append("")
+    if gpu is None:
+        lines.append("Pass --gpu-memory (e.g. 80GiB) to get a recommendation.")
+    elif result.recommended is not None:
+        r = result.recommended
+        lines.append(f"Recommended: --tp {r.tp} --dp {r.dp} (peak {r.peak.total / GiB:.2f} GiB per rank).")
+    else:
+        lines.append(
+            f"No split of {result.world_size} ranks fits {gpu / GiB:.1f} GiB: try --activation-checkpointing, "
+            "a smaller --batch-size or --seq-len, --dtype bf16, or more GPUs (--world-size)."
+        )
+    lines.append(RULE)
+    lines.append("--batch-size is per dp rank: keep the global batch across splits with hf-tp train --grad-accum.")
+    lines.append(f"Simulated in {sum(e.seconds for e in result.estimates):.1f} s on CPU (fake process group).")
+    return "\n".join(lines)

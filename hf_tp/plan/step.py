@@ -1,0 +1,78 @@
+"""One training step as ``hf-tp train`` runs it, shared by the estimate (fake tensors) and the
+real-memory measurement (real tensors), so the two measure the same program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from hf_tp.parallel import loss_parallel, parallelize
+from hf_tp.parallel.grad import clip_grad_norm
+
+DTYPES = ("bf16", "fp32")
+
+
+def build_model(config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool) -> nn.Module:
+    """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does.
+
+    bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
+    """
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
+    parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing)
+    return model
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The loop's AdamW; ``foreach=True`` because that is its default on GPUs (and it sets the
+    optimizer step's temporary memory)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+
+
+def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state with one step on zero gradients (cheaper than a warm-up forward)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_batch(vocab_size: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A packed batch as the collator gives it: input_ids, an all-ones attention mask, labels."""
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    dp: int,
+    max_grad_norm: float = 1.0,
+    after_optimizer_step: Callable[[], None] | None = None,
+) -> None:
+    """Forward + backward under loss_parallel, exact grad clipping, AdamW step, zero_grad.
+
+    The loss is a token mean over the global batch (``num_items_in_batch``) scaled by dp for
+    FSDP2's averaging, as in ``hf_tp.train.loop``. Clipping multiplies by a tensor coefficient
+    instead of reading the norm back to Python, so it also runs on fake tensors.
+    """
+    b, s = batch["input_ids"].shape
+    with loss_parallel():
+        loss = model(**batch, num_items_in_batch=dp * b * (s - 1), use_cache=False).loss
+        (loss * dp).backward()
+    norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
+    coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    optimizer.step()
+    if after_optimizer_step is not None:
+        after_optimizer_step()
+    optimizer.zero_grad(set_to_none=True)

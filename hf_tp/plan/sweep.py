@@ -1,0 +1,129 @@
+"""Choosing (tp, dp) for a number of GPUs: estimate every valid split, keep the ones that fit.
+
+Rule: among the splits whose peak fits the GPU, take the smallest tp. Tensor parallelism puts
+collectives of the activations (all-gather + reduce-scatter, twice per layer, forward and backward)
+on the critical path of every layer, and their volume grows with the tokens; FSDP's parameter
+all-gathers and gradient reduce-scatters overlap with compute and do not depend on the tokens.
+So tp is worth its cost only when memory requires it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
+
+from hf_tp.adapters import get_adapter
+from hf_tp.plan.estimate import Estimate, GiB, estimate, validate_inputs
+
+# What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers
+# and workspaces (RESERVED), and the caching allocator's rounding and fragmentation (a margin).
+RESERVED_BYTES = 1 * GiB
+FRAGMENTATION = 0.10
+
+RULE = (
+    "rule: the smallest tp that fits. TP's activation collectives sit on every layer's critical path "
+    "and grow with tokens; FSDP's parameter collectives overlap with compute. A split fits when "
+    f"peak x {1 + FRAGMENTATION:.2f} (allocator fragmentation) + {RESERVED_BYTES / GiB:.0f} GiB "
+    "(CUDA context, NCCL buffers) <= GPU memory."
+)
+
+_UNITS = {
+    "": GiB,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes in ``"80GiB"``, ``"141GB"`` (decimal), ``"80G"``/``"80Gi"`` (binary) or ``"80"`` (GiB)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--gpu-memory '{text}' is not a memory size; write it like 80GiB, 141GB or 80")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fits(est: Estimate, gpu_memory: int) -> bool:
+    """Whether ``est``'s peak, with the margins of :data:`RULE`, fits in ``gpu_memory`` bytes."""
+    return est.peak.total * (1 + FRAGMENTATION) + RESERVED_BYTES <= gpu_memory
+
+
+def candidate_splits(config: PretrainedConfig, world_size: int) -> list[tuple[int, int]]:
+    """Every (tp, dp) with tp * dp = world_size and tp valid for this model, smallest tp first."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got world_size={world_size!r}")
+    valid = [tp for tp in get_adapter(config).valid_tp_sizes(config) if world_size % tp == 0]
+    return [(tp, world_size // tp) for tp in valid]
+
+
+@dataclass
+class Sweep:
+    """The estimates of every split of ``world_size`` GPUs and the recommended one (or None)."""
+
+    world_size: int
+    gpu_memory: int | None
+    estimates: list[Estimate] = field(default_factory=list)
+    recommended: Estimate | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "gpu_memory": self.gpu_memory,
+            "rule": RULE,
+            "estimates": [
+                {**e.to_dict(), "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory)}
+                for e in self.estimates
+            ],
+            "recommended": None if self.recommended is None else {"tp": self.recommended.tp, "dp": self.recommended.dp},
+        }
+
+
+def sweep(
+    config: PretrainedConfig,
+    world_size: int,
+    seq_len: int,
+    batch_size: int,
+    dtype: str = "bf16",
+    activation_checkpointing: bool = False,
+    gpu_memory: int | None = None,
+    model_name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Sweep:
+    """Estimate every valid (tp, dp) of ``world_size`` ranks; recommend the smallest tp that fits."""
+    splits = candidate_splits(config, world_size)
+    validate_inputs(config, 1, world_size, seq_len, batch_size, dtype)  # sizes and positions, once
+    result = Sweep(world_size=world_size, gpu_memory=gpu_memory)
+    for tp, dp in splits:
+        if progress is not None:
+            progress(tp, dp)
+        result.estimates.append(
+            estimate(config, tp, dp, seq_len, batch_size, dtype, activation_checkpointing, model_name=model_name)
+        )
+    result.recommended = recommend(result.estimates, gpu_memory)
+    return result
+
+
+def recommend(estimates: list[Estimate], gpu_memory: int | None) -> Estimate | None:
+    """The estimate with the smallest tp among those that fit ``gpu_memory`` (None if none do)."""
+    if gpu_memory is None:
+        return None
+    fitting = [e for e in estimates if fits(e, gpu_memory)]
+    return min(fitting, key=lambda e: e.tp) if fitting else None
