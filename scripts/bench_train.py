@@ -1,0 +1,280 @@
+"""Benchmark ``hf-tp train`` against the plain HF ``Trainer`` on one device (tp=1, dp=1).
+
+Same random-weight model, sequence length, global batch, optimizer (AdamW), schedule and data for
+both; reports tokens/s per device, MFU (PaLM's formula, as torchtitan reports it) and peak memory.
+
+    python scripts/bench_train.py                       # GPU: Qwen2-0.5B shapes, seq 2048 and 4096, bf16
+    python scripts/bench_train.py --smoke               # CPU: a tiny model, a few steps (CI runs this)
+    python scripts/bench_train.py --out docs/bench.json # also write the rows as JSON
+
+Each run is a separate process (clean peak-memory counters, no leftover process group). Step
+times are the median over the steps after ``--warmup`` (compilation and allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_model_dir(shape: str, root: Path) -> Path:
+    """Random weights of a real shape (or a tiny one), saved with the embedded default tokenizer
+    (its ids are valid in any larger vocabulary)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from hf_tp.data.default import ensure_default_assets
+    from hf_tp.plan.configs import bundled_config
+
+    assets = ensure_default_assets(root / "assets")
+    tok = AutoTokenizer.from_pretrained(assets.model_dir)
+    if shape == "tiny":
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
+    else:
+        config = bundled_config(shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = root / shape
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def run_hf_tp(args, model_dir: Path, data: Path, seq: int, ac: bool, compile_: bool, work: Path) -> dict:
+    out = work / f"hf_tp-{seq}-{int(ac)}-{int(compile_)}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_tp.cli.main",
+        "train",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--tp",
+        "1",
+        "--dp",
+        "1",
+        "--seq-len",
+        str(seq),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-steps",
+        str(args.steps),
+        "--warmup-steps",
+        "0",
+        "--lr",
+        "3e-4",
+        "--output-dir",
+        str(out),
+        "--no-tensorboard",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+    ]
+    cmd += ["--activation-checkpointing"] if ac else []
+    cmd += ["--compile"] if compile_ else []
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hf-tp train failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    mem = max(r.get("peak_mem_mib", r.get("peak_rss_mib", 0)) for r in rows)
+    mfu = [r["mfu"] for r in rows if "mfu" in r]
+    return {
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in rows),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "peak_mem_mib": mem,
+    }
+
+
+def trainer_worker(args) -> None:
+    """One HF Trainer run (in its own process); prints a JSON line."""
+    import resource
+
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from hf_tp.data import load_text_dataset, tokenize_dataset
+    from hf_tp.train.metrics import flops_per_token, peak_flops
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    data = tokenize_dataset(load_text_dataset(args.data), tok, seq_len=args.seq)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    cuda = args.device == "cuda"
+    targs = TrainingArguments(
+        output_dir=args.work,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=3e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        optim="adamw_torch",
+        bf16=cuda and args.dtype == "bf16",
+        use_cpu=not cuda,
+        gradient_checkpointing=args.ac,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        torch_compile=args.compile,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**9,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    dt = statistics.median(times[args.warmup :])
+    tps = args.batch_size * args.seq / dt
+    device = torch.device("cuda" if cuda else "cpu")
+    peak = peak_flops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    nparams = sum(p.numel() for p in model.parameters())
+    mem = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "tokens_per_sec": tps,
+                "peak_mem_mib": mem / 2**20,
+                "mfu": flops_per_token(model.config, nparams, args.seq) * tps / peak if peak else None,
+            }
+        )
+    )
+
+
+def run_trainer(args, model_dir: Path, data: Path, seq: int, ac: bool, compile_: bool, work: Path) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trainer-worker",
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--seq",
+        str(seq),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--work",
+        str(work / "trainer"),
+    ]
+    cmd += ["--ac"] if ac else []
+    cmd += ["--compile"] if compile_ else []
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"Trainer run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few steps")
+    p.add_argument("--shape", default="qwen2-0.5b")
+    p.add_argument("--seq-lens", default="2048,4096")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default="plain,ac,compile,ac+compile")
+    p.add_argument("--out")
+    # worker mode
+    p.add_argument("--trainer-worker", action="store_true")
+    p.add_argument("--model-dir")
+    p.add_argument("--data")
+    p.add_argument("--seq", type=int)
+    p.add_argument("--work")
+    p.add_argument("--ac", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+    if args.trainer_worker:
+        return trainer_worker(args)
+    if args.smoke:
+        args.shape, args.seq_lens, args.steps, args.warmup = "tiny", "64", 4, 1
+        args.dtype, args.device = "fp32", "cpu"
+        args.variants = "plain" if args.variants == p.get_default("variants") else args.variants
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else os.environ.get("OMP_NUM_THREADS", "8"))
+    work = Path(tempfile.mkdtemp(prefix="hf_tp_bench-"))
+    model_dir = make_model_dir(args.shape, work)
+    data = work / "assets" / "default-tiny-llama-v1" / "corpus.txt"
+    rows = []
+    print(
+        "| model | seq | variant | hf_tp tok/s | Trainer tok/s | speed-up | hf_tp MFU | Trainer MFU | hf_tp peak MiB | Trainer peak MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for seq in (int(s) for s in args.seq_lens.split(",")):
+        for variant in args.variants.split(","):
+            ac, compile_ = "ac" in variant, "compile" in variant
+            ours = run_hf_tp(args, model_dir, data, seq, ac, compile_, work)
+            theirs = run_trainer(args, model_dir, data, seq, ac, compile_, work)
+            row = {"model": args.shape, "seq": seq, "variant": variant, "hf_tp": ours, "trainer": theirs}
+            rows.append(row)
+
+            def pct(x):
+                return f"{100 * x:.1f}%" if x is not None else "n/a"
+
+            print(
+                f"| {args.shape} | {seq} | {variant} | {ours['tokens_per_sec']:.0f} | {theirs['tokens_per_sec']:.0f} | "
+                f"{ours['tokens_per_sec'] / theirs['tokens_per_sec']:.2f}x | {pct(ours['mfu'])} | {pct(theirs['mfu'])} | "
+                f"{ours['peak_mem_mib']:.0f} | {theirs['peak_mem_mib']:.0f} |",
+                flush=True,
+            )
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The GPU benchmark script runs end to end on CPU (tiny model): both sides produce a row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_TP_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_train.py", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["plain"]
+    for side in ("hf_tp", "trainer"):
+        assert rows[0][side]["tokens_per_sec"] > 0 and rows[0][side]["peak_mem_mib"] > 0
+    assert "| tiny | 64 | plain |" in proc.stdout
