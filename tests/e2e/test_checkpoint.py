@@ -111,6 +111,14 @@ def test_export_cli_errors_and_push_without_network(setup, tmp_path) -> None:  #
     assert (dest / "model.safetensors").is_file()
     again = export(str(out), str(dest))
     assert again.returncode == 2 and "is not empty" in again.stderr
+    # The export holds exactly the checkpoint's tensors (read back independently with torch's converter).
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(latest_checkpoint(out)), str(tmp_path / "ckpt.pt"))
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
+    exported = weights(dest)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
     card = (dest / "README.md").read_text()
     assert "2 optimizer steps" in card
     assert json.loads((dest / "config.json").read_text())["model_type"] == "qwen2"

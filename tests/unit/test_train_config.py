@@ -123,3 +123,14 @@ def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="hidden_size=64 but this run has hidden_size=128"):
         check_resume_compatible(saved, bigger, tmp_path)
+
+
+def test_more_processes_than_visible_gpus(monkeypatch) -> None:
+    import torch
+
+    from hf_tp.train.validate import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"tp\*dp = 2\*2 = 4 processes need 4 GPUs per node, but 2 are visible"):
+        check_devices(TrainConfig(tp=2, dp=2), "cuda")
+    check_devices(TrainConfig(tp=2, dp=2, nnodes=2), "cuda")  # 2 per node fits
