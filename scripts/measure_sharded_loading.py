@@ -23,6 +23,35 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def anon_mib() -> float:
+    """Anonymous (non file-backed) resident memory: RSS also counts the safetensors pages that
+    are memory-mapped while reading, which the kernel can drop at any time."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class AnonPeak:
+    """Samples RssAnon every 5 ms in a thread; ``peak`` is the highest value seen."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak, self._stop = anon_mib(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, anon_mib())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, anon_mib())
+
+
 def worker(model_dir: str, mode: str) -> None:
     import torch
     import torch.distributed as dist
@@ -33,7 +62,8 @@ def worker(model_dir: str, mode: str) -> None:
     from hf_tp.train.loop import build_model
 
     dist.init_process_group("gloo")
-    base = rss_mib()
+    base, anon_base = rss_mib(), anon_mib()
+    sampler = AnonPeak()
     tp = dist.get_world_size()
     mesh = hf_tp.build_mesh(tp=tp, device_type="cpu")
     if mode == "sharded":
@@ -42,9 +72,12 @@ def worker(model_dir: str, mode: str) -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf_tp.parallelize(model, mesh)
+    anon_peak = sampler.stop() - anon_base
     local = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
     out = [None] * tp
-    dist.all_gather_object(out, {"peak_above_base_mib": rss_mib() - base, "local_params_mib": local})
+    dist.all_gather_object(
+        out, {"peak_above_base_mib": rss_mib() - base, "anon_peak_mib": anon_peak, "local_params_mib": local}
+    )
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out))
     dist.barrier()
@@ -71,8 +104,10 @@ def main() -> None:
     model.save_pretrained(tmp / "model")
     del model
     print(f"model: {size:.0f} MiB fp32 ({config.num_hidden_layers} layers, hidden {config.hidden_size})")
-    print("| tp | hf_tp sharded load: peak RSS/rank (MiB) | from_pretrained + parallelize (MiB) | local params (MiB) |")
-    print("|---|---|---|---|")
+    print(
+        "| tp | sharded: peak RSS | sharded: peak anon | from_pretrained: peak RSS | from_pretrained: peak anon | local params |"
+    )
+    print("|---|---|---|---|---|---|")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for tp in (1, 2, 4):
         row = {}
@@ -92,7 +127,11 @@ def main() -> None:
             line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
             row[mode] = json.loads(line[len("RESULT ") :])
         peak = {m: max(r["peak_above_base_mib"] for r in v) for m, v in row.items()}
-        print(f"| {tp} | {peak['sharded']:.0f} | {peak['full']:.0f} | {row['sharded'][0]['local_params_mib']:.0f} |")
+        anon = {m: max(r["anon_peak_mib"] for r in v) for m, v in row.items()}
+        print(
+            f"| {tp} | {peak['sharded']:.0f} | {anon['sharded']:.0f} | {peak['full']:.0f} | {anon['full']:.0f} | "
+            f"{row['sharded'][0]['local_params_mib']:.0f} |"
+        )
 
 
 if __name__ == "__main__":
