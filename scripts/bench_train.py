@@ -149,7 +149,6 @@ def trainer_worker(args) -> None:
         max_grad_norm=1.0,
         weight_decay=0.1,
         adam_beta2=0.95,
-        optim="adamw_torch",
         bf16=cuda and args.dtype == "bf16",
         use_cpu=not cuda,
         gradient_checkpointing=args.ac,
@@ -224,15 +223,17 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few steps")
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--seq-lens", default="2048,4096")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--tokens-per-step", type=int, default=16384, help="batch = this / seq (at least 1)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--variants", default="plain,ac,compile,ac+compile")
     p.add_argument("--out")
+    p.add_argument("--skip-trainer", action="store_true", help="time hf-tp train only")
     # worker mode
     p.add_argument("--trainer-worker", action="store_true")
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model-dir")
     p.add_argument("--data")
     p.add_argument("--seq", type=int)
@@ -243,7 +244,7 @@ def main() -> None:
     if args.trainer_worker:
         return trainer_worker(args)
     if args.smoke:
-        args.shape, args.seq_lens, args.steps, args.warmup = "tiny", "64", 4, 1
+        args.shape, args.seq_lens, args.steps, args.warmup, args.tokens_per_step = "tiny", "64", 4, 1, 64
         args.dtype, args.device = "fp32", "cpu"
         args.variants = "plain" if args.variants == p.get_default("variants") else args.variants
     os.environ.setdefault("OMP_NUM_THREADS", "1" if args.device == "cpu" else os.environ.get("OMP_NUM_THREADS", "8"))
@@ -252,28 +253,37 @@ def main() -> None:
     data = work / "assets" / "default-tiny-llama-v1" / "corpus.txt"
     rows = []
     print(
-        "| model | seq | variant | hf_tp tok/s | Trainer tok/s | speed-up | hf_tp MFU | Trainer MFU | hf_tp peak MiB | Trainer peak MiB |"
+        "| model | seq | batch | variant | hf_tp tok/s | Trainer tok/s | speed-up | hf_tp MFU | Trainer MFU | hf_tp peak MiB | Trainer peak MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq in (int(s) for s in args.seq_lens.split(",")):
+        args.batch_size = max(1, args.tokens_per_step // seq)
         for variant in args.variants.split(","):
             ac, compile_ = "ac" in variant, "compile" in variant
             ours = run_hf_tp(args, model_dir, data, seq, ac, compile_, work)
-            theirs = run_trainer(args, model_dir, data, seq, ac, compile_, work)
-            row = {"model": args.shape, "seq": seq, "variant": variant, "hf_tp": ours, "trainer": theirs}
+            na = {"tokens_per_sec": float("nan"), "mfu": None, "peak_mem_mib": float("nan")}
+            theirs = na if args.skip_trainer else run_trainer(args, model_dir, data, seq, ac, compile_, work)
+            row = {
+                "model": args.shape,
+                "seq": seq,
+                "batch": args.batch_size,
+                "variant": variant,
+                "hf_tp": ours,
+                "trainer": theirs,
+            }
             rows.append(row)
 
             def pct(x):
                 return f"{100 * x:.1f}%" if x is not None else "n/a"
 
             print(
-                f"| {args.shape} | {seq} | {variant} | {ours['tokens_per_sec']:.0f} | {theirs['tokens_per_sec']:.0f} | "
+                f"| {args.shape} | {seq} | {args.batch_size} | {variant} | {ours['tokens_per_sec']:.0f} | {theirs['tokens_per_sec']:.0f} | "
                 f"{ours['tokens_per_sec'] / theirs['tokens_per_sec']:.2f}x | {pct(ours['mfu'])} | {pct(theirs['mfu'])} | "
                 f"{ours['peak_mem_mib']:.0f} | {theirs['peak_mem_mib']:.0f} |",
                 flush=True,
             )
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+            if args.out:  # after every row, so a run cut short keeps what it measured
+                Path(args.out).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, nccl")
     p.add_argument("--steps", type=int, default=2, help="tracked real steps (the peak is over all of them)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--ranks-out", help=argparse.SUPPRESS)  # internal: where torchrun workers put their results
@@ -67,7 +68,7 @@ def measure_ranks(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     """Real measurements of every rank: in this process for a world of 1, else through torchrun."""
     world = args.tp * args.dp
     if world == 1:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend(args), store=dist.HashStore(), rank=0, world_size=1)
         return measure_this_rank(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
@@ -79,15 +80,27 @@ def measure_ranks(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         return json.loads(out.read_text())
 
 
+def backend(args: argparse.Namespace) -> str:
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return "nccl"
+    return "gloo"
+
+
 def measure_this_rank(args: argparse.Namespace) -> list[dict]:
     """Measure this rank (process group already initialised); return every rank's result."""
     config, _ = model_config(args)
     try:
-        mesh = hf_tp.build_mesh(tp=args.tp, dp=args.dp, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=args.tp, dp=args.dp, device_type=args.device)
         real = measure(
             config, mesh, args.seq_len, args.batch_size, args.dtype, args.activation_checkpointing, steps=args.steps
         )
-        mine = {"peak": real.peak.to_dict(), "rss_peak_delta": real.rss_peak_delta, "seconds": real.seconds}
+        mine = {
+            "peak": real.peak.to_dict(),
+            "rss_peak_delta": real.rss_peak_delta,
+            "seconds": real.seconds,
+            "cuda_peak": real.cuda_peak,
+        }
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     finally:
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.ranks_out:  # a torchrun worker started by measure_ranks
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend(args))
         gathered = measure_this_rank(args)
         if int(os.environ["RANK"]) == 0:
             Path(args.ranks_out).write_text(json.dumps(gathered))
@@ -141,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     slowest = max(r["seconds"] for r in ranks)
     print(f"estimate: {est.seconds:.1f} s; real: {args.steps} steps in {slowest:.1f} s per rank")
     print(report(est.peak, real_peak, [r["rss_peak_delta"] for r in ranks]))
+    if worst.get("cuda_peak") is not None:
+        cuda_peak = max(r["cuda_peak"] for r in ranks)
+        print(
+            f"torch.cuda.max_memory_allocated during the steps: {cuda_peak / MiB:.1f} MiB "
+            f"(estimate {est.peak.total / MiB:.1f} MiB, {(est.peak.total - cuda_peak) / cuda_peak:+.2%})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"estimate": est.to_dict(), "measured": ranks}, indent=2))
     return 0

@@ -33,6 +33,11 @@ def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: in
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        # HF's default 0.02 leaves a 64-wide model's attention nearly uniform, so some weight
+        # gradients (layer 1's k_proj: ~1e-9 against ~1e-3 elsewhere) sit at fp32 round-off, and
+        # AdamW's sign-like first update turns that round-off into weight differences: a parity
+        # check of them would test noise. At 0.1 every gradient is resolved.
+        initializer_range=0.1,
     )
     if family == "llama":
         common.update(

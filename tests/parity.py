@@ -53,11 +53,15 @@ def train_steps(
     return Trace(logits=logits, grads=grads, losses=losses, params=full_params(model), start=start)
 
 
-def assert_weights_after_adam_close(got: dict, want: dict, start: dict) -> None:
-    """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms).
+def assert_weights_after_adam_close(got: dict, want: dict, start: dict, grads: dict | None = None) -> None:
+    """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms), over the elements
+    whose first gradient is resolved in fp32.
 
     An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
-    lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone.
+    lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
+    elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the tensor's RMS gradient, far below any real signal and
+    ~20x above the round-off of these sums) are left out; at most 1 in 1000 of a tensor may be,
+    so the exclusion cannot hide a wrong shard.
     """
     assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
     for name, w in want.items():
@@ -65,8 +69,15 @@ def assert_weights_after_adam_close(got: dict, want: dict, start: dict) -> None:
             # Exactly zero gradient in exact arithmetic (softmax ignores a per-query constant
             # q.b_k), so its whole update is round-off; parity tests compare its ~0 gradient.
             continue
-        moved = (w - start[name]).norm().item()
-        err = (got[name] - w).norm().item()
+        resolved = torch.ones_like(w, dtype=torch.bool)
+        if grads is not None:
+            g = grads[name]
+            scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
+            resolved = (g == 0) | (g.abs() >= 1e-5 * scale)  # exact zeros (absent tokens' rows) are exact
+            unresolved = int((~resolved).sum())
+            assert unresolved <= g.numel() // 1000, f"param {name}: {unresolved} of {g.numel()} gradients are ~0"
+        moved = (w - start[name])[resolved].norm().item()
+        err = (got[name] - w)[resolved].norm().item()
         assert err <= 1e-3 * moved + 1e-7, f"param {name}: |diff|={err:.3g} vs |update|={moved:.3g}"
 
 
@@ -78,7 +89,7 @@ def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
     torch.testing.assert_close(got.logits, want.logits[rows], rtol=1e-5, atol=1e-5)
     assert_close_dict(got.grads, want.grads, "grad")
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
-    assert_weights_after_adam_close(got.params, want.params, want.start)
+    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads)
 
 
 @dataclass

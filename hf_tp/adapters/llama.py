@@ -71,4 +71,4 @@ def top_plan(opts: PlanOptions) -> Plan:
     return plan
 
 
-register_adapter(Adapter(model_type="llama", layer_plan=layer_plan, top_plan=top_plan))
+register_adapter(Adapter(model_type="llama", layer_plan=layer_plan, top_plan=top_plan, plain_lm_head=True))

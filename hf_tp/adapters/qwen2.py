@@ -3,4 +3,4 @@
 from hf_tp.adapters import llama
 from hf_tp.adapters.registry import Adapter, register_adapter
 
-register_adapter(Adapter(model_type="qwen2", layer_plan=llama.layer_plan, top_plan=llama.top_plan))
+register_adapter(Adapter(model_type="qwen2", layer_plan=llama.layer_plan, top_plan=llama.top_plan, plain_lm_head=True))

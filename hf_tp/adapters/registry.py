@@ -38,6 +38,9 @@ class Adapter:
         split_fields: config fields that tp shards and must therefore divide (head counts, the
             MLP width).
         check: optional extra validation ``(config, tp) -> None`` that raises ``ValueError``.
+        plain_lm_head: the logits are exactly ``lm_head(get_decoder()(...).last_hidden_state)``
+            (no logit scaling or soft-capping), so at tp=1 the training loop may fuse the lm_head
+            with the loss (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`).
     """
 
     model_type: str
@@ -46,6 +49,7 @@ class Adapter:
     layers_path: str = "model.layers"
     split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
+    plain_lm_head: bool = False
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""

@@ -38,6 +38,8 @@ def parallelize(
     ``activation_checkpointing`` recomputes each decoder layer in backward (HF's own per-layer
     checkpointing, non-reentrant); ``compile`` applies ``torch.compile`` to each decoder layer after
     TP and before FSDP2 (so the compiled region holds the TP collectives, not FSDP's hooks).
+
+    A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -47,12 +49,15 @@ def parallelize(
     adapter.validate(config, tp_mesh.size())
     opts = PlanOptions(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     check_plan_paths(model, adapter, opts)
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("this model is already parallelized (it has DTensor parameters); call parallelize once")
+    if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
 
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    if tp_mesh.size() > 1:
+        apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
+    # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()

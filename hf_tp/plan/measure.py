@@ -1,4 +1,4 @@
-"""Measuring the real memory of a training step on CPU, to check :func:`hf_tp.plan.estimate`.
+"""Measuring the real memory of a training step (CPU or GPU), to check :func:`hf_tp.plan.estimate`.
 
 Runs the same program as the estimate (``hf_tp.plan.step``) on real tensors in an initialised
 process group (gloo), with torch's ``MemTracker`` in eager mode and, for reference, the process's
@@ -28,6 +28,7 @@ class Measurement:
     state: MemoryBreakdown
     rss_peak_delta: int | None  # peak RSS during the tracked steps, minus RSS before the model was built
     seconds: float
+    cuda_peak: int | None = None  # torch.cuda.max_memory_allocated over the tracked steps (GPU runs)
 
 
 def _status_kib(field: str) -> int | None:
@@ -57,19 +58,27 @@ def measure(
     steps: int = 1,
     seed: int = 0,
 ) -> Measurement:
-    """Build the model on real CPU tensors, run ``steps`` tracked training steps, report this rank.
+    """Build the model on real tensors on the mesh's device (CPU, or this rank's GPU), run ``steps``
+    tracked training steps, report this rank.
 
     ``mesh`` is the ("dp", "tp") mesh of an initialised process group. The optimizer state is
-    created before tracking starts, as in the estimate.
+    created before tracking starts, as in the estimate. On a GPU the caching allocator's own peak
+    (``torch.cuda.max_memory_allocated``, reset after the optimizer state exists) is reported too.
     """
     start = time.perf_counter()
     torch.manual_seed(seed)
+    cuda = mesh.device_type == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss_before = _status_kib("VmRSS")
-    model = build_model(config, mesh, dtype, activation_checkpointing)
-    optimizer = build_optimizer(model)
-    init_optimizer_state(model, optimizer)
-    batch = make_batch(config.vocab_size, batch_size, seq_len)
+    with device:  # factory functions (the model's weights, the batch) allocate on the mesh's device
+        model = build_model(config, mesh, dtype, activation_checkpointing)
+        optimizer = build_optimizer(model)
+        init_optimizer_state(model, optimizer)
+        batch = make_batch(config.vocab_size, batch_size, seq_len)
     can_reset = _reset_peak_rss()  # the steps' peak, not the model build's temporary copies
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     tracker = PeakMemTracker()
     tracker.track_external(model, optimizer)
     after: list[dict] = []
@@ -79,6 +88,7 @@ def measure(
             after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
             train_step(model, optimizer, batch, mesh["dp"].size(), after_optimizer_step=after_step)
     rss_peak = _status_kib("VmHWM")
+    cuda_peak = torch.cuda.max_memory_allocated() if cuda else None
     rss_delta = None
     if can_reset and rss_before is not None and rss_peak is not None:
         rss_delta = (rss_peak - rss_before) * 1024
@@ -87,4 +97,5 @@ def measure(
         state=MemoryBreakdown.from_snapshot(after[-1]),
         rss_peak_delta=rss_delta,
         seconds=time.perf_counter() - start,
+        cuda_peak=cuda_peak,
     )

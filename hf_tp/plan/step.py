@@ -11,8 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from hf_tp.adapters import get_adapter
 from hf_tp.parallel import loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm
+from hf_tp.parallel.linear_ce import fusable, training_loss
 
 DTYPES = ("bf16", "fp32")
 
@@ -30,9 +32,9 @@ def build_model(config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activati
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The loop's AdamW; ``foreach=True`` because that is its default on GPUs (and it sets the
-    optimizer step's temporary memory)."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    """The loop's AdamW as it runs on GPUs: ``fused=True`` (one kernel, no temporaries of the
+    parameters' size; a foreach step would hold several)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
 
 
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -65,7 +67,8 @@ def train_step(
     """
     b, s = batch["input_ids"].shape
     with loss_parallel():
-        loss = model(**batch, num_items_in_batch=dp * b * (s - 1), use_cache=False).loss
+        fused = fusable(model, get_adapter(model.config).plain_lm_head)
+        loss = training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
     norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
     coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)

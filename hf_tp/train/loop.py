@@ -22,11 +22,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.utils import logging as hf_logging
 
+from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 from hf_tp.parallel import build_mesh, loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm, reduce_partial_grads
+from hf_tp.parallel.linear_ce import fusable, training_loss
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
 from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint, validate_model_config
@@ -157,7 +159,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # Fused AdamW on GPUs: one kernel for the whole update (also the HF Trainer's default there).
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=cfg.weight_decay,
+        fused=device.type == "cuda" or None,
+    )
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps, min_lr_rate=cfg.min_lr_ratio
     )
@@ -173,6 +182,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     logger = MetricsLogger(out, cfg.max_steps, enabled=rank == 0, tensorboard=cfg.tensorboard, start_step=start_step)
     result = TrainResult(output_dir=out)
     ctx = loss_parallel if cfg.loss_parallel else _null
+    fused = fusable(model, get_adapter(model.config).plain_lm_head)
     try:
         for step in range(start_step, cfg.max_steps):
             crash_point("train", step + 1)
@@ -189,7 +199,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 batch = {k: v.to(device) for k, v in collate([data[i] for i in rows]).items()}
                 _set_grad_sync(model, m == len(micro) - 1)
                 with ctx():
-                    loss = model(**batch, num_items_in_batch=num_targets, use_cache=False).loss
+                    loss = training_loss(model, batch, num_targets, fused)
                     # The loss is already divided by the global token count, so the dp ranks'
                     # gradients must be summed; FSDP2 averages them, hence the factor dp. (FSDP2's
                     # set_gradient_divide_factor(1) needs PREMUL_SUM, which gloo lacks.)

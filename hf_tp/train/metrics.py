@@ -16,10 +16,17 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e1
 
 
 def flops_per_token(model_config, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM's formula (as torchtitan reports): 6N + 12 L H S, with N the
-    non-embedding parameters."""
+    """Training FLOPs per token, PaLM's formula as torchtitan reports it: 6N + 12 L H S.
+
+    N counts the parameters that take part in matrix products: all but the input embedding (a
+    lookup). ``num_params`` counts a tied embedding/lm_head matrix once; it still does the output
+    projection, so it is added back (otherwise a tied model's MFU would omit its lm_head, about
+    a third of Qwen2-0.5B's work).
+    """
     embed = model_config.vocab_size * model_config.hidden_size
     n = num_params - embed
+    if getattr(model_config, "tie_word_embeddings", False):
+        n += embed
     return 6 * n + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
 
 

@@ -30,4 +30,4 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert [r["variant"] for r in rows] == ["plain"]
     for side in ("hf_tp", "trainer"):
         assert rows[0][side]["tokens_per_sec"] > 0 and rows[0][side]["peak_mem_mib"] > 0
-    assert "| tiny | 64 | plain |" in proc.stdout
+    assert "| tiny | 64 | 1 | plain |" in proc.stdout  # model, seq, batch, variant
