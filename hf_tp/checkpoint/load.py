@@ -60,12 +60,16 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
     if keys is None:
         raise ValueError(f"no safetensors files in {model_dir}; sharded loading needs safetensors weights")
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    tied = embeddings_tied(model)
     model.to_empty(device=device)
+    if tied and not embeddings_tied(model):
+        # A plain (tp=1, no FSDP) meta Parameter is replaced, not filled, by to_empty: re-tie.
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
     state = get_model_state_dict(model)
-    tied_alias = "lm_head.weight" if embeddings_tied(model) else None
+    tied_alias = "lm_head.weight" if tied else None
     missing = sorted(k for k in state if k not in keys and k != tied_alias)
     if missing:
         raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
