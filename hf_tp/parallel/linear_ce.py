@@ -1,5 +1,4 @@
-"""The lm_head and the cross entropy fused, in chunks of tokens, for models whose vocab is not
-sharded (tp=1).
+"""The lm_head and the cross entropy fused, in chunks of tokens, at any tp.
 
 HF computes ``logits = lm_head(h)`` for every token, upcasts them to fp32 and takes the cross
 entropy; autograd then keeps the logits, their fp32 copy and the softmax for backward. With a
@@ -10,16 +9,24 @@ logits ever exist. The arithmetic is HF's: logits in the compute dtype upcast to
 the targets divided by ``num_items_in_batch`` (or the target count), the gradient
 ``softmax - onehot``; fp32 results match HF to round-off.
 
-At tp > 1 with loss parallel, the logits are already sharded over the vocab and torch's
-``loss_parallel`` computes the loss on the shards, so this path is not used there.
+At tp > 1 the lm_head weight is sharded over the vocab (``ColwiseParallel``): each rank projects
+the gathered hidden states onto its vocab rows only, and one all-gather of two numbers per token
+(the shard's log-sum-exp and, on the rank that owns it, the target's logit) gives every rank the
+whole row's loss. The input gradient is a partial sum over the vocab shards, reduce-scattered
+back to the sequence-sharded layout by DTensor in backward, exactly what ``ColwiseParallel``'s own
+backward would do. torch's ``loss_parallel`` (the path without fusion) keeps the b*s*V/tp logits,
+their fp32 copy and the softmax alive instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
@@ -40,17 +47,76 @@ def _chunk_step(logits: torch.Tensor, targets: torch.Tensor, row_scale: torch.Te
     return loss_sum, g.to(logits.dtype)
 
 
+def _shard_stats(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor):
+    """Per row, this vocab shard's log-sum-exp and the target's logit where the shard owns the
+    target (0 elsewhere); ``owned`` is 1.0/0.0."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    return lse, x.gather(1, local_targets.unsqueeze(1)).squeeze(1) * owned
+
+
+def _shard_grad(
+    logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor
+) -> torch.Tensor:
+    """This shard's columns of (softmax - onehot) / divisor, given the whole row's ``lse``."""
+    x = logits.float()
+    onehot = torch.zeros_like(x).scatter_(1, local_targets.unsqueeze(1), owned.unsqueeze(1))
+    return (((x - lse.unsqueeze(1)).exp() - onehot) * row_scale.unsqueeze(1)).to(logits.dtype)
+
+
 # On GPUs the chunk's elementwise work is memory-bound; compiled, it reads the logits once for
 # the loss and once for the gradient instead of ~10 passes over an fp32 copy. (CPU runs stay
 # eager: compiling costs more there than it saves, and tests see many shapes.)
 _chunk_step_compiled = torch.compile(_chunk_step, dynamic=True)
+_shard_stats_compiled = torch.compile(_shard_stats, dynamic=True)
+_shard_grad_compiled = torch.compile(_shard_grad, dynamic=True)
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows ``[offset, offset + size)`` of a weight sharded over the vocab across
+    ``group`` (``world`` ranks)."""
+
+    group: dist.ProcessGroup
+    world: int
+    offset: int
+
+
+def _sharded_chunk_step(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    row_scale: torch.Tensor,
+    need_grad: bool,
+    shard: VocabShard,
+    compiled: bool,
+):
+    """:func:`_chunk_step` on one vocab shard of the logits; one all-gather per chunk."""
+    local = targets - shard.offset
+    owned = (local >= 0) & (local < logits.shape[1])  # -100 and other shards' targets: not owned
+    local = torch.where(owned, local, 0)
+    owned = owned.float()
+    stats_fn, grad_fn = (_shard_stats_compiled, _shard_grad_compiled) if compiled else (_shard_stats, _shard_grad)
+    lse, target_logit = stats_fn(logits, local, owned)
+    # Stacked along dim 0 as gloo requires ((world * 2, n), not (world, 2, n)), then viewed per rank.
+    gathered = torch.empty((shard.world * 2, logits.shape[0]), dtype=lse.dtype, device=lse.device)
+    _all_gather_single(gathered, torch.stack([lse, target_logit]), group=shard.group)
+    gathered = gathered.view(shard.world, 2, -1)
+    lse = torch.logsumexp(gathered[:, 0], dim=0)  # the whole row's, from the shards' (exact algebra)
+    loss_sum = ((lse - gathered[:, 1].sum(0)) * (row_scale != 0)).sum()
+    if not need_grad:
+        return loss_sum, None
+    return loss_sum, grad_fn(logits, local, owned, lse, row_scale)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over targets of CE(hidden @ weight.T) / divisor; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float, chunk: int):
+    def forward(ctx, hidden, weight, targets, divisor: float, chunk: int, shard: VocabShard | None):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -61,7 +127,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk]
             t = targets[start : start + chunk]
             row_scale = (t != IGNORE_INDEX).float() / divisor
-            loss_sum, g = step(h @ weight.t(), t, row_scale, need_grad)
+            if shard is None:
+                loss_sum, g = step(h @ weight.t(), t, row_scale, need_grad)
+            else:
+                loss_sum, g = _sharded_chunk_step(h @ weight.t(), t, row_scale, need_grad, shard, hidden.is_cuda)
             total += loss_sum
             if need_h:
                 torch.mm(g, weight, out=grad_h[start : start + chunk])
@@ -76,7 +145,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -89,34 +158,76 @@ def linear_cross_entropy(
     """``F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100, reduction="sum") / n``
     without materialising the logits of more than ``chunk_tokens`` tokens at a time.
 
-    ``hidden`` is (tokens, hidden), ``weight`` (vocab, hidden), ``targets`` (tokens,); ``n`` is
-    ``num_items_in_batch`` or else the number of targets that are not -100 (HF's convention).
+    ``hidden`` is (..., H), ``weight`` (V, H), ``targets`` (...); ``n`` is ``num_items_in_batch``
+    or else the number of targets that are not -100 (HF's convention). Under tensor parallelism
+    ``weight`` is a DTensor sharded over the vocab (``Shard(0)`` on a 1-D mesh, as
+    ``ColwiseParallel`` leaves it) and ``hidden`` a DTensor on that mesh (sequence-sharded, say)
+    or a plain tensor replicated over it; the loss is then a plain tensor, equal on every rank.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
+    if weight.dim() != 2 or targets.shape != hidden.shape[:-1] or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"linear_cross_entropy expects hidden (N, H), weight (V, H), targets (N,); got "
+            f"linear_cross_entropy expects hidden (..., H), weight (V, H), targets (...); got "
             f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
         )
+    shard = None
+    if isinstance(weight, DTensor):
+        hidden, weight, shard = _vocab_parallel_inputs(hidden, weight)
+    elif isinstance(hidden, DTensor):
+        raise ValueError(
+            "linear_cross_entropy got a DTensor hidden with a plain weight; shard the weight over the vocab"
+        )
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     divisor = float(num_items_in_batch) if num_items_in_batch is not None else float((targets != IGNORE_INDEX).sum())
-    chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * weight.shape[0]))
-    return _LinearCrossEntropy.apply(hidden, weight, targets, divisor, chunk)
+    chunk = chunk_tokens or max(1, CHUNK_BYTES // (4 * max(1, weight.shape[0])))
+    return _LinearCrossEntropy.apply(hidden, weight, targets, divisor, chunk, shard)
+
+
+def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor, torch.Tensor, VocabShard]:
+    """Local tensors for the sharded path: every token's hidden state, this rank's vocab rows."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+        raise ValueError(
+            f"linear_cross_entropy expects a weight sharded over the vocab (Shard(0) on a 1-D mesh), "
+            f"got {weight.placements} on a {mesh.ndim}-D mesh"
+        )
+    if isinstance(hidden, DTensor):
+        if hidden.device_mesh != mesh:
+            raise ValueError("linear_cross_entropy: hidden and weight are DTensors on different meshes")
+        full = hidden.redistribute(mesh, [Replicate()])  # SP: the all-gather ColwiseParallel would do
+    else:
+        full = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    # Each rank's input gradient covers its vocab rows only: a partial sum, which DTensor turns
+    # back into hidden's layout in backward (a reduce-scatter for a sequence-sharded hidden).
+    local_hidden = full.to_local(grad_placements=[Partial()])
+    world, rank, vocab = mesh.size(), mesh.get_local_rank(), weight.shape[0]
+    rows = -(-vocab // world)  # Shard(0) splits like torch.chunk: ceil(V / world) rows per rank
+    offset = min(rank * rows, vocab)
+    local_weight = weight.to_local()
+    if local_weight.shape[0] != min(vocab, offset + rows) - offset:
+        raise ValueError(f"unexpected vocab shard: {local_weight.shape[0]} rows at offset {offset} of {vocab}")
+    return local_hidden, local_weight, VocabShard(group=mesh.get_group(), world=world, offset=offset)
 
 
 def fusable(model: nn.Module, plain_lm_head: bool) -> bool:
     """True when the loss may be fused with the lm_head: the adapter says the logits are a plain
-    projection and the head's weight is not sharded over tp (no DTensor inside the forward)."""
+    projection (no bias, scaling or soft-capping), and the head's weight is either not sharded
+    over tp or sharded over the vocab (``ColwiseParallel``)."""
     head = model.get_output_embeddings()
-    return plain_lm_head and head is not None and getattr(head, "bias", None) is None and not _tp_sharded(head.weight)
+    if not plain_lm_head or head is None or getattr(head, "bias", None) is not None:
+        return False
+    return all(placement.is_shard(0) for placement in _tp_placements(head.weight))
 
 
-def _tp_sharded(weight: torch.Tensor) -> bool:
+def _tp_placements(weight: torch.Tensor) -> list:
     # Under FSDP2 alone (tp=1) the weight is a DTensor on the mesh dim named "dp"; any other mesh
     # dim of more than one rank shards it over tp (or something hf_tp did not build).
     if not isinstance(weight, DTensor):
-        return False
+        return []
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or (None,) * mesh.ndim
-    return any(name != "dp" and size > 1 for name, size in zip(names, mesh.shape, strict=True))
+    return [
+        pl for name, size, pl in zip(names, mesh.shape, weight.placements, strict=True) if name != "dp" and size > 1
+    ]
 
 
 def causal_lm_loss(
@@ -138,7 +249,7 @@ def causal_lm_loss(
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # HF: position i predicts token i+1
-        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, shifted.flatten(), num_items_in_batch)
+        return linear_cross_entropy(hidden, head.weight, shifted, num_items_in_batch)
 
     # An instance attribute; nn.Module.__call__ runs the hooks around it. The tensors go through
     # the call (FSDP2's root hook moves its inputs to the device and expects at least one).

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
 from hf_tp.parallel.grad import reduce_partial_grads
+from hf_tp.parallel.linear_ce import fusable, training_loss
 from tests.helpers import batch, tiny_config, tiny_model
 
 TP, B, S, H = 2, 2, 12, 64
@@ -104,3 +105,22 @@ def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> Non
 
 def _names(mode: CommDebugMode) -> dict[str, int]:
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def test_fused_loss_replaces_loss_parallel_all_reduces_with_one_small_all_gather(fake_world) -> None:
+    config = tiny_config("llama")
+    model = hf_tp.parallelize(tiny_model(config), hf_tp.build_mesh(tp=TP, device_type="cpu"))
+    data = batch(config.vocab_size, b=B, s=S, pad=None)
+    assert fusable(model, plain_lm_head=True)
+    fwd, bwd = Collectives(), Collectives()
+    with fwd:
+        loss = training_loss(model, data, B * (S - 1), fused=True)
+    with bwd:
+        loss.backward()
+    layers = config.num_hidden_layers
+    # As the unfused step (the lm_head's all-gather of b*s*h included) but loss parallel's three
+    # all-reduces become one all-gather of 2 fp32 numbers per token (one chunk at this size).
+    assert fwd.counts() == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+    small = [(name, n) for name, n in fwd.calls if name == "_allgather_base_"]  # c10d's, outside DTensor
+    assert small == [("_allgather_base_", TP * 2 * B * S)], fwd.calls  # gathered: tp x (lse, target) x tokens
+    assert bwd.counts() == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}

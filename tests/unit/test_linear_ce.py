@@ -1,4 +1,4 @@
-"""The fused lm_head + cross entropy (used by hf-tp train at tp=1) against plain HF / torch."""
+"""The fused lm_head + cross entropy (used by hf-tp train) against plain HF / torch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import hf_tp
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable, linear_cross_entropy, training_loss
-from tests.helpers import ATOL, RTOL, assert_close_dict, batch, tiny_config, tiny_model
+from tests.helpers import ATOL, RTOL, assert_close_dict, batch, full_grads, run_threaded, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("num_items", [None, 40])
@@ -31,7 +33,7 @@ def test_matches_cross_entropy_in_every_chunking(chunk: int, num_items: int | No
 
 
 def test_shape_errors_are_clear() -> None:
-    with pytest.raises(ValueError, match=r"expects hidden \(N, H\), weight \(V, H\), targets \(N,\)"):
+    with pytest.raises(ValueError, match=r"expects hidden \(\.\.\., H\), weight \(V, H\), targets \(\.\.\.\)"):
         linear_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
 
 
@@ -67,3 +69,91 @@ def test_default_divisor_is_the_target_count() -> None:
     want = model(**data, use_cache=False).loss  # HF: mean over the shifted targets
     got = causal_lm_loss(model, data["input_ids"], data["attention_mask"], data["labels"])
     torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+
+
+# --- tp > 1: the lm_head weight sharded over the vocab, one all-gather of 2 numbers per token ---
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # vocab 37 over 4: shards of 10, 10, 10, 7
+@pytest.mark.parametrize("layout", ["sequence-sharded", "replicated"])
+def test_vocab_sharded_weight_matches_cross_entropy(tp: int, layout: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 16, generator=g)
+    weight = torch.randn(37, 16, generator=g)
+    targets = torch.randint(0, 37, (2, 7), generator=g)
+    targets[0, [0, 5]] = -100
+    targets[1, 6] = 36  # the last, short shard's last row
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = F.cross_entropy((h_ref @ w_ref.t()).flatten(0, 1), targets.flatten(), reduction="sum") / 9
+    (2.0 * want).backward()
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=tp, device_type="cpu")["tp"]
+        w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        placement = Shard(1) if layout == "sequence-sharded" else Replicate()
+        h = distribute_tensor(hidden, mesh, [placement]).requires_grad_()
+        got = linear_cross_entropy(h if layout == "sequence-sharded" else h.to_local(), w, targets, 9, chunk_tokens=3)
+        (2.0 * got).backward()
+        assert not isinstance(got, DTensor)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+        torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(h.grad.full_tensor(), h_ref.grad, rtol=RTOL, atol=ATOL)
+
+    run_threaded(tp, rank_fn)
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "tp", "sp"),
+    [("qwen2", True, 2, True), ("llama", False, 2, True), ("mistral", False, 4, True), ("qwen2", True, 2, False)],
+)
+def test_tp_fused_loss_matches_hf_loss_and_every_gradient(family: str, tied: bool, tp: int, sp: bool) -> None:
+    heads = 8 if tp == 4 else 4
+    config = tiny_config(family, tied=tied, heads=heads, kv_heads=tp)
+    ref = tiny_model(config)
+    data = batch(config.vocab_size, b=3, s=11, pad="right")  # 11 tokens: uneven sequence shards
+    models = [copy.deepcopy(ref) for _ in range(tp)]
+    want = ref(**data, num_items_in_batch=50, use_cache=False).loss
+    want.backward()
+    want_grads = full_grads(ref)
+
+    def rank_fn(rank: int) -> None:
+        model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=tp, device_type="cpu"), sequence_parallel=sp)
+        assert fusable(model, plain_lm_head=True)
+        got = training_loss(model, data, 50, fused=True)
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+        assert_close_dict(full_grads(model), want_grads, "grad")
+
+    run_threaded(tp, rank_fn)
+
+
+def test_not_fused_when_the_head_is_sharded_another_way() -> None:
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    models = [tiny_model(tiny_config("llama")) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")["tp"]
+        model = parallelize_module(models[rank], mesh, {"lm_head": RowwiseParallel()})
+        assert not fusable(model, plain_lm_head=True)  # sharded over the hidden dim, not the vocab
+
+    run_threaded(2, rank_fn, timeout=60)
+
+
+def test_compiled_chunk_math_equals_eager() -> None:
+    # GPUs run the torch.compile'd versions of the chunk arithmetic; check they trace and agree.
+    from hf_tp.parallel import linear_ce as m
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 10, generator=g)
+    targets = torch.tensor([3, -100, 9, 0, 4, 7])
+    row_scale = (targets != -100).float() / 5
+    local = torch.tensor([3, 0, 0, 0, 4, 7])
+    owned = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    lse = torch.logsumexp(logits, -1) + 0.5
+    for eager, compiled, args in [
+        (m._chunk_step, m._chunk_step_compiled, (logits, targets, row_scale, True)),
+        (m._shard_stats, m._shard_stats_compiled, (logits, local, owned)),
+        (m._shard_grad, m._shard_grad_compiled, (logits, local, owned, lse, row_scale)),
+    ]:
+        torch.testing.assert_close(compiled(*args), eager(*args), rtol=RTOL, atol=ATOL)
