@@ -32,19 +32,26 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
 
 
+def _grad_in_place(x: torch.Tensor, lse: torch.Tensor, cols: torch.Tensor, hit: torch.Tensor, row_scale: torch.Tensor):
+    """(softmax - onehot) * row_scale, written over the fp32 logits ``x``; ``hit`` (1.0/0.0) is
+    where the one-hot's 1 is at column ``cols``. In place, so an eager chunk holds one fp32 copy
+    of its logits rather than five (the compiled version fuses it either way)."""
+    x.sub_(lse.unsqueeze(1)).exp_()
+    x.scatter_add_(1, cols.unsqueeze(1), -hit.unsqueeze(1))
+    return x.mul_(row_scale.unsqueeze(1))
+
+
 def _chunk_step(logits: torch.Tensor, targets: torch.Tensor, row_scale: torch.Tensor, need_grad: bool):
     """One chunk's loss (sum over its targets) and, if asked, d loss / d logits in the logits'
     dtype. ``row_scale`` is 1/divisor on target rows, 0 on ignored ones (a tensor, so a compiled
-    version is not recompiled for each step's divisor)."""
+    version is not recompiled for each step's divisor). Overwrites fp32 ``logits``."""
     x = logits.float()  # as HF: lm_head output in the compute dtype, upcast
     lse = torch.logsumexp(x, dim=-1)
-    safe = targets.clamp(min=0).unsqueeze(1)  # ignored rows (-100) read column 0, then weigh 0
-    loss_sum = ((lse - x.gather(1, safe).squeeze(1)) * (row_scale != 0)).sum()
+    safe = targets.clamp(min=0)  # ignored rows (-100) read column 0, then weigh 0
+    loss_sum = ((lse - x.gather(1, safe.unsqueeze(1)).squeeze(1)) * (row_scale != 0)).sum()
     if not need_grad:
         return loss_sum, None
-    onehot = torch.zeros_like(x).scatter_(1, safe, 1.0)
-    g = ((x - lse.unsqueeze(1)).exp() - onehot) * row_scale.unsqueeze(1)  # (softmax - onehot) / divisor
-    return loss_sum, g.to(logits.dtype)
+    return loss_sum, _grad_in_place(x, lse, safe, torch.ones_like(lse), row_scale).to(logits.dtype)
 
 
 def _shard_stats(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor):
@@ -58,10 +65,9 @@ def _shard_stats(logits: torch.Tensor, local_targets: torch.Tensor, owned: torch
 def _shard_grad(
     logits: torch.Tensor, local_targets: torch.Tensor, owned: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor
 ) -> torch.Tensor:
-    """This shard's columns of (softmax - onehot) / divisor, given the whole row's ``lse``."""
-    x = logits.float()
-    onehot = torch.zeros_like(x).scatter_(1, local_targets.unsqueeze(1), owned.unsqueeze(1))
-    return (((x - lse.unsqueeze(1)).exp() - onehot) * row_scale.unsqueeze(1)).to(logits.dtype)
+    """This shard's columns of (softmax - onehot) / divisor, given the whole row's ``lse``.
+    Overwrites fp32 ``logits``."""
+    return _grad_in_place(logits.float(), lse, local_targets, owned, row_scale).to(logits.dtype)
 
 
 # On GPUs the chunk's elementwise work is memory-bound; compiled, it reads the logits once for
