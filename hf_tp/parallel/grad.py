@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -12,29 +14,56 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     """Clip gradients to a global L2 norm of ``max_norm`` (0: only measure); return the norm.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on
-    different meshes (e.g. 2-D (dp, tp) weights next to dp-only ones). Here the norm is taken per
-    mesh, each made global with ``full_tensor()``, and combined, so every rank gets the same
-    exact value.
+    different meshes (e.g. 2-D (dp, tp) weights next to dp-only ones), and reduces a 2-D norm one
+    mesh dim after the other. Here each rank sums the squares of its local shards, weighing each
+    by 1 / (number of ranks holding a copy of it), and one all-reduce gives every rank the same
+    exact norm.
     """
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
-    if not groups:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
         return torch.tensor(0.0)
-    norms = []
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float().cpu())
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = _norm_in_one_all_reduce(grads)
+    if total is None:
+        total = _norm_per_mesh(grads)
     if max_norm > 0:
         coef = float(max_norm / (total + 1e-6))
         if coef < 1.0:
-            for grads in groups.values():
-                for g in grads:
-                    g.mul_(coef)
+            for g in grads:
+                g.mul_(coef)
     return total
+
+
+def _norm_in_one_all_reduce(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """None unless every DTensor lives on a mesh of all ranks without ``Partial`` placements."""
+    if not dist.is_initialized() or not any(isinstance(g, DTensor) for g in grads):
+        return None
+    world = dist.get_world_size()
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        copies = world  # a plain tensor: the same on every rank
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            if mesh.size() != world or any(pl.is_partial() for pl in g.placements):
+                return None
+            copies = math.prod(n for n, pl in zip(mesh.shape, g.placements, strict=True) if pl.is_replicate())
+            g = g.to_local()
+        by_copies.setdefault(copies, []).append(g)
+    squares = [torch.nn.utils.get_total_norm(ts, norm_type=2.0).float() ** 2 / c for c, ts in by_copies.items()]
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt().cpu()
+
+
+def _norm_per_mesh(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm per mesh made global with ``full_tensor()``, then combined (any meshes)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float().cpu())
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def reduce_partial_grads(parameters: Iterable[torch.nn.Parameter]) -> int:

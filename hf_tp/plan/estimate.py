@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import PretrainedConfig
@@ -102,6 +103,8 @@ def estimate(
     with simulation(tp * dp):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         groups = {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}  # sliced outside fake
+        # The gradient norm is one all-reduce over every rank (hf_tp.parallel.grad.clip_grad_norm).
+        groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
         fake = FakeTensorMode()
         with fake:
             model = build_model(config, mesh, dtype, activation_checkpointing)

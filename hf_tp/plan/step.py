@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.parallel import loss_parallel, parallelize
-from hf_tp.parallel.grad import clip_grad_norm
+from hf_tp.parallel.grad import clip_grad_norm, reduce_partial_grads
 from hf_tp.parallel.linear_ce import fusable, training_loss
 
 DTYPES = ("bf16", "fp32")
@@ -59,7 +59,8 @@ def train_step(
     max_grad_norm: float = 1.0,
     after_optimizer_step: Callable[[], None] | None = None,
 ) -> None:
-    """Forward + backward under loss_parallel, exact grad clipping, AdamW step, zero_grad.
+    """Forward + backward under loss_parallel, the SP norm-gradient reduction, exact grad clipping,
+    AdamW step, zero_grad.
 
     The loss is a token mean over the global batch (``num_items_in_batch``) scaled by dp for
     FSDP2's averaging, as in ``hf_tp.train.loop``. Clipping multiplies by a tensor coefficient
@@ -70,6 +71,7 @@ def train_step(
         fused = fusable(model, get_adapter(model.config).plain_lm_head)
         loss = training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
+    reduce_partial_grads(model.parameters())  # as the loop: SP norm grads in one all-reduce
     norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
     coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
     for p in model.parameters():

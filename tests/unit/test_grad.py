@@ -53,3 +53,35 @@ def test_mixed_meshes_give_the_global_norm() -> None:
         torch.testing.assert_close(params[2].grad, grads[2] * scale)
 
     run_threaded(2, rank_fn)
+
+
+def test_a_2d_mesh_norm_is_one_all_reduce(monkeypatch) -> None:
+    # (dp, tp) shards, dp shards with tp copies, and a plain tensor: torch's full_tensor() would
+    # reduce a 2-D norm dim by dim; here the whole norm is one all-reduce.
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    grads = _grads()
+    want_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    calls = []
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(1) or real_all_reduce(*a, **k))
+
+    def rank_fn(rank: int) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        layouts = [[Shard(0), Shard(1)], [Shard(0), Replicate()]]
+        params = [
+            torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, pl))
+            for g, pl in zip(grads[:2], layouts, strict=True)
+        ]
+        params.append(torch.nn.Parameter(torch.zeros_like(grads[2])))
+        for p, g, pl in zip(params[:2], grads[:2], layouts, strict=True):
+            p.grad = distribute_tensor(g.clone(), mesh, pl)
+        params[2].grad = grads[2].clone()
+        with CommDebugMode() as comm:
+            norm = clip_grad_norm(params, 0.0)
+        torch.testing.assert_close(norm, want_norm)
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()  # no DTensor redistribution
+
+    run_threaded(4, rank_fn)
+    assert len(calls) == 4  # one per rank
