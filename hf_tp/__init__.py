@@ -14,6 +14,7 @@ _LAZY = {
     "generate": "hf_tp.inference",
     "evaluate": "hf_tp.inference",
     "shutdown": "hf_tp.train.loop",
+    "causal_lm_loss": "hf_tp.parallel.linear_ce",
 }
 
 
@@ -30,6 +31,7 @@ def __getattr__(name: str):
 __all__ = [
     "Adapter",
     "TrainConfig",
+    "causal_lm_loss",
     "evaluate",
     "export",
     "fit",

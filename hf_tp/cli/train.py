@@ -40,7 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
-    p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_const", const=False)
+    p.add_argument(
+        "--no-loss-parallel",
+        dest="loss_parallel",
+        action="store_const",
+        const=False,
+        help="replicated instead of vocab-sharded logits (only for models whose lm_head and loss are not fused)",
+    )
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False)
     p.add_argument("--nnodes", type=int)
     p.add_argument("--node-rank", type=int)

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from hf_tp.adapters import get_adapter
+
 IGNORE_INDEX = -100
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
 
@@ -243,12 +245,20 @@ def causal_lm_loss(
     labels: torch.Tensor,
     num_items_in_batch: int | None = None,
 ) -> torch.Tensor:
-    """HF's causal-LM training loss (labels shifted by one inside) through the fused lm_head + loss.
+    """``model(input_ids, attention_mask=..., labels=labels).loss`` without the logits: HF's causal-LM
+    loss (labels shifted by one inside, -100 ignored, sum / ``num_items_in_batch`` or the target
+    count) through the fused lm_head + loss, on a plain or an ``hf_tp.parallelize``-d model.
+    Inside a ``loss_parallel`` context or not; call ``backward()`` on the result as usual.
 
     The decoder and the loss run as the model's own forward (so FSDP2's hooks on the root module
     gather and free its parameters as in a normal call); the model's ``forward`` is restored after.
-    Call only where :func:`fusable` holds.
     """
+    if not fusable(model, get_adapter(model.config).plain_lm_head):
+        raise ValueError(
+            f"hf_tp.causal_lm_loss cannot fuse this {model.config.model_type} model's lm_head with the loss "
+            "(its adapter does not declare plain_lm_head, or the lm_head has a bias or another sharding); "
+            "use model(..., labels=labels).loss"
+        )
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
 

@@ -62,6 +62,23 @@ def test_not_fused_when_the_adapter_does_not_allow_it() -> None:
     assert not fusable(model, plain_lm_head=False)
 
 
+def test_public_causal_lm_loss_refuses_what_it_cannot_fuse() -> None:
+    config = tiny_config("llama")
+    model = tiny_model(config)
+    data = batch(config.vocab_size, b=2, s=7)
+    torch.testing.assert_close(
+        hf_tp.causal_lm_loss(model, data["input_ids"], data["attention_mask"], data["labels"]),
+        model(**data).loss,
+        rtol=RTOL,
+        atol=0,
+    )
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(config.vocab_size))
+    with pytest.raises(
+        ValueError, match=r"cannot fuse this llama model's lm_head .* use model\(\.\.\., labels=labels\)\.loss"
+    ):
+        hf_tp.causal_lm_loss(model, data["input_ids"], data["attention_mask"], data["labels"])
+
+
 def test_default_divisor_is_the_target_count() -> None:
     config = tiny_config("qwen2")
     model = tiny_model(config)
