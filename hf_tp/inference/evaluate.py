@@ -13,10 +13,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hf_tp.adapters import get_adapter
 from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
+from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
 from hf_tp.parallel.loss import loss_parallel as _loss_parallel
 
 __all__ = ["EvalResult", "count_targets", "evaluate"]
+
+_FUSED_KEYS = {"input_ids", "attention_mask", "labels"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,9 @@ def _dp_total(dp_mesh: DeviceMesh, tokens: int, num_batches: int) -> int:
     return int(sum(int(g[0]) for g in gathered))
 
 
-def evaluate(model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_parallel: bool = True) -> EvalResult:
+def evaluate(
+    model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_parallel: bool = True, fused: bool = True
+) -> EvalResult:
     """Token-mean cross entropy of ``model`` over ``batches`` (dicts of input_ids, attention_mask,
     labels with -100 where no loss is taken), under ``torch.no_grad`` and eval mode.
 
@@ -54,7 +60,9 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_par
     rank; the ranks of a tp group must pass the same batches (checked), dp ranks their own rows
     (the same number of batches each; the result covers all of them). ``loss_parallel=True``
     computes the loss on vocab-sharded logits; ``False`` all-gathers them first (same value, more
-    memory). The model's training flags are restored on return.
+    memory). With ``fused`` (default), models whose adapter allows it skip the logits altogether
+    (:func:`hf_tp.causal_lm_loss`, for batches of input_ids, attention_mask and labels only). The
+    model's training flags are restored on return.
     """
     batches = list(batches)
     if not batches:
@@ -73,12 +81,15 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_par
     if tokens == 0:
         raise ValueError("the evaluation batches hold no target tokens (every shifted label is -100)")
 
+    can_fuse = fusable(model, get_adapter(model.config).plain_lm_head)
     ctx = _loss_parallel() if loss_parallel else replicated_logits(model)
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad(), eval_mode(model), ctx:
         for b in batches:
-            kwargs = {**b, "num_items_in_batch": tokens, "use_cache": False}
-            loss = model(**kwargs).loss
+            if fused and can_fuse and set(b) <= _FUSED_KEYS:
+                loss = causal_lm_loss(model, b["input_ids"], b.get("attention_mask"), b["labels"], tokens)
+            else:
+                loss = model(**b, num_items_in_batch=tokens, use_cache=False).loss
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
     if dp_mesh is not None and dp_mesh.size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())

@@ -126,15 +126,16 @@ def test_evaluate_matches_plain_hf(family: str, tied: bool) -> None:
     # Two batches of different lengths and padding: a mean of batch means would differ.
     batches = [batch(config.vocab_size, b=2, s=13, seed=1), batch(config.vocab_size, b=3, s=6, pad="left", seed=2)]
     want, count = _reference_loss(ref, batches)
-    plain = evaluate(ref, batches)
-    assert plain.tokens == count and plain.loss == pytest.approx(want, rel=RTOL)
+    for fused in (True, False):
+        plain = evaluate(ref, batches, fused=fused)
+        assert plain.tokens == count and plain.loss == pytest.approx(want, rel=RTOL)
     models = [copy.deepcopy(ref) for _ in range(2)]
 
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
         model.train()
-        for lp in (True, False):
-            got = evaluate(model, batches, loss_parallel=lp)
+        for lp, fused in ((True, True), (True, False), (False, False)):
+            got = evaluate(model, batches, loss_parallel=lp, fused=fused)
             assert got.tokens == count
             assert got.loss == pytest.approx(want, rel=RTOL, abs=ATOL)
             assert got.perplexity == pytest.approx(torch.tensor(want).exp().item(), rel=1e-4)
