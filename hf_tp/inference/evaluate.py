@@ -13,7 +13,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hf_tp.adapters import get_adapter
 from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
 from hf_tp.parallel.loss import loss_parallel as _loss_parallel
@@ -81,7 +80,7 @@ def evaluate(
     if tokens == 0:
         raise ValueError("the evaluation batches hold no target tokens (every shifted label is -100)")
 
-    can_fuse = fusable(model, get_adapter(model.config).plain_lm_head)
+    can_fuse = fusable(model)
     ctx = _loss_parallel() if loss_parallel else replicated_logits(model)
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad(), eval_mode(model), ctx:

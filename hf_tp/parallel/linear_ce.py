@@ -216,12 +216,12 @@ def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor) -> tuple[torch
     return local_hidden, local_weight, VocabShard(group=mesh.get_group(), world=world, offset=offset)
 
 
-def fusable(model: nn.Module, plain_lm_head: bool) -> bool:
-    """True when the loss may be fused with the lm_head: the adapter says the logits are a plain
-    projection (no bias, scaling or soft-capping), and the head's weight is either not sharded
-    over tp or sharded over the vocab (``ColwiseParallel``)."""
+def fusable(model: nn.Module) -> bool:
+    """True when the loss may be fused with the lm_head: the model's adapter says the logits are a
+    plain projection (``plain_lm_head``: no scaling or soft-capping), the head has no bias, and
+    its weight is either not sharded over tp or sharded over the vocab (``ColwiseParallel``)."""
     head = model.get_output_embeddings()
-    if not plain_lm_head or head is None or getattr(head, "bias", None) is not None:
+    if not get_adapter(model.config).plain_lm_head or head is None or getattr(head, "bias", None) is not None:
         return False
     return all(placement.is_shard(0) for placement in _tp_placements(head.weight))
 
@@ -253,7 +253,7 @@ def causal_lm_loss(
     The decoder and the loss run as the model's own forward (so FSDP2's hooks on the root module
     gather and free its parameters as in a normal call); the model's ``forward`` is restored after.
     """
-    if not fusable(model, get_adapter(model.config).plain_lm_head):
+    if not fusable(model):
         raise ValueError(
             f"hf_tp.causal_lm_loss cannot fuse this {model.config.model_type} model's lm_head with the loss "
             "(its adapter does not declare plain_lm_head, or the lm_head has a bias or another sharding); "

@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from hf_tp.adapters import get_adapter
 from hf_tp.parallel import loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm, reduce_partial_grads
 from hf_tp.parallel.linear_ce import fusable, training_loss
@@ -68,7 +67,7 @@ def train_step(
     """
     b, s = batch["input_ids"].shape
     with loss_parallel():
-        fused = fusable(model, get_adapter(model.config).plain_lm_head)
+        fused = fusable(model)
         loss = training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
     reduce_partial_grads(model.parameters())  # as the loop: SP norm grads in one all-reduce

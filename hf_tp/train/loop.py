@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.utils import logging as hf_logging
 
-from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
@@ -182,7 +181,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     logger = MetricsLogger(out, cfg.max_steps, enabled=rank == 0, tensorboard=cfg.tensorboard, start_step=start_step)
     result = TrainResult(output_dir=out)
     ctx = loss_parallel if cfg.loss_parallel else _null
-    fused = fusable(model, get_adapter(model.config).plain_lm_head)
+    fused = fusable(model)
     try:
         for step in range(start_step, cfg.max_steps):
             crash_point("train", step + 1)

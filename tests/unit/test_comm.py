@@ -111,7 +111,7 @@ def test_fused_loss_replaces_loss_parallel_all_reduces_with_one_small_all_gather
     config = tiny_config("llama")
     model = hf_tp.parallelize(tiny_model(config), hf_tp.build_mesh(tp=TP, device_type="cpu"))
     data = batch(config.vocab_size, b=B, s=S, pad=None)
-    assert fusable(model, plain_lm_head=True)
+    assert fusable(model)
     fwd, bwd = Collectives(), Collectives()
     with fwd:
         loss = training_loss(model, data, B * (S - 1), fused=True)

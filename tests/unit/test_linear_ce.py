@@ -45,7 +45,7 @@ def test_causal_lm_loss_matches_hf_loss_and_every_gradient(family: str, tied: bo
     data = batch(config.vocab_size, b=3, s=11, pad="right")
     want = ref(**data, num_items_in_batch=50, use_cache=False).loss
     want.backward()
-    assert fusable(model, plain_lm_head=True)
+    assert fusable(model)
     got = training_loss(model, data, 50, fused=True)
     got.backward()
     torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
@@ -58,8 +58,16 @@ def test_causal_lm_loss_matches_hf_loss_and_every_gradient(family: str, tied: bo
 
 
 def test_not_fused_when_the_adapter_does_not_allow_it() -> None:
+    import dataclasses
+
     model = tiny_model(tiny_config("llama"))
-    assert not fusable(model, plain_lm_head=False)
+    adapter = hf_tp.get_adapter("llama")
+    hf_tp.register_adapter(dataclasses.replace(adapter, plain_lm_head=False), overwrite=True)
+    try:
+        assert not fusable(model)
+    finally:
+        hf_tp.register_adapter(adapter, overwrite=True)
+    assert fusable(model)
 
 
 def test_public_causal_lm_loss_refuses_what_it_cannot_fuse() -> None:
@@ -135,7 +143,7 @@ def test_tp_fused_loss_matches_hf_loss_and_every_gradient(family: str, tied: boo
 
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=tp, device_type="cpu"), sequence_parallel=sp)
-        assert fusable(model, plain_lm_head=True)
+        assert fusable(model)
         got = training_loss(model, data, 50, fused=True)
         got.backward()
         torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
@@ -152,7 +160,7 @@ def test_not_fused_when_the_head_is_sharded_another_way() -> None:
     def rank_fn(rank: int) -> None:
         mesh = hf_tp.build_mesh(tp=2, device_type="cpu")["tp"]
         model = parallelize_module(models[rank], mesh, {"lm_head": RowwiseParallel()})
-        assert not fusable(model, plain_lm_head=True)  # sharded over the hidden dim, not the vocab
+        assert not fusable(model)  # sharded over the hidden dim, not the vocab
 
     run_threaded(2, rank_fn, timeout=60)
 
