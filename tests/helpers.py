@@ -10,13 +10,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 # fp32 parity: the standard of the project. Not to be loosened to make a test pass.
 RTOL = 1e-5
 ATOL = 1e-6
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 
 
 def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: int = 2, **overrides) -> PretrainedConfig:
@@ -58,6 +58,10 @@ def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: in
     elif family == "mistral":
         common.update(sliding_window=5)
         cls = MistralConfig
+    elif family == "qwen3":
+        # Qwen3's head_dim is a config field (128 by default), not hidden / heads.
+        common.update(head_dim=common["hidden_size"] // heads, attention_bias=True)
+        cls = Qwen3Config
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -70,9 +74,10 @@ def tiny_model(config: PretrainedConfig, attn: str = "sdpa", seed: int = 0) -> t
     # HF initialises with std 0.02 and zero biases; random biases and norm weights make the test
     # see them (a bias that was not sharded with its weight would otherwise go unnoticed).
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.normal_(1.0 if p.shape[0] == config.hidden_size else 0.0, 0.1)
+                norm = name.endswith("norm.weight") or p.shape[0] == config.hidden_size
+                p.normal_(1.0 if norm else 0.0, 0.1)
     return model
 
 

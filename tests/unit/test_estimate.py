@@ -24,6 +24,8 @@ SHAPES = {
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, False),
     "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128256, False),
     "mistral-7b": (4096, 14336, 32, 32, 8, 32000, False),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True),
+    "qwen3-8b": (4096, 12288, 36, 32, 8, 151936, False),
 }
 
 
@@ -53,11 +55,15 @@ def qwen_tp2_dp8():
 
 
 def analytic_params(c) -> int:
-    """Parameter count of a Qwen2/Llama config from its shapes (q/k/v biases for Qwen2)."""
-    kv = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
-    attn = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv
+    """Parameter count of a Qwen2/Qwen3/Llama config from its shapes (q/k/v biases for Qwen2,
+    per-head q/k norms and an explicit head_dim for Qwen3)."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attn = 2 * c.hidden_size * q + 2 * c.hidden_size * kv
     if c.model_type == "qwen2":
-        attn += c.hidden_size + 2 * kv
+        attn += q + 2 * kv
+    if c.model_type == "qwen3":
+        attn += 2 * head_dim
     layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
     embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return embed + c.num_hidden_layers * layer + c.hidden_size

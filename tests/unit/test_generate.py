@@ -50,7 +50,7 @@ def _hook_counts(model) -> list[int]:
 
 
 # Mistral: the generated length (7 + 8) passes its sliding window (5), so the cache is cropped.
-@pytest.mark.parametrize(("family", "tied"), [("qwen2", True), ("llama", False), ("mistral", False)])
+@pytest.mark.parametrize(("family", "tied"), [("qwen2", True), ("llama", False), ("mistral", False), ("qwen3", False)])
 def test_greedy_generate_matches_plain_hf_then_training_continues(family: str, tied: bool) -> None:
     config = tiny_config(family, tied=tied)
     ref = tiny_model(config)

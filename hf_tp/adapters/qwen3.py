@@ -1,0 +1,34 @@
+"""Qwen3: Llama's plan plus the per-head RMSNorms on queries and keys (``q_norm``, ``k_norm``).
+
+``q_norm``/``k_norm`` normalise each head over ``head_dim`` right after ``q_proj``/``k_proj``,
+so under tp they run on the rank's own heads: nothing to communicate in forward. Their weight
+(``head_dim`` numbers) is shared by all heads, though, so each rank's gradient covers only its
+heads and the tp ranks' gradients must be summed. Treating the local heads as a shard of a
+DTensor on the heads dim (dim 2 of ``(batch, seq, heads, head_dim)``) with a replicated weight
+makes DTensor produce that gradient as ``Partial(sum)``, reduced like the sequence-parallel norm
+weights (a plain local weight would train on one rank's heads only, silently).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from hf_tp.adapters import llama
+from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+
+HEADS_DIM = 2  # q_proj(x).view(batch, seq, heads, head_dim)
+
+
+def head_norm() -> SequenceParallel:
+    """A norm over ``head_dim`` on this rank's heads: local tensors in and out, replicated weight."""
+    # torch's SequenceParallel style does exactly this for any dim: it wraps the local input as a
+    # Shard(dim) DTensor, replicates the weight, and returns the local output.
+    return SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
+
+
+def layer_plan(opts: PlanOptions) -> Plan:
+    """Llama's layer plan; ``q_norm`` and ``k_norm`` on the local heads (with or without SP)."""
+    return {**llama.layer_plan(opts), "self_attn.q_norm": head_norm(), "self_attn.k_norm": head_norm()}
+
+
+register_adapter(Adapter(model_type="qwen3", layer_plan=layer_plan, top_plan=llama.top_plan, plain_lm_head=True))
