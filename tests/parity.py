@@ -28,25 +28,32 @@ class Trace:
 
 
 def train_steps(
-    model, batch: dict, steps: int = 3, lr: float = 1e-3, ctx=contextlib.nullcontext, dp_group=None
+    model, batch: dict, steps: int = 3, lr: float = 1e-3, ctx=contextlib.nullcontext, dp_group=None, micro: int = 1
 ) -> Trace:
     """``steps`` AdamW steps on ``batch`` with HF's own ``labels=`` loss.
 
     With ``dp_group`` each dp rank holds an equal slice of the rows (all tokens valid), so the
-    global-batch loss is the mean of the dp ranks' losses.
+    global-batch loss is the mean of the dp ranks' losses. ``micro`` > 1 splits the rows into
+    that many micro-batches, each with its own backward (gradients accumulate between them; all
+    tokens valid, so the mean of their losses is the batch's).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses, logits, grads, start = [], None, None, full_params(model)
+    rows = batch["input_ids"].shape[0] // micro
     for step in range(steps):
-        with ctx():
-            out = model(**batch, use_cache=False)
-            out.loss.backward()
-        loss = full(out.loss).detach().clone()
+        loss, step_logits = 0.0, []
+        for m in range(micro):
+            part = {k: v[m * rows : (m + 1) * rows] for k, v in batch.items()}
+            with ctx():
+                out = model(**part, use_cache=False)
+                (out.loss / micro).backward()
+            loss = loss + full(out.loss).detach() / micro
+            step_logits.append(full(out.logits).detach().clone())
         if dp_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
         losses.append(loss.item())
         if step == 0:
-            logits = full(out.logits).detach().clone()
+            logits = torch.cat(step_logits)
             grads = full_grads(model)
         opt.step()
         opt.zero_grad()
@@ -110,6 +117,7 @@ class ParityCase:
     lp: bool = True
     ac: bool = False
     compile: bool = False
+    micro: int = 1  # micro-batches per step on each dp rank (hf_tp side; the reference takes the batch at once)
 
     def reference(self):
         """Build the model and batch (call in one thread: it draws from the CPU RNG) and run
@@ -143,5 +151,8 @@ class ParityCase:
             rows = slice(d * per, (d + 1) * per)
         local = {k: v[rows] for k, v in data.items()}
         ctx = hf_tp.loss_parallel if self.lp else contextlib.nullcontext
-        got = train_steps(model, local, ctx=ctx, dp_group=mesh["dp"].get_group() if self.dp > 1 else None)
+        dp_group = mesh["dp"].get_group() if self.dp > 1 else None
+        got = train_steps(model, local, ctx=ctx, dp_group=dp_group, micro=self.micro)
         assert_parity(got, want, rows)
+        if self.sp:  # the norm weights' Partial gradients went through the fused all-reduce, every backward
+            assert model.hf_tp_partial_grads.flushes == len(got.losses) * self.micro

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.parallel.fsdp import apply_fsdp
 from hf_tp.parallel.mesh import split_mesh
+from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
 
 
@@ -23,6 +24,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    fuse_partial_grads: bool = True,
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
@@ -39,6 +41,10 @@ def parallelize(
     checkpointing, non-reentrant); ``compile`` applies ``torch.compile`` to each decoder layer after
     TP and before FSDP2 (so the compiled region holds the TP collectives, not FSDP's hooks).
 
+    ``fuse_partial_grads`` sums the ``Partial`` gradients of the weights replicated over tp (the
+    sequence-parallel norms, Qwen3's q/k norms) in one all-reduce per backward instead of one per
+    weight (see :mod:`hf_tp.parallel.partial_grads`); ``False`` leaves that to DTensor and FSDP2.
+
     A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
     """
     config = getattr(model, "config", None)
@@ -54,14 +60,18 @@ def parallelize(
 
     if activation_checkpointing:
         enable_activation_checkpointing(model)
+    fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
     if tp_mesh.size() > 1:
         apply_tensor_parallel(model, adapter, tp_mesh, opts)
+        if fuse_partial_grads:
+            units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
+            install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp)
     # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
     # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
-    if dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None):
+    if fsdp:
         apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     model.hf_tp_options = opts  # read by generation/eval helpers
     return model

@@ -64,37 +64,3 @@ def _norm_per_mesh(grads: list[torch.Tensor]) -> torch.Tensor:
         n = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float().cpu())
     return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def reduce_partial_grads(parameters: Iterable[torch.nn.Parameter]) -> int:
-    """Turn every ``Partial`` DTensor gradient into ``Replicate`` with one all-reduce per mesh group.
-
-    Under sequence parallelism the norm weights are replicated but each rank sees only its sequence
-    shard, so their gradients stay ``Partial(sum)``. Left alone, every later use (the grad norm,
-    each AdamW state update) redistributes each of them separately; here they are flattened into
-    one buffer and summed once. Returns the number of collectives issued.
-    """
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in parameters:
-        g = p.grad
-        partial = [pl for pl in g.placements if isinstance(pl, Partial)] if isinstance(g, DTensor) else []
-        if partial and all(pl.reduce_op == "sum" for pl in partial):
-            groups.setdefault((g.device_mesh, tuple(g.placements), g.dtype), []).append(p)
-    issued = 0
-    for (mesh, placements, _), params in groups.items():
-        locals_ = [p.grad.to_local() for p in params]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        for dim, pl in enumerate(placements):
-            if isinstance(pl, Partial):
-                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=mesh.get_group(dim))
-                issued += 1
-        new_placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
-        offset = 0
-        for p, t in zip(params, locals_, strict=True):
-            n = t.numel()
-            local = flat[offset : offset + n].view_as(t)
-            offset += n
-            p.grad = DTensor.from_local(local, mesh, new_placements, shape=p.grad.shape, stride=p.grad.stride())
-    return issued

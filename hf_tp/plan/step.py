@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.parallel import loss_parallel, parallelize
-from hf_tp.parallel.grad import clip_grad_norm, reduce_partial_grads
+from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable, training_loss
 
 DTYPES = ("bf16", "fp32")
@@ -70,7 +70,6 @@ def train_step(
         fused = fusable(model)
         loss = training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
-    reduce_partial_grads(model.parameters())  # as the loop: SP norm grads in one all-reduce
     norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
     coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
     for p in model.parameters():

@@ -26,7 +26,7 @@ from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 from hf_tp.parallel import build_mesh, loss_parallel, parallelize
-from hf_tp.parallel.grad import clip_grad_norm, reduce_partial_grads
+from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable, training_loss
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
@@ -205,7 +205,6 @@ def train(cfg: TrainConfig) -> TrainResult:
                     (loss * cfg.dp).backward()
                 local_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
             dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=dp_group)
-            reduce_partial_grads(model.parameters())  # SP norm grads: one all-reduce, not 3 per weight
             grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
             loss_value, norm_value = local_loss.item(), grad_norm.item()
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):

@@ -18,7 +18,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
-from hf_tp.parallel.grad import reduce_partial_grads
 from hf_tp.parallel.linear_ce import fusable, training_loss
 from tests.helpers import batch, tiny_config, tiny_model
 
@@ -80,7 +79,9 @@ def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> Non
     layers = config.num_hidden_layers
     counts = {}
     for fuse in (False, True):
-        model = hf_tp.parallelize(copy.deepcopy(ref), hf_tp.build_mesh(tp=TP, device_type="cpu"))
+        model = hf_tp.parallelize(
+            copy.deepcopy(ref), hf_tp.build_mesh(tp=TP, device_type="cpu"), fuse_partial_grads=fuse
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         fwd, bwd, step = CommDebugMode(), CommDebugMode(), CommDebugMode()
         with hf_tp.loss_parallel():
@@ -89,18 +90,43 @@ def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> Non
             with bwd:
                 loss.backward()
         with step:
-            if fuse:
-                reduce_partial_grads(model.parameters())
             opt.step()
-        counts[fuse] = _names(step)
+        counts[fuse] = (_names(bwd), _names(step))
         # Forward: 2 all-gathers + 2 reduce-scatters per layer, the embedding's reduce-scatter,
         # lm_head's all-gather, and loss parallel's 3 all-reduces (max, sum-exp, target logit).
         want = {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1, "all_reduce": 3}
         assert _names(fwd) == want
-        assert _names(bwd) == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+    tp_bwd = {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
     norms = 2 * layers + 1
-    assert counts[False] == {"all_reduce": 3 * norms}  # each Partial norm grad, 3 times in AdamW
-    assert counts[True] == {"allreduce_": 1}  # one fused all-reduce, nothing in the optimizer
+    assert counts[False] == (tp_bwd, {"all_reduce": 3 * norms})  # each Partial norm grad, 3 times in AdamW
+    assert counts[True] == ({**tp_bwd, "allreduce_": 1}, {})  # one fused all-reduce in backward, none after
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_under_fsdp2_the_partial_grads_are_one_all_reduce_per_backward(family: str) -> None:
+    # FSDP2 all-reduces each Partial grad over tp in its post-backward (one per norm weight, and
+    # per q/k norm weight for Qwen3); fused, one all-reduce over the whole world remains.
+    config = tiny_config(family)
+    ref = tiny_model(config)
+    data = batch(config.vocab_size, b=B, s=S, pad=None)
+    layers = config.num_hidden_layers
+    partial = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2 * TP)
+    try:
+        counts = {}
+        for fuse in (False, True):
+            mesh = hf_tp.build_mesh(tp=TP, dp=2, device_type="cpu")
+            model = hf_tp.parallelize(copy.deepcopy(ref), mesh, fuse_partial_grads=fuse)
+            bwd = Collectives()
+            with hf_tp.loss_parallel():
+                loss = model(**data, use_cache=False).loss
+                with bwd:
+                    loss.backward()
+            counts[fuse] = Counter(n for n, _ in bwd.calls if n in ("all_reduce", "allreduce_"))
+        assert counts[False] == {"all_reduce": partial}
+        assert counts[True] == {"allreduce_": 1}
+    finally:
+        dist.destroy_process_group()
 
 
 def _names(mode: CommDebugMode) -> dict[str, int]:
@@ -123,4 +149,6 @@ def test_fused_loss_replaces_loss_parallel_all_reduces_with_one_small_all_gather
     assert fwd.counts() == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
     small = [(name, n) for name, n in fwd.calls if name == "_allgather_base_"]  # c10d's, outside DTensor
     assert small == [("_allgather_base_", TP * 2 * B * S)], fwd.calls  # gathered: tp x (lse, target) x tokens
-    assert bwd.counts() == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+    # Backward: the same, plus the one all-reduce of the norm weights' Partial gradients.
+    want_bwd = {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1, "allreduce_": 1}
+    assert bwd.counts() == want_bwd
