@@ -10,13 +10,31 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 # fp32 parity: the standard of the project. Not to be loosened to make a test pass.
 RTOL = 1e-5
 ATOL = 1e-6
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text")
+
+
+def parity_dtype(family: str) -> torch.dtype:
+    """fp32, except for Gemma: it multiplies the embeddings by sqrt(hidden) (8 here), so its
+    embedding gradient is ~8x larger than any other tensor's while its round-off stays at fp32's
+    ~1e-6 of its size, above the element-wise ATOL floor. Gemma's parity runs in float64, where
+    the same tolerances are many orders of magnitude stricter."""
+    return torch.float64 if family.startswith("gemma") else torch.float32
 
 
 def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: int = 2, **overrides) -> PretrainedConfig:
@@ -62,15 +80,28 @@ def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: in
         # Qwen3's head_dim is a config field (128 by default), not hidden / heads.
         common.update(head_dim=common["hidden_size"] // heads, attention_bias=True)
         cls = Qwen3Config
+    elif family == "gemma":
+        common.update(head_dim=common["hidden_size"] // heads)
+        cls = GemmaConfig
+    elif family in ("gemma2", "gemma3_text"):
+        # Every Gemma 2/3 feature on: logit soft-capping (Gemma 2), alternating sliding-window
+        # and global layers (window 5 < the test sequences), query_pre_attn_scalar != head_dim.
+        common.update(head_dim=common["hidden_size"] // heads, sliding_window=5, query_pre_attn_scalar=12)
+        common.update(layer_types=["sliding_attention", "full_attention"])
+        cls = Gemma2Config if family == "gemma2" else Gemma3TextConfig
     else:
         raise ValueError(family)
     common.update(overrides)
     return cls(**common)
 
 
-def tiny_model(config: PretrainedConfig, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+def tiny_model(
+    config: PretrainedConfig, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    if config.model_type == "gemma2":
+        attn = "eager"  # transformers has no sdpa path for Gemma 2 (its attention logits are soft-capped)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     # HF initialises with std 0.02 and zero biases; random biases and norm weights make the test
     # see them (a bias that was not sharded with its weight would otherwise go unnoticed).
     with torch.no_grad():

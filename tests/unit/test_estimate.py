@@ -26,6 +26,8 @@ SHAPES = {
     "mistral-7b": (4096, 14336, 32, 32, 8, 32000, False),
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, True),
     "qwen3-8b": (4096, 12288, 36, 32, 8, 151936, False),
+    "gemma-2-2b": (2304, 9216, 26, 8, 4, 256000, True),
+    "gemma-2-9b": (3584, 14336, 42, 16, 8, 256000, True),
 }
 
 
@@ -55,8 +57,8 @@ def qwen_tp2_dp8():
 
 
 def analytic_params(c) -> int:
-    """Parameter count of a Qwen2/Qwen3/Llama config from its shapes (q/k/v biases for Qwen2,
-    per-head q/k norms and an explicit head_dim for Qwen3)."""
+    """Parameter count of a Qwen2/Qwen3/Llama/Mistral/Gemma 2 config from its shapes (q/k/v biases
+    for Qwen2, per-head q/k norms for Qwen3, four norms per layer for Gemma 2, explicit head_dim)."""
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     attn = 2 * c.hidden_size * q + 2 * c.hidden_size * kv
@@ -64,7 +66,8 @@ def analytic_params(c) -> int:
         attn += q + 2 * kv
     if c.model_type == "qwen3":
         attn += 2 * head_dim
-    layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    norms = 4 if c.model_type == "gemma2" else 2  # Gemma 2: pre/post feed-forward norms too
+    layer = attn + 3 * c.hidden_size * c.intermediate_size + norms * c.hidden_size
     embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return embed + c.num_hidden_layers * layer + c.hidden_size
 
@@ -78,6 +81,17 @@ def test_bundled_configs_have_the_published_shapes() -> None:
         assert got == shape, name
     c, label = resolve_model_config("meta-llama/Llama-3.1-8B")  # a bundled Hub id needs no network
     assert (c.hidden_size, label) == (4096, "meta-llama/Llama-3.1-8B")
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_bundled_configs_build_the_published_parameter_count(name: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, _ = resolve_model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == analytic_params(config)
 
 
 def test_qwen_tp2_dp8_parameters_and_optimizer_match_arithmetic(qwen_tp2_dp8) -> None:

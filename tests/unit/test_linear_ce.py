@@ -11,7 +11,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import hf_tp
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable, linear_cross_entropy, training_loss
-from tests.helpers import ATOL, RTOL, assert_close_dict, batch, full_grads, run_threaded, tiny_config, tiny_model
+from tests.helpers import (
+    ATOL,
+    RTOL,
+    assert_close_dict,
+    batch,
+    full_grads,
+    parity_dtype,
+    run_threaded,
+    tiny_config,
+    tiny_model,
+)
 
 
 @pytest.mark.parametrize("num_items", [None, 40])
@@ -129,12 +139,18 @@ def test_vocab_sharded_weight_matches_cross_entropy(tp: int, layout: str) -> Non
 
 @pytest.mark.parametrize(
     ("family", "tied", "tp", "sp"),
-    [("qwen2", True, 2, True), ("llama", False, 2, True), ("mistral", False, 4, True), ("qwen2", True, 2, False)],
+    [
+        ("qwen2", True, 2, True),
+        ("llama", False, 2, True),
+        ("mistral", False, 4, True),
+        ("qwen2", True, 2, False),
+        ("gemma3_text", True, 2, True),
+    ],
 )
 def test_tp_fused_loss_matches_hf_loss_and_every_gradient(family: str, tied: bool, tp: int, sp: bool) -> None:
     heads = 8 if tp == 4 else 4
     config = tiny_config(family, tied=tied, heads=heads, kv_heads=tp)
-    ref = tiny_model(config)
+    ref = tiny_model(config, dtype=parity_dtype(family))
     data = batch(config.vocab_size, b=3, s=11, pad="right")  # 11 tokens: uneven sequence shards
     models = [copy.deepcopy(ref) for _ in range(tp)]
     want = ref(**data, num_items_in_batch=50, use_cache=False).loss
@@ -150,6 +166,13 @@ def test_tp_fused_loss_matches_hf_loss_and_every_gradient(family: str, tied: boo
         assert_close_dict(full_grads(model), want_grads, "grad")
 
     run_threaded(tp, rank_fn)
+
+
+def test_not_fused_when_the_logits_are_soft_capped() -> None:
+    config = tiny_config("gemma2", tied=True)  # final_logit_softcapping: tanh on the logits
+    assert config.final_logit_softcapping is not None and not fusable(tiny_model(config))
+    config.final_logit_softcapping = None
+    assert fusable(tiny_model(config))
 
 
 def test_not_fused_when_the_head_is_sharded_another_way() -> None:

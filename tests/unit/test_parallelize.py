@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hf_tp
-from tests.helpers import FAMILIES, clone, run_threaded, tiny_config, tiny_model
+from tests.helpers import FAMILIES, clone, parity_dtype, run_threaded, tiny_config, tiny_model
 from tests.parity import ParityCase
 
 
@@ -25,9 +25,15 @@ def test_tp2_parity(family: str, tied: bool) -> None:
     _check(family, tied=tied)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if parity_dtype(f) == torch.float32])
 def test_tp2_eager_left_padding(family: str) -> None:
     _check(family, attn="eager", pad="left", s=11)
+
+
+def test_tp2_left_padding_gemma3() -> None:
+    # Gemma's parity runs in float64 (parity_dtype), where HF's eager attention itself returns NaN
+    # logits on left-padded rows; sdpa does not (Gemma 2 has only eager: right padding is checked).
+    _check("gemma3_text", tied=True, pad="left", s=11)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
