@@ -1,8 +1,10 @@
 """Gemma, Gemma 2 and Gemma 3 (text): Llama's plan plus what each generation adds.
 
-- All three scale the embedding by sqrt(hidden) inside the embedding module; the product of the
-  vocab-sharded lookup (a partial sum) and a scalar stays a partial sum, so ``RowwiseParallel``
-  still reduce-scatters the right values.
+- All three scale the embedding by sqrt(hidden) inside the embedding module's forward. On the
+  vocab-sharded lookup (a partial sum) that product would make DTensor all-reduce the whole
+  ``b x s x h`` output before ``RowwiseParallel`` could reduce-scatter it; so the module runs the
+  plain lookup and the scale is applied after the reduce-scatter (:class:`ScaledEmbeddingRowwise`;
+  each token's row is nonzero on one rank only, so the values are the same).
 - Their norms compute ``x * (1 + w)``: same layout as Llama's, sequence parallel.
 - Gemma 2 and 3 add ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` and apply
   ``post_attention_layernorm`` to the attention output before the residual add; all four norms run
@@ -14,10 +16,46 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import SequenceParallel
+import types
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from hf_tp.adapters import llama, qwen3
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+
+
+class ScaledEmbeddingRowwise(RowwiseParallel):
+    """``RowwiseParallel`` for HF's scaled word embeddings (``lookup * embed_scale``): the lookup is
+    sharded and reduced as usual, and the scale is applied to the reduced output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not hasattr(module, "embed_scale"):
+            return super()._apply(module, device_mesh)
+        module.forward = types.MethodType(nn.Embedding.forward, module)  # the lookup alone
+        module = super()._apply(module, device_mesh)  # registers the reduce-scatter as a forward hook
+        module.register_forward_hook(_scale_output)  # runs after it
+        return module
+
+
+def _scale_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    scale = module.embed_scale.to(module.weight.dtype)  # HF's expression, same rounding
+    if isinstance(scale, DTensor) and not isinstance(output, DTensor):
+        scale = scale.to_local()  # distribute_module replicated the buffer; the output is local without SP
+    return output * scale
+
+
+def top_plan(opts: PlanOptions) -> Plan:
+    """Llama's top-level plan with the embedding's scale moved after its reduction."""
+    plan = llama.top_plan(opts)
+    emb = plan["model.embed_tokens"]
+    plan["model.embed_tokens"] = ScaledEmbeddingRowwise(
+        input_layouts=emb.input_layouts[0], output_layouts=emb.output_layouts[0], use_local_output=emb.use_local_output
+    )
+    return plan
 
 
 def gemma2_layer_plan(opts: PlanOptions) -> Plan:
@@ -34,10 +72,6 @@ def gemma3_layer_plan(opts: PlanOptions) -> Plan:
     return {**gemma2_layer_plan(opts), "self_attn.q_norm": qwen3.head_norm(), "self_attn.k_norm": qwen3.head_norm()}
 
 
-register_adapter(Adapter(model_type="gemma", layer_plan=llama.layer_plan, top_plan=llama.top_plan, plain_lm_head=True))
-register_adapter(
-    Adapter(model_type="gemma2", layer_plan=gemma2_layer_plan, top_plan=llama.top_plan, plain_lm_head=True)
-)
-register_adapter(
-    Adapter(model_type="gemma3_text", layer_plan=gemma3_layer_plan, top_plan=llama.top_plan, plain_lm_head=True)
-)
+register_adapter(Adapter(model_type="gemma", layer_plan=llama.layer_plan, top_plan=top_plan, plain_lm_head=True))
+register_adapter(Adapter(model_type="gemma2", layer_plan=gemma2_layer_plan, top_plan=top_plan, plain_lm_head=True))
+register_adapter(Adapter(model_type="gemma3_text", layer_plan=gemma3_layer_plan, top_plan=top_plan, plain_lm_head=True))

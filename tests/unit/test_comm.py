@@ -102,6 +102,21 @@ def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> Non
     assert counts[True] == ({**tp_bwd, "allreduce_": 1}, {})  # one fused all-reduce in backward, none after
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_scaled_embeddings_are_reduce_scattered_not_all_reduced(family: str, fake_world) -> None:
+    # Gemma multiplies its embedding lookup by sqrt(hidden); done on the vocab-sharded partial sum,
+    # that product makes DTensor all-reduce the whole b x s x h output. The adapter scales after
+    # the reduce-scatter, so the forward's sequence collectives are the Megatron SP minimum.
+    config = tiny_config(family)
+    model = hf_tp.parallelize(tiny_model(config), hf_tp.build_mesh(tp=TP, device_type="cpu"))
+    data = batch(config.vocab_size, b=B, s=S, pad=None)
+    fwd = Collectives()  # (CommDebugMode's module tracker fails on Gemma 3's forward)
+    with hf_tp.loss_parallel(), fwd:
+        model(**data, use_cache=False)
+    layers = config.num_hidden_layers
+    assert fwd.counts() == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_under_fsdp2_the_partial_grads_are_one_all_reduce_per_backward(family: str) -> None:
     # FSDP2 all-reduces each Partial grad over tp in its post-backward (one per norm weight, and

@@ -42,9 +42,13 @@ def test_tp4_parity(family: str) -> None:
     _check(family, tied=True, tp=4, heads=8, kv=4, s=7)
 
 
-@pytest.mark.parametrize(("sp", "lp"), [(False, True), (True, False), (False, False)])
-def test_plan_options(sp: bool, lp: bool) -> None:
-    _check("qwen2", tied=True, sp=sp, lp=lp)
+@pytest.mark.parametrize(
+    ("family", "sp", "lp"),
+    # Gemma 3 without SP: its embedding scale then multiplies a local (replicated) output.
+    [("qwen2", False, True), ("qwen2", True, False), ("qwen2", False, False), ("gemma3_text", False, False)],
+)
+def test_plan_options(family: str, sp: bool, lp: bool) -> None:
+    _check(family, tied=True, sp=sp, lp=lp)
 
 
 def test_logits_are_vocab_sharded_dtensor() -> None:
