@@ -31,3 +31,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for side in ("hf_tp", "trainer"):
         assert rows[0][side]["tokens_per_sec"] > 0 and rows[0][side]["peak_mem_mib"] > 0
     assert "| tiny | 64 | 1 | plain |" in proc.stdout  # model, seq, batch, variant
+
+
+def test_partial_grads_bench_smoke() -> None:
+    # tp-only (no FSDP2): unfused, AdamW all-reduces each of the 4L+1 = 9 Partial gradients 3 times.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["scripts/bench_partial_grads.py", "--tp", "2", "--dp", "1", "--layers", "2", "--hidden", "64"]
+    cmd += ["--seq-len", "16", "--steps", "1", "--warmup", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fuse_partial_grads=False" in proc.stdout and "all-reduces in backward + AdamW: 27" in proc.stdout
+    assert "fused (one all-reduce)" in proc.stdout and "all-reduces in backward + AdamW: 1\n" in proc.stdout
