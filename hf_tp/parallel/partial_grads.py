@@ -43,8 +43,7 @@ class _Weight:
 class PartialGradReducer:
     """The hooks and the per-backward flush for the replicated weights of one model."""
 
-    def __init__(self, weights: list[_Weight], groups: list[dist.ProcessGroup], dp_divisor: int, fsdp: bool) -> None:
-        self.weights = weights
+    def __init__(self, groups: list[dist.ProcessGroup], dp_divisor: int, fsdp: bool) -> None:
         self.fsdp = fsdp
         self.groups = groups  # all-reduced in order; one group (the world) when it spans dp and tp
         self.dp_divisor = dp_divisor  # FSDP2 averages gradients over dp; so do we
@@ -149,7 +148,7 @@ def install(
             groups = [dist.group.WORLD]  # one collective over dp and tp together
         else:
             groups.append(dp_mesh.get_group())
-    reducer = PartialGradReducer(weights, groups, dp, fsdp)
+    reducer = PartialGradReducer(groups, dp, fsdp)
 
     # The tensors to hook exist only at forward time: FSDP2 creates a unit's unsharded parameters
     # at its first all-gather (and swaps them in in its pre-forward, which runs before any other
