@@ -39,8 +39,9 @@ class Adapter:
             MLP width).
         check: optional extra validation ``(config, tp) -> None`` that raises ``ValueError``.
         plain_lm_head: the logits are exactly ``lm_head(get_decoder()(...).last_hidden_state)``
-            (no logit scaling or soft-capping), so the training loop may fuse the lm_head
-            with the loss (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`).
+            (no logit scaling), so the training loop may fuse the lm_head with the loss
+            (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`). A config with
+            ``final_logit_softcapping`` set (Gemma 2) is never fused, whatever the adapter says.
     """
 
     model_type: str

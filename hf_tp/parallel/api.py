@@ -42,8 +42,9 @@ def parallelize(
     TP and before FSDP2 (so the compiled region holds the TP collectives, not FSDP's hooks).
 
     ``fuse_partial_grads`` sums the ``Partial`` gradients of the weights replicated over tp (the
-    sequence-parallel norms, Qwen3's q/k norms) in one all-reduce per backward instead of one per
-    weight (see :mod:`hf_tp.parallel.partial_grads`); ``False`` leaves that to DTensor and FSDP2.
+    sequence-parallel norms, the per-head q/k norms of Qwen3 and Gemma 3) in one all-reduce per
+    backward instead of one per weight (see :mod:`hf_tp.parallel.partial_grads`); ``False``
+    leaves that to DTensor and FSDP2.
 
     A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
     """

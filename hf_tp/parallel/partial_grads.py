@@ -49,7 +49,7 @@ class PartialGradReducer:
         self.dp_divisor = dp_divisor  # FSDP2 averages gradients over dp; so do we
         self._pending: list[tuple[_Weight, torch.Tensor]] = []
         self._queued = False
-        self.flushes = 0  # backward passes that reduced something (read by tests and the estimate)
+        self.flushes = 0  # backward passes that reduced something (the parity tests check it)
 
     def hook_current_tensors(self, weights: list[_Weight]) -> None:
         """Hook the tensors the modules hold right now: FSDP2's unsharded parameters while it
