@@ -92,10 +92,15 @@ def run_hf_tp(args, model_dir: Path, data: Path, seq: int, ac: bool, compile_: b
     ]
     cmd += ["--activation-checkpointing"] if ac else []
     cmd += ["--compile"] if compile_ else []
+    cmd += ["--profile-steps", f"{args.steps - 1}-{args.steps}"] if args.profile_dir else []
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"hf-tp train failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    if args.profile_dir:
+        keep_profile(out / "profile" / "rank0.ops.txt", args.profile_dir, f"hf_tp-{seq}-{variant_name(ac, compile_)}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][
+        args.warmup : timed_end(args)
+    ]
     mem = max(r.get("peak_mem_mib", r.get("peak_rss_mib", 0)) for r in rows)
     mfu = [r["mfu"] for r in rows if "mfu" in r]
     return {
@@ -103,6 +108,20 @@ def run_hf_tp(args, model_dir: Path, data: Path, seq: int, ac: bool, compile_: b
         "mfu": statistics.median(mfu) if mfu else None,
         "peak_mem_mib": mem,
     }
+
+
+def timed_end(args) -> int:
+    """Steps after the warm-up are timed, except the two profiled ones (the profiler slows them)."""
+    return args.steps - 2 if args.profile_dir else args.steps
+
+
+def variant_name(ac: bool, compile_: bool) -> str:
+    return "+".join(["ac"] * ac + ["compile"] * compile_) or "plain"
+
+
+def keep_profile(ops: Path, dest: str, name: str) -> None:
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    (Path(dest) / f"{name}.ops.txt").write_text(ops.read_text())
 
 
 def trainer_worker(args) -> None:
@@ -121,24 +140,33 @@ def trainer_worker(args) -> None:
 
     from hf_tp.data import load_text_dataset, tokenize_dataset
     from hf_tp.train.metrics import flops_per_token, peak_flops
+    from hf_tp.train.profile import StepProfiler
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     data = tokenize_dataset(load_text_dataset(args.data), tok, seq_len=args.seq)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     times: list[float] = []
+    cuda = args.device == "cuda"
+    work = Path(args.work)
+    steps = (args.steps - 1, args.steps) if args.profile_dir else None
+    profiler = StepProfiler(steps, work / "profile", 0, torch.device("cuda" if cuda else "cpu"))
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
+        """Step time = the interval between two step ends, as hf-tp train measures it: data
+        loading, logging and the optimizer are inside it (the Trainer loads a batch before its
+        on_step_begin, so timing begin -> end would leave that out)."""
+
+        t_end: float | None = None
 
         def on_step_end(self, *a, **k):
-            if torch.cuda.is_available():
+            if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t0)
+            now = time.perf_counter()
+            if self.t_end is not None:
+                times.append(now - self.t_end)
+            self.t_end = now
+            profiler.step()
 
-    cuda = args.device == "cuda"
     targs = TrainingArguments(
         output_dir=args.work,
         per_device_train_batch_size=args.batch_size,
@@ -168,7 +196,14 @@ def trainer_worker(args) -> None:
         callbacks=[Timer()],
     )
     trainer.train()
-    dt = statistics.median(times[args.warmup :])
+    profiler.close()
+    if args.profile_dir:
+        keep_profile(
+            work / "profile" / "rank0.ops.txt",
+            args.profile_dir,
+            f"trainer-{args.seq}-{variant_name(args.ac, args.compile)}",
+        )
+    dt = statistics.median(times[max(args.warmup - 1, 0) : timed_end(args) - 1])  # times[i] ends step i+2
     tps = args.batch_size * args.seq / dt
     device = torch.device("cuda" if cuda else "cpu")
     peak = peak_flops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
@@ -208,8 +243,9 @@ def run_trainer(args, model_dir: Path, data: Path, seq: int, ac: bool, compile_:
         "--device",
         args.device,
         "--work",
-        str(work / "trainer"),
+        str(work / f"trainer-{seq}-{variant_name(ac, compile_)}"),
     ]
+    cmd += ["--profile-dir", args.profile_dir] if args.profile_dir else []
     cmd += ["--ac"] if ac else []
     cmd += ["--compile"] if compile_ else []
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -231,6 +267,8 @@ def main() -> None:
     p.add_argument("--variants", default="plain,ac,compile,ac+compile")
     p.add_argument("--out")
     p.add_argument("--skip-trainer", action="store_true", help="time hf-tp train only")
+    p.add_argument("--skip-hf-tp", action="store_true", help="time the Trainer only")
+    p.add_argument("--profile-dir", help="profile two steps after the warm-up of every run; op tables land here")
     # worker mode
     p.add_argument("--trainer-worker", action="store_true")
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -260,8 +298,8 @@ def main() -> None:
         args.batch_size = max(1, args.tokens_per_step // seq)
         for variant in args.variants.split(","):
             ac, compile_ = "ac" in variant, "compile" in variant
-            ours = run_hf_tp(args, model_dir, data, seq, ac, compile_, work)
             na = {"tokens_per_sec": float("nan"), "mfu": None, "peak_mem_mib": float("nan")}
+            ours = na if args.skip_hf_tp else run_hf_tp(args, model_dir, data, seq, ac, compile_, work)
             theirs = na if args.skip_trainer else run_trainer(args, model_dir, data, seq, ac, compile_, work)
             row = {
                 "model": args.shape,

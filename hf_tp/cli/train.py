@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         const=False,
         help="replicated instead of vocab-sharded logits (only for models whose lm_head and loss are not fused)",
     )
+    p.add_argument(
+        "--profile-steps",
+        help="profile optimizer steps A-B (e.g. 10-12): Perfetto trace and op table in OUTPUT_DIR/profile",
+    )
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False)
     p.add_argument("--nnodes", type=int)
     p.add_argument("--node-rank", type=int)

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from hf_tp.train.profile import parse_profile_steps
+
 DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -56,6 +58,7 @@ class TrainConfig:
     overwrite: bool = False
     log_every: int = 1
     tensorboard: bool = True
+    profile_steps: str | None = None  # "A-B": torch.profiler trace of optimizer steps A..B in output_dir/profile
     # launch (multi-node flags pass through to accelerate's launcher)
     nnodes: int = 1
     node_rank: int = 0
@@ -110,6 +113,9 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        profiled = parse_profile_steps(self.profile_steps)
+        if profiled and self.max_steps is not None and profiled[1] > self.max_steps:
+            raise ValueError(f"--profile-steps {self.profile_steps} goes past --max-steps {self.max_steps}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.tp is not None and self.dp is not None and (self.tp * self.dp) % self.nnodes:

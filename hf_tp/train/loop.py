@@ -30,6 +30,7 @@ from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable, training_loss
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
+from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint, validate_model_config
 
 T = TypeVar("T")
@@ -182,21 +183,28 @@ def train(cfg: TrainConfig) -> TrainResult:
     result = TrainResult(output_dir=out)
     ctx = loss_parallel if cfg.loss_parallel else _null
     fused = fusable(model)
+
+    def fetch(step: int) -> tuple[int, int, list[dict[str, torch.Tensor]]]:
+        """One optimizer step's data: (targets in the global batch, its tokens, this rank's micro-batches)."""
+        examples = [data[i]["input_ids"] for i in plan.step_indices(step)]
+        # Targets of the whole global batch (HF shifts labels by one): known on every rank.
+        num_targets = sum(max(len(ids) - 1, 0) for ids in examples)
+        tokens = sum(len(ids) for ids in examples)
+        micro = plan.local_indices(
+            step, dp_rank=dp_rank, dp=cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum
+        )
+        return num_targets, tokens, [to_device(collate([data[i] for i in rows]), device) for rows in micro]
+
+    upcoming = None
+    profiler = StepProfiler(parse_profile_steps(cfg.profile_steps), out / "profile", rank, device, start_step + 1)
     try:
         for step in range(start_step, cfg.max_steps):
             crash_point("train", step + 1)
             t0 = time.perf_counter()
-            examples = [data[i]["input_ids"] for i in plan.step_indices(step)]
-            # Targets of the whole global batch (HF shifts labels by one): known on every rank.
-            num_targets = sum(max(len(ids) - 1, 0) for ids in examples)
-            tokens = sum(len(ids) for ids in examples)
-            micro = plan.local_indices(
-                step, dp_rank=dp_rank, dp=cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum
-            )
+            num_targets, tokens, batches = upcoming or fetch(step)
             local_loss = torch.zeros((), device=device)
-            for m, rows in enumerate(micro):
-                batch = {k: v.to(device) for k, v in collate([data[i] for i in rows]).items()}
-                _set_grad_sync(model, m == len(micro) - 1)
+            for m, batch in enumerate(batches):
+                _set_grad_sync(model, m == len(batches) - 1)
                 with ctx():
                     loss = training_loss(model, batch, num_targets, fused)
                     # The loss is already divided by the global token count, so the dp ranks'
@@ -204,6 +212,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                     # set_gradient_divide_factor(1) needs PREMUL_SUM, which gloo lacks.)
                     (loss * cfg.dp).backward()
                 local_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
+            # The next step's batches are collated while the device still runs this backward
+            # (the loss check below waits for it).
+            upcoming = fetch(step + 1) if step + 1 < cfg.max_steps else None
             dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=dp_group)
             grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
             loss_value, norm_value = local_loss.item(), grad_norm.item()
@@ -220,6 +231,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             dt = time.perf_counter() - t0
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
+            profiler.step()
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.max_steps:
                 record = {
                     "step": step + 1,
@@ -249,6 +261,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     keep=cfg.keep_checkpoints,
                 )
     finally:
+        profiler.close()
         logger.close()
     if cfg.export_on_finish:
         from hf_tp.checkpoint.export import export_checkpoint
@@ -295,6 +308,14 @@ def truncate_metrics(path: Path, keep_steps: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in lines))
     os.replace(tmp, path)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copy a batch without waiting: from pinned memory a CUDA copy is queued behind the running
+    kernels; from pageable memory it would block the CPU until they finish."""
+    if device.type != "cuda":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

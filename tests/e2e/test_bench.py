@@ -18,7 +18,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_TP_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_train.py", "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            "scripts/bench_train.py",
+            "--smoke",
+            "--out",
+            str(out),
+            "--profile-dir",
+            str(tmp_path / "prof"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -31,6 +39,28 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for side in ("hf_tp", "trainer"):
         assert rows[0][side]["tokens_per_sec"] > 0 and rows[0][side]["peak_mem_mib"] > 0
     assert "| tiny | 64 | 1 | plain |" in proc.stdout  # model, seq, batch, variant
+    # Both sides profiled their last two steps (left out of the timing).
+    for name in ("hf_tp-64-plain", "trainer-64-plain"):
+        assert (tmp_path / "prof" / f"{name}.ops.txt").read_text().startswith("2 steps, ")
+
+
+def test_fused_loss_bench_smoke() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_fused_loss.py", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        ln.split("|")[1:-1] for ln in proc.stdout.splitlines() if ln.startswith("| fused") or ln.startswith("| unf")
+    ]
+    assert len(rows) == 8
+    for row in rows:  # every variant computes the same gradients as HF's path (fp32 on CPU)
+        assert float(row[3]) < 1e-6 and float(row[4]) < 1e-6, row
 
 
 def test_partial_grads_bench_smoke() -> None:

@@ -208,5 +208,17 @@ def test_compiled_chunk_math_equals_eager() -> None:
         torch.testing.assert_close(compiled(*_fresh(args)), eager(*_fresh(args)), rtol=RTOL, atol=ATOL)
 
 
+def test_weight_grad_accumulates_in_fp32_from_bf16_chunks() -> None:
+    # bf16 chunks into the fp32 weight gradient (GPUs do it in the GEMM; CPUs take the fallback).
+    from hf_tp.parallel.linear_ce import _accumulate_weight_grad
+
+    gen = torch.Generator().manual_seed(0)
+    grad_w = torch.randn(7, 5, generator=gen)
+    g, h = (torch.randn(9, n, generator=gen).bfloat16() for n in (7, 5))
+    want = grad_w + g.float().t() @ h.float()
+    _accumulate_weight_grad(grad_w, g, h)
+    torch.testing.assert_close(grad_w, want, rtol=1e-2, atol=1e-2)  # the bf16 product's rounding
+
+
 def _fresh(args: tuple) -> list:
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]

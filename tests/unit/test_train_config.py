@@ -80,6 +80,9 @@ def corpus(tmp_path_factory) -> Path:
         ),
         (["--seq-len", "4096"], r"--seq-len 4096 is over this model's max_position_embeddings \(128\)"),
         (["--dataset", "/no/such/file.txt"], "dataset not found: no file or directory at '/no/such/file.txt'"),
+        (["--profile-steps", "1-2"], r"--profile-steps 1-2: need 2 <= first <= last"),
+        (["--profile-steps", "x"], "--profile-steps must look like 10-12"),
+        (["--profile-steps", "4-9", "--max-steps", "5"], "--profile-steps 4-9 goes past --max-steps 5"),
     ],
 )
 def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
