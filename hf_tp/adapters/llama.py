@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -19,14 +20,24 @@ from torch.distributed.tensor.parallel import (
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
 
 
+def kv_projection(opts: PlanOptions) -> ParallelStyle:
+    """``k_proj``/``v_proj``: sharded by KV head, or whole on every rank when tp > KV heads."""
+    if opts.kv_replicas == 1:
+        return ColwiseParallel()
+    # Imported here: hf_tp.parallel imports the adapters package, which imports this file.
+    from hf_tp.parallel.kv_heads import ReplicatedKVProjection
+
+    return ReplicatedKVProjection(opts.kv_replicas)
+
+
 def layer_plan(opts: PlanOptions) -> Plan:
     """One decoder layer: attention and MLP are each a column-then-row parallel pair."""
     if not opts.sequence_parallel:
         # Replicated residual (plain local tensors, full sequence): no input preparation needed.
         return {
             "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.k_proj": kv_projection(opts),
+            "self_attn.v_proj": kv_projection(opts),
             "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
@@ -40,8 +51,8 @@ def layer_plan(opts: PlanOptions) -> Plan:
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         ),
         "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.k_proj": kv_projection(opts),
+        "self_attn.v_proj": kv_projection(opts),
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
         # The MLP is called positionally: self.mlp(hidden_states).

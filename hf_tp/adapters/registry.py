@@ -23,6 +23,8 @@ class PlanOptions:
 
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    # tp ranks that share each KV head: tp / num_key_value_heads when tp is larger, else 1.
+    kv_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,20 @@ class Adapter:
         return sizes
 
     def valid_tp_sizes(self, config: PretrainedConfig) -> list[int]:
-        """Every tp that divides all split sizes of this model."""
+        """Every tp that divides all split sizes of this model, except that the KV heads may also
+        divide tp (each then replicated on tp / num_key_value_heads ranks)."""
+        sizes = self.split_sizes(config)
         g = 0
-        for value in self.split_sizes(config).values():
-            g = math.gcd(g, value)
-        return [d for d in range(1, g + 1) if g % d == 0]
+        for name, value in sizes.items():
+            if name != "num_key_value_heads":
+                g = math.gcd(g, value)
+        kv = sizes.get("num_key_value_heads")
+        return [d for d in range(1, g + 1) if g % d == 0 and (kv is None or kv % d == 0 or d % kv == 0)]
+
+    def kv_replicas(self, config: PretrainedConfig, tp: int) -> int:
+        """How many tp ranks share each KV head (1 unless tp > num_key_value_heads)."""
+        kv = self.split_sizes(config).get("num_key_value_heads")
+        return tp // kv if kv is not None and tp > kv else 1
 
     def validate(self, config: PretrainedConfig, tp: int) -> None:
         """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model."""
@@ -77,9 +88,12 @@ class Adapter:
             raise ValueError(f"tp must be a positive integer, got tp={tp}")
         valid = ", ".join(str(v) for v in self.valid_tp_sizes(config))
         for name, value in self.split_sizes(config).items():
+            if name == "num_key_value_heads" and tp > value and tp % value == 0:
+                continue  # fewer KV heads than ranks: each one replicated on tp / kv ranks
             if value % tp != 0:
+                also = " (or be a multiple of it)" if name == "num_key_value_heads" else ""
                 raise ValueError(
-                    f"tp must divide {name} ({value}) of this {self.model_type} model, got tp={tp}; "
+                    f"tp must divide {name} ({value}){also} of this {self.model_type} model, got tp={tp}; "
                     f"valid tp values for it are: {valid}"
                 )
         if self.check is not None:

@@ -54,7 +54,11 @@ def parallelize(
     adapter = get_adapter(config)
     dp_mesh, tp_mesh = split_mesh(mesh)
     adapter.validate(config, tp_mesh.size())
-    opts = PlanOptions(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    opts = PlanOptions(
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        kv_replicas=adapter.kv_replicas(config, tp_mesh.size()),
+    )
     check_plan_paths(model, adapter, opts)
     if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")

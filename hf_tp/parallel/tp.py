@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.registry import Adapter, PlanOptions
+from hf_tp.parallel.kv_heads import ReplicatedKVProjection, set_local_kv_groups
 
 
 def embeddings_tied(model: nn.Module) -> bool:
@@ -50,7 +51,15 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
     """Shard every decoder layer and the top-level modules over ``tp_mesh``, in place."""
     tied = embeddings_tied(model)
     layer_plan = adapter.layer_plan(opts)
+    replicated_kv = [p.rpartition(".")[0] for p, s in layer_plan.items() if isinstance(s, ReplicatedKVProjection)]
+    if opts.kv_replicas > 1 and not replicated_kv:
+        raise ValueError(
+            f"the {adapter.model_type} adapter's plan does not replicate KV heads, so tp ({tp_mesh.size()}) must "
+            f"divide num_key_value_heads ({model.config.num_key_value_heads})"
+        )
     for layer in model.get_submodule(adapter.layers_path):
+        for attention in set(replicated_kv):  # raises before the first layer is touched
+            set_local_kv_groups(layer.get_submodule(attention), model.config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, layer_plan)
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if tied:

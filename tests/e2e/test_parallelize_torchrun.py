@@ -48,7 +48,8 @@ def test_heads_not_divisible_stop_every_rank_at_once(tmp_path: Path) -> None:
         # Qwen3: the per-head q/k norm weights' Partial gradients under FSDP2 on a 2-D mesh, with
         # two backward passes per step (FSDP2 reduce-scatters and hf_tp's fused all-reduce adds twice).
         {"family": "qwen3", "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "micro": 2},
-        {"family": "qwen2", "tied": True, "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9},
+        # One KV head for tp=2: k_proj/v_proj whole on both tp ranks, sharded over dp by FSDP2.
+        {"family": "qwen2", "tied": True, "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "kv": 1},
         # torch.compile per decoder layer (inductor, CPU): same numbers as eager HF.
         {"family": "llama", "tp": 2, "dp": 1, "compile": True, "pad": None, "s": 12},
     ],

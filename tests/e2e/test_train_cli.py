@@ -47,7 +47,10 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny Qwen2 (tied, vocab of the default tokenizer) saved with a tokenizer, and a corpus."""
+    """A tiny Qwen2 (tied, vocab of the default tokenizer) saved with a tokenizer, and a corpus.
+
+    4 heads, 2 KV heads: at tp=2 k_proj/v_proj are sharded by KV head, at tp=4 each KV head is
+    replicated on 2 ranks; the runs below (and test_checkpoint's resumes) cross between the two."""
     from transformers import AutoTokenizer
 
     from hf_tp.data.default import ensure_default_assets
@@ -56,7 +59,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     assets = ensure_default_assets(root / "assets")
     tok = AutoTokenizer.from_pretrained(assets.model_dir)
     model_dir = root / "qwen2"
-    config = tiny_config("qwen2", tied=True, kv_heads=4, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    config = tiny_config("qwen2", tied=True, kv_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
     tiny_model(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     return model_dir, assets.data_file

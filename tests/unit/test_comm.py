@@ -51,9 +51,10 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def test_one_decoder_layer_is_the_megatron_sp_minimum(fake_world) -> None:
+@pytest.mark.parametrize("kv", [2, 1])  # kv=1 < tp: the KV head replicated on both ranks
+def test_one_decoder_layer_is_the_megatron_sp_minimum(kv: int, fake_world) -> None:
     model = hf_tp.parallelize(
-        tiny_model(tiny_config("llama", attention_bias=False, mlp_bias=False)),
+        tiny_model(tiny_config("llama", kv_heads=kv, attention_bias=False, mlp_bias=False)),
         hf_tp.build_mesh(tp=TP, device_type="cpu"),
     )
     mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh

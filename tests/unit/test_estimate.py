@@ -188,7 +188,8 @@ def test_gpu_memory_sweep_recommends_the_smallest_tp_that_fits(tiny_dir: Path, c
     config = tiny_llama()
     result = sweep(config, world_size=4, seq_len=128, batch_size=2, dtype="fp32")
     by_tp = {e.tp: e for e in result.estimates}
-    assert sorted(by_tp) == [1, 2] and by_tp[1].peak.total > by_tp[2].peak.total
+    # tp=4 too: more ranks than its 2 KV heads, each then replicated on 2 ranks.
+    assert sorted(by_tp) == [1, 2, 4] and by_tp[1].peak.total > by_tp[2].peak.total
     # A GPU that holds tp=2's peak (with the margins) but not tp=1's.
     gpu = int(by_tp[2].peak.total * 1.1 + RESERVED_BYTES) + 1
     assert recommend(result.estimates, gpu).tp == 2

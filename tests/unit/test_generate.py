@@ -61,13 +61,20 @@ def _hook_counts(model) -> list[int]:
 
 # Mistral: the generated length (7 + 8) passes its sliding window (5), so the cache is cropped.
 @pytest.mark.parametrize(
-    ("family", "tied"),
+    ("family", "tied", "kv"),
     # Not Gemma 2: its float64 parity (parity_dtype) needs eager attention, where HF itself gives
-    # NaN logits on the left-padded prompt.
-    [("qwen2", True), ("llama", False), ("mistral", False), ("qwen3", False), ("gemma3_text", True)],
+    # NaN logits on the left-padded prompt. kv=1: the KV head (and its cache) replicated on both ranks.
+    [
+        ("qwen2", True, 2),
+        ("llama", False, 2),
+        ("mistral", False, 2),
+        ("qwen3", False, 2),
+        ("gemma3_text", True, 2),
+        ("qwen3", True, 1),
+    ],
 )
-def test_greedy_generate_matches_plain_hf_then_training_continues(family: str, tied: bool) -> None:
-    config = tiny_config(family, tied=tied)
+def test_greedy_generate_matches_plain_hf_then_training_continues(family: str, tied: bool, kv: int) -> None:
+    config = tiny_config(family, tied=tied, kv_heads=kv)
     ref = tiny_model(config, dtype=parity_dtype(family))
     prompts = _prompts(config.vocab_size)
     data = batch(config.vocab_size, s=11)

@@ -43,6 +43,15 @@ def test_tp4_parity(family: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("family", "heads", "kv", "sp"),
+    [("qwen2", 8, 2, True), ("llama", 4, 1, False), ("qwen3", 8, 2, True), ("gemma3_text", 4, 1, True)],
+)
+def test_tp4_with_fewer_kv_heads_than_ranks(family: str, heads: int, kv: int, sp: bool) -> None:
+    # Each KV head replicated on tp / kv ranks (k_proj, v_proj whole; Qwen3/Gemma 3's k_norm on it).
+    _check(family, tied=True, tp=4, heads=heads, kv=kv, s=7, sp=sp)
+
+
+@pytest.mark.parametrize(
     ("family", "sp", "lp"),
     # Gemma 3 without SP: its embedding scale then multiplies a local (replicated) output.
     [("qwen2", False, True), ("qwen2", True, False), ("qwen2", False, False), ("gemma3_text", False, False)],

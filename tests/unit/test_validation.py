@@ -43,7 +43,14 @@ def test_register_twice_is_an_error_and_custom_adapter_works() -> None:
             4,
             r"tp must divide num_attention_heads \(14\) of this qwen2 model, got tp=4; valid tp values for it are: 1, 2$",
         ),
-        (8, 2, 128, 4, r"tp must divide num_key_value_heads \(2\) .* got tp=4; valid tp values for it are: 1, 2$"),
+        (
+            12,
+            4,
+            96,
+            6,
+            r"tp must divide num_key_value_heads \(4\) \(or be a multiple of it\) .* got tp=6; "
+            r"valid tp values for it are: 1, 2, 4, 12$",
+        ),
         (8, 8, 100, 8, r"tp must divide intermediate_size \(100\) .* got tp=8; valid tp values for it are: 1, 2, 4$"),
         (8, 8, 128, 0, r"tp must be a positive integer, got tp=0"),
     ],
@@ -52,6 +59,14 @@ def test_divisibility_errors_name_the_numbers(heads, kv, inter, tp, message) -> 
     config = tiny_config("qwen2", heads=heads, kv_heads=kv, intermediate_size=inter, hidden_size=heads * 8)
     with pytest.raises(ValueError, match=message):
         get_adapter(config).validate(config, tp)
+
+
+def test_fewer_kv_heads_than_ranks_is_valid() -> None:
+    config = tiny_config("qwen2", heads=16, kv_heads=2, intermediate_size=128, hidden_size=128)
+    adapter = get_adapter(config)
+    assert adapter.valid_tp_sizes(config) == [1, 2, 4, 8, 16]
+    adapter.validate(config, 8)
+    assert [adapter.kv_replicas(config, tp) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
 
 
 def test_build_mesh_needs_a_process_group() -> None:
