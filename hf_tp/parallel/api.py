@@ -46,6 +46,9 @@ def parallelize(
     backward instead of one per weight (see :mod:`hf_tp.parallel.partial_grads`); ``False``
     leaves that to DTensor and FSDP2.
 
+    tp must divide the attention heads and the MLP width; with fewer KV heads than tp ranks each
+    KV head is replicated on tp / num_key_value_heads ranks (:mod:`hf_tp.parallel.kv_heads`).
+
     A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
     """
     config = getattr(model, "config", None)

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
 from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+from hf_tp.data.steps import StepBatchSource
 from hf_tp.parallel import build_mesh, loss_parallel, parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable, training_loss
@@ -184,29 +185,21 @@ def train(cfg: TrainConfig) -> TrainResult:
     ctx = loss_parallel if cfg.loss_parallel else _null
     fused = fusable(model)
 
-    def fetch(step: int) -> tuple[int, int, list[dict[str, torch.Tensor]]]:
-        """One optimizer step's data: (targets in the global batch, its tokens, this rank's micro-batches)."""
-        examples = [data[i]["input_ids"] for i in plan.step_indices(step)]
-        # Targets of the whole global batch (HF shifts labels by one): known on every rank.
-        num_targets = sum(max(len(ids) - 1, 0) for ids in examples)
-        tokens = sum(len(ids) for ids in examples)
-        micro = plan.local_indices(
-            step, dp_rank=dp_rank, dp=cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum
-        )
-        return num_targets, tokens, [to_device(collate([data[i] for i in rows]), device) for rows in micro]
-
+    fetch = StepBatchSource(
+        data, plan, collate, dp_rank, cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum, device=device
+    )
     upcoming = None
     profiler = StepProfiler(parse_profile_steps(cfg.profile_steps), out / "profile", rank, device, start_step + 1)
     try:
         for step in range(start_step, cfg.max_steps):
             crash_point("train", step + 1)
             t0 = time.perf_counter()
-            num_targets, tokens, batches = upcoming or fetch(step)
+            batches = upcoming or fetch(step)
             local_loss = torch.zeros((), device=device)
-            for m, batch in enumerate(batches):
-                _set_grad_sync(model, m == len(batches) - 1)
+            for m, batch in enumerate(batches.micro_batches):
+                _set_grad_sync(model, m == len(batches.micro_batches) - 1)
                 with ctx():
-                    loss = training_loss(model, batch, num_targets, fused)
+                    loss = training_loss(model, batch, batches.num_targets, fused)
                     # The loss is already divided by the global token count, so the dp ranks'
                     # gradients must be summed; FSDP2 averages them, hence the factor dp. (FSDP2's
                     # set_gradient_divide_factor(1) needs PREMUL_SUM, which gloo lacks.)
@@ -238,12 +231,12 @@ def train(cfg: TrainConfig) -> TrainResult:
                     "loss": loss_value,
                     "grad_norm": norm_value,
                     "lr": lr,
-                    "tokens": tokens,
-                    "tokens_per_sec": tokens / dt,
+                    "tokens": batches.tokens,
+                    "tokens_per_sec": batches.tokens / dt,
                     "step_time_s": dt,
                 }
                 if peak is not None:
-                    record["mfu"] = fpt * tokens / dt / (peak * dist.get_world_size())
+                    record["mfu"] = fpt * batches.tokens / dt / (peak * dist.get_world_size())
                 record.update(peak_memory_mib(device))
                 logger.log(record)
             final = step + 1 == cfg.max_steps
@@ -308,14 +301,6 @@ def truncate_metrics(path: Path, keep_steps: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(ln + "\n" for ln in lines))
     os.replace(tmp, path)
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copy a batch without waiting: from pinned memory a CUDA copy is queued behind the running
-    kernels; from pageable memory it would block the CPU until they finish."""
-    if device.type != "cuda":
-        return batch
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

@@ -249,3 +249,24 @@ def test_plan_errors() -> None:
         plan.local_indices(0, dp_rank=0, dp=2, micro_batch=2, grad_accum=0)
     with pytest.raises(ValueError, match="step must be >= 0, got step=-1"):
         plan.step_indices(-1)
+
+
+def test_step_batches_count_the_global_batch_and_split_the_local_one() -> None:
+    from hf_tp.data.steps import StepBatchSource
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (3, 5, 2, 4, 6, 1, 7, 2)]})
+    plan = GlobalBatchPlan(num_examples=len(rows), global_batch=4, seed=0)
+    collate = PadToMultipleCollator(pad_token_id=0, multiple_of=2)
+    per_rank = []
+    for dp_rank in range(2):
+        source = StepBatchSource(
+            rows, plan, collate, dp_rank, 2, micro_batch=1, grad_accum=2, device=torch.device("cpu")
+        )
+        per_rank.append(source(1))
+    lengths = [len(rows[i]["input_ids"]) for i in plan.step_indices(1)]
+    for got in per_rank:  # the divisor and token count are the global batch's, equal on every rank
+        assert (got.num_targets, got.tokens) == (sum(n - 1 for n in lengths), sum(lengths))
+        assert len(got.micro_batches) == 2 and all(b["input_ids"].shape[0] == 1 for b in got.micro_batches)
+        assert all(b["input_ids"].shape[1] % 2 == 0 for b in got.micro_batches)  # padded to tp
+    seen = sorted(int(b["attention_mask"].sum()) for got in per_rank for b in got.micro_batches)
+    assert seen == sorted(lengths)  # the two ranks' micro-batches are the step's four examples
