@@ -13,7 +13,7 @@ _LAZY = {
     "push_to_hub": "hf_tp.checkpoint.hub",
     "generate": "hf_tp.inference",
     "evaluate": "hf_tp.inference",
-    "shutdown": "hf_tp.train.loop",
+    "shutdown": "hf_tp.train.setup",
     "causal_lm_loss": "hf_tp.parallel.linear_ce",
 }
 

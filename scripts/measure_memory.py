@@ -26,10 +26,10 @@ import torch.distributed as dist
 from transformers import LlamaConfig, PretrainedConfig
 
 import hf_tp
-from hf_tp.plan import estimate
-from hf_tp.plan.configs import resolve_model_config
-from hf_tp.plan.estimate import MemoryBreakdown, MiB
-from hf_tp.plan.measure import measure
+from hf_tp.estimate import estimate
+from hf_tp.estimate.api import MemoryBreakdown, MiB
+from hf_tp.estimate.configs import resolve_model_config
+from hf_tp.estimate.measure import measure
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other", "total")
 

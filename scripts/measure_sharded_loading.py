@@ -59,7 +59,7 @@ def worker(model_dir: str, mode: str) -> None:
 
     import hf_tp
     from hf_tp.train.config import TrainConfig
-    from hf_tp.train.loop import build_model
+    from hf_tp.train.setup import build_parallel_model
 
     dist.init_process_group("gloo")
     base, anon_base = rss_mib(), anon_mib()
@@ -68,7 +68,7 @@ def worker(model_dir: str, mode: str) -> None:
     mesh = hf_tp.build_mesh(tp=tp, device_type="cpu")
     if mode == "sharded":
         cfg = TrainConfig(model=model_dir, dataset="unused", tp=tp, dp=1, seq_len=128).resolve()
-        model = build_model(cfg, mesh, torch.device("cpu"))
+        model = build_parallel_model(cfg, mesh, torch.device("cpu"))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf_tp.parallelize(model, mesh)

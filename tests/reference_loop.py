@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
-from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 
 
 def reference_losses(
@@ -30,7 +30,7 @@ def reference_losses(
     data = tokenize_dataset(load_text_dataset(dataset), tok, seq_len=seq_len)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    plan = GlobalBatchPlan(num_examples=len(data), global_batch=global_batch, seed=seed)
+    plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)
     collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     sched = get_cosine_with_min_lr_schedule_with_warmup(

@@ -16,36 +16,11 @@
 
 from __future__ import annotations
 
-import types
+from torch.distributed.tensor.parallel import SequenceParallel
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
-
-from hf_tp.adapters import llama, qwen3
+from hf_tp.adapters import llama
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
-
-
-class ScaledEmbeddingRowwise(RowwiseParallel):
-    """``RowwiseParallel`` for HF's scaled word embeddings (``lookup * embed_scale``): the lookup is
-    sharded and reduced as usual, and the scale is applied to the reduced output."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not hasattr(module, "embed_scale"):
-            return super()._apply(module, device_mesh)
-        module.forward = types.MethodType(nn.Embedding.forward, module)  # the lookup alone
-        module = super()._apply(module, device_mesh)  # registers the reduce-scatter as a forward hook
-        module.register_forward_hook(_scale_output)  # runs after it
-        return module
-
-
-def _scale_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    scale = module.embed_scale.to(module.weight.dtype)  # HF's expression, same rounding
-    if isinstance(scale, DTensor) and not isinstance(output, DTensor):
-        scale = scale.to_local()  # distribute_module replicated the buffer; the output is local without SP
-    return output * scale
+from hf_tp.styles import ScaledEmbeddingRowwise, head_norm
 
 
 def top_plan(opts: PlanOptions) -> Plan:
@@ -69,7 +44,7 @@ def gemma2_layer_plan(opts: PlanOptions) -> Plan:
 
 def gemma3_layer_plan(opts: PlanOptions) -> Plan:
     """Gemma 2's layer plan with Qwen3's per-head q/k norms."""
-    return {**gemma2_layer_plan(opts), "self_attn.q_norm": qwen3.head_norm(), "self_attn.k_norm": qwen3.head_norm()}
+    return {**gemma2_layer_plan(opts), "self_attn.q_norm": head_norm(), "self_attn.k_norm": head_norm()}
 
 
 register_adapter(Adapter(model_type="gemma", layer_plan=llama.layer_plan, top_plan=top_plan, plain_lm_head=True))

@@ -18,15 +18,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+from hf_tp.styles import ReplicatedKVProjection
 
 
 def kv_projection(opts: PlanOptions) -> ParallelStyle:
     """``k_proj``/``v_proj``: sharded by KV head, or whole on every rank when tp > KV heads."""
     if opts.kv_replicas == 1:
         return ColwiseParallel()
-    # Imported here: hf_tp.parallel imports the adapters package, which imports this file.
-    from hf_tp.parallel.kv_heads import ReplicatedKVProjection
-
     return ReplicatedKVProjection(opts.kv_replicas)
 
 

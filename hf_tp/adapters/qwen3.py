@@ -11,19 +11,9 @@ weights (a plain local weight would train on one rank's heads only, silently).
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import SequenceParallel
-
 from hf_tp.adapters import llama
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
-
-HEADS_DIM = 2  # q_proj(x).view(batch, seq, heads, head_dim)
-
-
-def head_norm() -> SequenceParallel:
-    """A norm over ``head_dim`` on this rank's heads: local tensors in and out, replicated weight."""
-    # torch's SequenceParallel style does exactly this for any dim: it wraps the local input as a
-    # Shard(dim) DTensor, replicates the weight, and returns the local output.
-    return SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True)
+from hf_tp.styles import head_norm
 
 
 def layer_plan(opts: PlanOptions) -> Plan:

@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.parallel.tp import embeddings_tied
 
@@ -75,7 +75,3 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
         raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
     state = {k: v for k, v in state.items() if k in keys}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
-
-
-def load_config(model: str) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(model)

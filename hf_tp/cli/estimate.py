@@ -12,7 +12,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.plan.configs import bundled_models
+    from hf_tp.estimate.configs import bundled_models
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
@@ -28,10 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_tp.plan.configs import resolve_model_config
-    from hf_tp.plan.estimate import estimate
-    from hf_tp.plan.report import format_estimate, format_sweep
-    from hf_tp.plan.sweep import parse_memory, sweep
+    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.configs import resolve_model_config
+    from hf_tp.estimate.report import format_estimate, format_sweep
+    from hf_tp.estimate.sweep import parse_memory, sweep
 
     try:
         config, name = resolve_model_config(args.model)

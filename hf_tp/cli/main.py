@@ -1,4 +1,4 @@
-"""``hf-tp``: one module per subcommand."""
+"""``hf-tp``: one module per subcommand, dispatched by a table."""
 
 from __future__ import annotations
 
@@ -7,24 +7,21 @@ import sys
 
 from hf_tp.cli import estimate, export, train
 
+# name -> (module with add_arguments(parser) and run(args), one-line help)
+SUBCOMMANDS = {
+    "train": (train, "train a model (launches tp*dp ranks)"),
+    "export": (export, "checkpoint -> HF safetensors folder (+ Hub push)"),
+    "estimate": (estimate, "per-rank memory and communication of a run, simulated on CPU"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-tp", description="TP+SP x FSDP2 training of HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
-    train.add_arguments(sub.add_parser("train", help="train a model (launches tp*dp ranks)"))
-    export.add_arguments(sub.add_parser("export", help="checkpoint -> HF safetensors folder (+ Hub push)"))
-    estimate.add_arguments(
-        sub.add_parser("estimate", help="per-rank memory and communication of a run, simulated on CPU")
-    )
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return train.run(args)
-    if args.command == "export":
-        return export.run(args)
-    if args.command == "estimate":
-        return estimate.run(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return SUBCOMMANDS[args.command][0].run(args)
 
 
 if __name__ == "__main__":

@@ -67,24 +67,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return merge(cfg, flags)
 
 
-def with_embedded_default(cfg: TrainConfig) -> TrainConfig:
-    """Resolve unset settings and materialise the embedded tiny model/corpus when none is given."""
-    import dataclasses
-
-    cfg = cfg.resolve()
-    if cfg.model is None or cfg.dataset is None:
-        from hf_tp.data.default import ensure_default_assets
-
-        assets = ensure_default_assets()
-        cfg = dataclasses.replace(
-            cfg, model=cfg.model or str(assets.model_dir), dataset=cfg.dataset or str(assets.data_file)
-        )
-    return cfg
-
-
 def run(args: argparse.Namespace) -> int:
+    from hf_tp.demo import with_embedded_default
     from hf_tp.train.launch import launch
-    from hf_tp.train.loop import resolve_device, shutdown, train
+    from hf_tp.train.loop import train
+    from hf_tp.train.setup import resolve_device, shutdown
     from hf_tp.train.validate import prelaunch_checks
 
     in_rank = "WORLD_SIZE" in os.environ

@@ -2,6 +2,6 @@
 
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.datasets import load_text_dataset, tokenize_dataset
-from hf_tp.data.sampler import GlobalBatchPlan
+from hf_tp.data.sampler import GlobalBatchOrder
 
-__all__ = ["GlobalBatchPlan", "PadToMultipleCollator", "load_text_dataset", "tokenize_dataset"]
+__all__ = ["GlobalBatchOrder", "PadToMultipleCollator", "load_text_dataset", "tokenize_dataset"]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100  # the label that HF losses and F.cross_entropy skip
+from hf_tp.labels import IGNORE_INDEX
+
 _Maybe = torch.Tensor | None
 
 

@@ -15,7 +15,7 @@ def _epoch_order(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class GlobalBatchPlan:
+class GlobalBatchOrder:
     """Which examples form each optimizer step's global batch: depends only on the seed and the
     global batch size, never on how the batch is split over dp ranks and micro-steps.
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_tp.data.collator import PadToMultipleCollator
-from hf_tp.data.sampler import GlobalBatchPlan
+from hf_tp.data.sampler import GlobalBatchOrder
+from hf_tp.labels import count_targets
 
 
 @dataclass
@@ -19,10 +20,10 @@ class StepBatches:
 
 @dataclass
 class StepBatchSource:
-    """Builds :class:`StepBatches` for a step from a tokenized dataset and the global batch plan."""
+    """Builds :class:`StepBatches` for a step from a tokenized dataset and the global batch order."""
 
     data: object  # a tokenized ``datasets.Dataset`` (rows with ``input_ids``)
-    plan: GlobalBatchPlan
+    order: GlobalBatchOrder
     collate: PadToMultipleCollator
     dp_rank: int
     dp: int
@@ -31,14 +32,16 @@ class StepBatchSource:
     device: torch.device
 
     def __call__(self, step: int) -> StepBatches:
-        examples = [self.data[i]["input_ids"] for i in self.plan.step_indices(step)]
-        # HF shifts labels by one inside the model: a sequence of n tokens has n - 1 targets.
-        num_targets = sum(max(len(ids) - 1, 0) for ids in examples)
-        rows = self.plan.local_indices(
+        examples = [self.data[i] for i in self.order.step_indices(step)]
+        # Counted from the labels (a copy of input_ids unless the data masks some), as the loss takes them.
+        num_targets = sum(
+            count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
+        )
+        rows = self.order.local_indices(
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
         batches = [to_device(self.collate([self.data[i] for i in r]), self.device) for r in rows]
-        return StepBatches(num_targets, sum(len(ids) for ids in examples), batches)
+        return StepBatches(num_targets, sum(len(ex["input_ids"]) for ex in examples), batches)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
+from hf_tp.labels import count_targets
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
 from hf_tp.parallel.loss import loss_parallel as _loss_parallel
 
@@ -28,12 +29,7 @@ class EvalResult:
 
     loss: float
     perplexity: float
-    tokens: int  # target tokens: labels != -100 after HF's one-token shift
-
-
-def count_targets(labels: torch.Tensor) -> int:
-    """Tokens HF's causal-LM loss takes: it predicts ``labels[..., 1:]``, skipping -100."""
-    return int((labels[..., 1:] != -100).sum())
+    tokens: int  # target tokens: labels != IGNORE_INDEX after HF's one-token shift (hf_tp.labels)
 
 
 def _dp_total(dp_mesh: DeviceMesh, tokens: int, num_batches: int) -> int:

@@ -81,7 +81,7 @@ def parallelize(
             layer.compile()
     if fsdp:
         apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    model.hf_tp_options = opts  # read by generation/eval helpers
+    model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
     return model
 
 

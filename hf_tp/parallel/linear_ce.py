@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hf_tp.adapters import get_adapter
+from hf_tp.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
 
 
@@ -76,9 +76,8 @@ def _shard_grad(
 # the loss and once for the gradient instead of ~10 passes over an fp32 copy. (CPU runs stay
 # eager: compiling costs more there than it saves, and tests see many shapes.) Default dynamic
 # shapes: the full chunks get a kernel specialised to their sizes, and only a dimension that
-# changes (the last chunk's rows) is made dynamic on recompilation. Compiled with dynamic=True,
-# loss + gradients of Qwen2-0.5B's head took 40.0 ms on an H200 instead of 34.6 ms
-# (scripts/bench_fused_loss.py, docs/benchmarks.md).
+# changes (the last chunk's rows) is made dynamic on recompilation, which is faster than
+# dynamic=True (timings: docs/benchmarks.md, scripts/bench_fused_loss.py).
 _chunk_step_compiled = torch.compile(_chunk_step)
 _shard_stats_compiled = torch.compile(_shard_stats)
 _shard_grad_compiled = torch.compile(_shard_grad)
@@ -128,9 +127,8 @@ def _accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tens
     """``grad_w += g.T @ h`` inside the GEMM (beta=1), fp32 ``grad_w`` and bf16 ``g``, ``h`` too.
 
     A bf16 product cast to fp32 and then added is three more passes over a vocab x hidden fp32
-    matrix per chunk; in the GEMM's epilogue, loss + gradients of Qwen2-0.5B's head (16k tokens)
-    took 40.0 ms on an H200 instead of 50.6 (scripts/bench_fused_loss.py). Mixed dtypes need
-    ``addmm(out_dtype=)`` (CUDA only).
+    matrix per chunk; the GEMM's epilogue does it in place (timings: docs/benchmarks.md). Mixed
+    dtypes need ``addmm(out_dtype=)`` (CUDA only).
     """
     if g.dtype == grad_w.dtype:
         grad_w.addmm_(g.t(), h)
@@ -301,15 +299,3 @@ def causal_lm_loss(
         return model(input_ids, attention_mask, labels)
     finally:
         del model.forward
-
-
-def training_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: int, fused: bool
-) -> torch.Tensor:
-    """The loss ``hf-tp train`` optimises for one micro-batch: HF's ``labels=`` loss divided by the
-    global target count, fused with the lm_head when ``fused`` (see :func:`fusable`)."""
-    if fused:
-        return causal_lm_loss(
-            model, batch["input_ids"], batch.get("attention_mask"), batch["labels"], num_items_in_batch
-        )
-    return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss

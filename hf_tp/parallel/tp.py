@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.registry import Adapter, PlanOptions
-from hf_tp.parallel.kv_heads import ReplicatedKVProjection, set_local_kv_groups
+from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
 
 def embeddings_tied(model: nn.Module) -> bool:

@@ -1,6 +1,17 @@
-"""The training loop, its config, launcher and metrics."""
+"""The training loop, its config, launcher and metrics.
+
+Only the config is imported eagerly: ``hf-tp export --help`` and friends must not load the
+training stack (torch, transformers, datasets).
+"""
 
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.loop import TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "train"]
+
+
+def __getattr__(name: str):
+    if name in ("TrainResult", "train"):
+        from hf_tp.train import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'hf_tp.train' has no attribute {name!r}")

@@ -25,13 +25,15 @@ def load_model_config(model: str) -> PretrainedConfig:
         raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
 
 
-def validate_model_config(config: PretrainedConfig, cfg: TrainConfig) -> None:
-    """tp against the architecture, seq_len against the model's positions."""
-    get_adapter(config).validate(config, cfg.tp)
+def validate_model_config(config: PretrainedConfig, tp: int, seq_len: int, seq_len_name: str = "--seq-len") -> None:
+    """tp against the architecture, the sequence length against the model's positions (for
+    ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name`` is how the caller names the setting)."""
+    get_adapter(config).validate(config, tp)
     max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and cfg.seq_len > max_pos:
+    if max_pos is not None and seq_len > max_pos:
         raise ValueError(
-            f"--seq-len {cfg.seq_len} is over this model's max_position_embeddings ({max_pos}); use --seq-len {max_pos} or less"
+            f"{seq_len_name} {seq_len} is over this model's max_position_embeddings ({max_pos}); "
+            f"use {seq_len_name} {max_pos} or less"
         )
 
 
@@ -72,7 +74,7 @@ def prelaunch_checks(cfg: TrainConfig, device_type: str) -> None:
     """Everything that can be checked from the parent process, in the order a user would fix it."""
     cfg.validate()
     check_devices(cfg, device_type)
-    validate_model_config(load_model_config(cfg.model), cfg)
+    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
     check_dataset_source(cfg.dataset)
     check_output_dir(Path(cfg.output_dir), cfg)
 

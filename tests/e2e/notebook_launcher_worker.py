@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tp
-from hf_tp.data.default import ensure_default_assets
+from hf_tp.demo.assets import ensure_default_assets
 
 TP = 2
 STEPS = 3

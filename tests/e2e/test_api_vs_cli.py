@@ -40,7 +40,7 @@ def cli_flags(settings: dict) -> list[str]:
 
 
 def test_cli_and_python_api_give_the_same_run(tmp_path: Path) -> None:
-    from hf_tp.data.default import ensure_default_assets
+    from hf_tp.demo.assets import ensure_default_assets
 
     assets = ensure_default_assets(tmp_path / "assets")
     common = {"model": str(assets.model_dir), "dataset": str(assets.data_file), **SETTINGS}

@@ -28,7 +28,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def assets_root(tmp_path_factory) -> Path:
     """The embedded default built once for this module (also the notebook's ``HF_TP_CACHE``)."""
-    from hf_tp.data.default import ensure_default_assets
+    from hf_tp.demo.assets import ensure_default_assets
 
     root = tmp_path_factory.mktemp("hf_tp_cache")
     ensure_default_assets(root)

@@ -53,7 +53,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     replicated on 2 ranks; the runs below (and test_checkpoint's resumes) cross between the two."""
     from transformers import AutoTokenizer
 
-    from hf_tp.data.default import ensure_default_assets
+    from hf_tp.demo.assets import ensure_default_assets
 
     root = tmp_path_factory.mktemp("train")
     assets = ensure_default_assets(root / "assets")

@@ -18,7 +18,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
-from hf_tp.parallel.linear_ce import fusable, training_loss
+from hf_tp.parallel.linear_ce import fusable
+from hf_tp.train.loss import training_loss
 from tests.helpers import batch, tiny_config, tiny_model
 
 TP, B, S, H = 2, 2, 12, 64

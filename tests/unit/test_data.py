@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hf_tp.data import GlobalBatchPlan, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 
 WORDS = ["<unk>", "</s>", "a", "b", "c", "d", "e"]
 EOS = 1
@@ -208,21 +208,21 @@ def test_tokenize_from_loaded_file_and_errors(tmp_path: Path) -> None:
 
 
 def test_every_index_once_per_epoch_and_steps_straddle_epochs() -> None:
-    plan = GlobalBatchPlan(num_examples=10, global_batch=4, seed=3)
+    plan = GlobalBatchOrder(num_examples=10, global_batch=4, seed=3)
     assert plan.steps_per_epoch == 2
     stream = [i for s in range(5) for i in plan.step_indices(s)]  # 20 = two whole epochs
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
     assert stream[:10] == torch.randperm(10, generator=torch.Generator().manual_seed(3)).tolist()
     assert stream[10:] == torch.randperm(10, generator=torch.Generator().manual_seed(4)).tolist()
     assert plan.step_indices(2) == stream[8:12]  # the straddling step
-    assert GlobalBatchPlan(num_examples=10, global_batch=4, seed=3).step_indices(7) == plan.step_indices(7)
-    big = GlobalBatchPlan(num_examples=3, global_batch=7)  # one step spans three epochs
+    assert GlobalBatchOrder(num_examples=10, global_batch=4, seed=3).step_indices(7) == plan.step_indices(7)
+    big = GlobalBatchOrder(num_examples=3, global_batch=7)  # one step spans three epochs
     assert big.steps_per_epoch == 0 and sorted(Counter(big.step_indices(0)).values()) == [2, 2, 3]
 
 
 @pytest.mark.parametrize("step", [0, 1, 2, 5])
 def test_local_indices_cover_the_same_batch_for_every_split(step: int) -> None:
-    plan = GlobalBatchPlan(num_examples=9, global_batch=4, seed=1)
+    plan = GlobalBatchOrder(num_examples=9, global_batch=4, seed=1)
     splits = [(2, 2, 1), (1, 4, 1), (1, 1, 4), (2, 1, 2), (4, 1, 1)]  # (dp, micro_batch, grad_accum)
     expected = plan.step_indices(step)
     for dp, micro, accum in splits:
@@ -235,10 +235,10 @@ def test_local_indices_cover_the_same_batch_for_every_split(step: int) -> None:
 
 def test_plan_errors() -> None:
     with pytest.raises(ValueError, match="num_examples=0"):
-        GlobalBatchPlan(num_examples=0, global_batch=4)
+        GlobalBatchOrder(num_examples=0, global_batch=4)
     with pytest.raises(ValueError, match="global_batch must be a positive integer, got global_batch=0"):
-        GlobalBatchPlan(num_examples=4, global_batch=0)
-    plan = GlobalBatchPlan(num_examples=10, global_batch=8)
+        GlobalBatchOrder(num_examples=4, global_batch=0)
+    plan = GlobalBatchOrder(num_examples=10, global_batch=8)
     with pytest.raises(
         ValueError, match=r"global_batch \(8\) must equal micro_batch \* dp \* grad_accum \(2\*2\*1=4\)"
     ):
@@ -255,7 +255,7 @@ def test_step_batches_count_the_global_batch_and_split_the_local_one() -> None:
     from hf_tp.data.steps import StepBatchSource
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (3, 5, 2, 4, 6, 1, 7, 2)]})
-    plan = GlobalBatchPlan(num_examples=len(rows), global_batch=4, seed=0)
+    plan = GlobalBatchOrder(num_examples=len(rows), global_batch=4, seed=0)
     collate = PadToMultipleCollator(pad_token_id=0, multiple_of=2)
     per_rank = []
     for dp_rank in range(2):

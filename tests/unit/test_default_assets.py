@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tp.data.default as default
-from hf_tp.data.default import ASSETS_NAME, MARKER, DefaultAssets, default_cache_dir, ensure_default_assets
+import hf_tp.demo.assets as default
+from hf_tp.demo.assets import ASSETS_NAME, MARKER, DefaultAssets, default_cache_dir, ensure_default_assets
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from transformers import LlamaConfig
 
 import hf_tp
 from hf_tp.cli.main import main
-from hf_tp.plan import bundled_models, estimate, resolve_model_config
-from hf_tp.plan.measure import measure
-from hf_tp.plan.memory import GiB, MiB
-from hf_tp.plan.sweep import RESERVED_BYTES, parse_memory, recommend, sweep
+from hf_tp.estimate import bundled_models, estimate, resolve_model_config
+from hf_tp.estimate.measure import measure
+from hf_tp.estimate.memory import GiB, MiB
+from hf_tp.estimate.sweep import RESERVED_BYTES, parse_memory, recommend, sweep
 
 # Published shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied).
 SHAPES = {

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import hf_tp
-from hf_tp.parallel.linear_ce import causal_lm_loss, fusable, linear_cross_entropy, training_loss
+from hf_tp.parallel.linear_ce import causal_lm_loss, fusable, linear_cross_entropy
+from hf_tp.train.loss import training_loss
 from tests.helpers import (
     ATOL,
     RTOL,

@@ -1,6 +1,6 @@
 """Model configs for estimates: bundled short names, local dirs/files, or Hub ids.
 
-The bundled configs (``hf_tp/plan/models/*.json``) hold the published shapes of a few common
+The bundled configs (``hf_tp/estimate/models/*.json``) hold the published shapes of a few common
 models, so ``hf-tp estimate --model llama-3.1-8b`` works offline and without Hub access.
 """
 
@@ -16,7 +16,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 def bundled_models() -> dict[str, str]:
     """Short name -> Hub id of every bundled config, sorted by short name."""
     out = {}
-    for entry in sorted(resources.files("hf_tp.plan").joinpath("models").iterdir(), key=lambda e: e.name):
+    for entry in sorted(resources.files("hf_tp.estimate").joinpath("models").iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".json"):
             out[entry.name[: -len(".json")]] = json.loads(entry.read_text()).get("_name_or_path", "")
     return out
@@ -36,7 +36,7 @@ def bundled_config(short_name: str) -> PretrainedConfig:
     models = bundled_models()
     if name not in models:
         raise ValueError(f"unknown model short name '{short_name}'; bundled ones are: {', '.join(models)}")
-    entry = resources.files("hf_tp.plan").joinpath("models", f"{name}.json")
+    entry = resources.files("hf_tp.estimate").joinpath("models", f"{name}.json")
     return config_from_dict(json.loads(entry.read_text()))
 
 

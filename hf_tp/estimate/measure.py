@@ -1,6 +1,6 @@
-"""Measuring the real memory of a training step (CPU or GPU), to check :func:`hf_tp.plan.estimate`.
+"""Measuring the real memory of a training step (CPU or GPU), to check :func:`hf_tp.estimate.api`.
 
-Runs the same program as the estimate (``hf_tp.plan.step``) on real tensors in an initialised
+Runs the same program as the estimate (``hf_tp.estimate.step``) on real tensors in an initialised
 process group (gloo), with torch's ``MemTracker`` in eager mode and, for reference, the process's
 peak resident set size (Linux ``/proc``), which also counts allocator and library overhead.
 """
@@ -16,8 +16,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from hf_tp.plan.memory import MemoryBreakdown, PeakMemTracker
-from hf_tp.plan.step import build_model, build_optimizer, init_optimizer_state, make_batch, train_step
+from hf_tp.estimate.memory import MemoryBreakdown, PeakMemTracker
+from hf_tp.estimate.step import build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def measure(
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss_before = _status_kib("VmRSS")
     with device:  # factory functions (the model's weights, the batch) allocate on the mesh's device
-        model = build_model(config, mesh, dtype, activation_checkpointing)
+        model = model_from_config(config, mesh, dtype, activation_checkpointing)
         optimizer = build_optimizer(model)
         init_optimizer_state(model, optimizer)
         batch = make_batch(config.vocab_size, batch_size, seq_len)

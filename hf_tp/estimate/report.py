@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hf_tp.plan.estimate import Estimate, GiB, MiB
-from hf_tp.plan.sweep import RULE, Sweep, fits
+from hf_tp.estimate.api import Estimate, GiB, MiB
+from hf_tp.estimate.sweep import RULE, Sweep, fits
 
 _CATEGORIES = (
     ("parameters", "parameters"),

@@ -8,32 +8,35 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from hf_tp.parallel import loss_parallel, parallelize
+from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
-from hf_tp.parallel.linear_ce import fusable, training_loss
+from hf_tp.parallel.linear_ce import fusable
+from hf_tp.train import loss as train_loss
+from hf_tp.train import setup as train_setup
 
 DTYPES = ("bf16", "fp32")
 
 
-def build_model(config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool) -> nn.Module:
+def model_from_config(
+    config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool
+) -> nn.Module:
     """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does.
 
     bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
     """
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" else None
+    mp = train_setup.mixed_precision(torch.bfloat16 if dtype == "bf16" else torch.float32)
     parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing)
     return model
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The loop's AdamW as it runs on GPUs: ``fused=True`` (one kernel, no temporaries of the
-    parameters' size; a foreach step would hold several)."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    """The loop's AdamW as it runs on GPUs (fused: one kernel, no temporaries of the parameters'
+    size; a foreach step would hold several)."""
+    return train_setup.build_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0, device=torch.device("cuda"))
 
 
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -66,9 +69,9 @@ def train_step(
     instead of reading the norm back to Python, so it also runs on fake tensors.
     """
     b, s = batch["input_ids"].shape
-    with loss_parallel():
+    with train_loss.loss_context(True):  # model_from_config parallelizes with loss_parallel=True
         fused = fusable(model)
-        loss = training_loss(model, batch, dp * b * (s - 1), fused)
+        loss = train_loss.training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
     norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
     coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
-from hf_tp.plan.estimate import Estimate, GiB, estimate, validate_inputs
+from hf_tp.estimate.api import Estimate, GiB, estimate, validate_inputs
 
 # What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers
 # and workspaces (RESERVED), and the caching allocator's rounding and fragmentation (a margin).

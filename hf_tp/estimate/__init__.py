@@ -1,9 +1,9 @@
 """Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps."""
 
-from hf_tp.plan.comm import CommStat
-from hf_tp.plan.configs import bundled_models, resolve_model_config
-from hf_tp.plan.estimate import Estimate, MemoryBreakdown, estimate
-from hf_tp.plan.sweep import Sweep, parse_memory, sweep
+from hf_tp.estimate.api import Estimate, MemoryBreakdown, estimate
+from hf_tp.estimate.comm import CommStat
+from hf_tp.estimate.configs import bundled_models, resolve_model_config
+from hf_tp.estimate.sweep import Sweep, parse_memory, sweep
 
 __all__ = [
     "CommStat",

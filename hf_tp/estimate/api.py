@@ -16,11 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import PretrainedConfig
 
-from hf_tp.adapters import get_adapter
-from hf_tp.plan.comm import CommCounter, CommStat
-from hf_tp.plan.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
-from hf_tp.plan.simulate import simulation
-from hf_tp.plan.step import DTYPES, build_model, build_optimizer, init_optimizer_state, make_batch, train_step
+from hf_tp.estimate.comm import CommCounter, CommStat
+from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
+from hf_tp.estimate.simulate import simulation
+from hf_tp.estimate.step import DTYPES, build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
+from hf_tp.train.validate import validate_model_config
 
 __all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "estimate", "validate_inputs"]
 
@@ -75,12 +75,7 @@ def validate_inputs(config: PretrainedConfig, tp: int, dp: int, seq_len: int, ba
             raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
-    get_adapter(config).validate(config, tp)
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and seq_len > max_pos:
-        raise ValueError(
-            f"seq_len {seq_len} is over this model's max_position_embeddings ({max_pos}); use {max_pos} or less"
-        )
+    validate_model_config(config, tp, seq_len, seq_len_name="seq_len")
 
 
 def estimate(
@@ -107,7 +102,7 @@ def estimate(
         groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
         fake = FakeTensorMode()
         with fake:
-            model = build_model(config, mesh, dtype, activation_checkpointing)
+            model = model_from_config(config, mesh, dtype, activation_checkpointing)
             optimizer = build_optimizer(model)
             init_optimizer_state(model, optimizer)
             batch = make_batch(config.vocab_size, batch_size, seq_len)

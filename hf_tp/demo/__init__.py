@@ -1,0 +1,26 @@
+"""The embedded default run: a tiny Llama and a generated corpus, built locally with no network."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_tp.train.config import TrainConfig
+
+
+def with_embedded_default(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with unset settings resolved and the embedded model/corpus filled in where
+    ``model``/``dataset`` is None (built once, then cached; see :mod:`hf_tp.demo.assets`)."""
+    cfg = cfg.resolve()
+    if cfg.model is not None and cfg.dataset is not None:
+        return cfg
+    from hf_tp.demo.assets import ensure_default_assets  # tokenizers + transformers: only when needed
+
+    assets = ensure_default_assets()
+    return dataclasses.replace(
+        cfg, model=cfg.model or str(assets.model_dir), dataset=cfg.dataset or str(assets.data_file)
+    )
+
+
+__all__ = ["with_embedded_default"]

@@ -1,0 +1,18 @@
+"""Custom ``ParallelStyle``s: what torch's Colwise/Rowwise/SequenceParallel do not cover.
+
+This package sits below :mod:`hf_tp.adapters` (adapters import styles; styles import only torch),
+so every family file and the generic plan build from the same pieces.
+"""
+
+from hf_tp.styles.embedding import ScaledEmbeddingRowwise
+from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
+from hf_tp.styles.norms import HEADS_DIM, head_norm
+
+__all__ = [
+    "HEADS_DIM",
+    "KVHeadLinear",
+    "ReplicatedKVProjection",
+    "ScaledEmbeddingRowwise",
+    "head_norm",
+    "set_local_kv_groups",
+]

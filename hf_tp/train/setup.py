@@ -1,0 +1,146 @@
+"""Setting up a rank: device, process group, model, data, optimizer; and leaving the group.
+
+Each function is one step of :func:`hf_tp.train.loop.train`'s set-up, kept apart so the estimate
+(:mod:`hf_tp.estimate.step`) builds its optimizer exactly as the loop does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers.utils import logging as hf_logging
+
+from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
+from hf_tp.data import load_text_dataset, tokenize_dataset
+from hf_tp.parallel import parallelize
+from hf_tp.train.config import TrainConfig
+from hf_tp.train.launch import free_port
+from hf_tp.train.validate import validate_model_config
+
+T = TypeVar("T")
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """CPU, or this rank's GPU (``LOCAL_RANK``)."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA device is visible")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the process group that the launcher described in the environment (or a 1-rank one)."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:  # a single process started by hand: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly (a barrier first: a rank that exits while another is still
+    in a collective makes gloo abort)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank0_first(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0, then on the others (downloads and dataset caches are built once).
+
+    An error on rank 0 is broadcast, so every rank raises it instead of waiting in a barrier.
+    """
+    err: list[tuple[bool, str] | None] = [None]
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+            err[0] = (isinstance(exc, ValueError), str(exc) if isinstance(exc, ValueError) else repr(exc))
+            dist.broadcast_object_list(err, src=0)
+            raise
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        is_value_error, message = err[0]
+        raise (ValueError if is_value_error else RuntimeError)(message)
+    return result if dist.get_rank() == 0 else fn()
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs unless ``--dtype fp32``; fp32 on CPU unless ``--dtype bf16``."""
+    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy | None:
+    """FSDP2's bf16 compute with fp32 master weights and gradient reductions; None for fp32."""
+    if dtype == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    """Build the model on the meta device, parallelize it, then let each rank read only its shards
+    of the safetensors files (fp32 master weights). Folders without safetensors fall back to a
+    full ``from_pretrained`` on every rank."""
+    if dist.get_rank() != 0:
+        hf_logging.disable_progress_bar()  # one progress bar, not one per rank
+    model_dir = rank0_first(lambda: local_model_dir(cfg.model))
+    config = AutoConfig.from_pretrained(model_dir)
+    validate_model_config(config, cfg.tp, cfg.seq_len)
+    sharded = safetensors_keys(model_dir) is not None
+    if sharded:
+        model = build_empty(config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.train()
+    parallelize(
+        model,
+        mesh,
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+        mp_policy=mixed_precision(compute_dtype(cfg, device)),
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
+    )
+    if sharded:
+        materialize_and_load(model, model_dir, device)
+    return model
+
+
+def build_data(cfg: TrainConfig, tokenizer):
+    """The tokenized (packed or padded) training set, built on rank 0 first (the cache is shared)."""
+    raw = rank0_first(lambda: load_text_dataset(cfg.dataset, text_column=cfg.text_column))
+    return rank0_first(
+        lambda: tokenize_dataset(raw, tokenizer, text_column=cfg.text_column, seq_len=cfg.seq_len, pack=cfg.pack)
+    )
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9/0.95); fused on GPUs: one kernel for the whole update, no temporaries of
+    the parameters' size (also the HF Trainer's default there)."""
+    return torch.optim.AdamW(
+        params, lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay, fused=device.type == "cuda" or None
+    )
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps, min_lr_rate=cfg.min_lr_ratio
+    )
