@@ -10,23 +10,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GemmaConfig,
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 # fp32 parity: the standard of the project. Not to be loosened to make a test pass.
 RTOL = 1e-5
 ATOL = 1e-6
-
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def parity_dtype(family: str) -> torch.dtype:
@@ -37,8 +25,40 @@ def parity_dtype(family: str) -> torch.dtype:
     return torch.float64 if family.startswith("gemma") else torch.float32
 
 
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# Every Gemma 2/3 feature on: logit soft-capping (Gemma 2), alternating sliding-window and global
+# layers (window 5 < the test sequences), query_pre_attn_scalar != head_dim.
+_GEMMA_2_3 = dict(
+    head_dim="hidden/heads",
+    sliding_window=5,
+    query_pre_attn_scalar=12,
+    layer_types=["sliding_attention", "full_attention"],
+)
+# model_type -> what its tiny model sets beyond the common sizes ("hidden/heads": head_dim is a config
+# field of its own in these families, 128 by default, not hidden / heads).
+FAMILY_SETTINGS: dict[str, dict] = {
+    "llama": dict(attention_bias=True, mlp_bias=True, rope_parameters=_LLAMA3_ROPE),
+    "qwen2": {},
+    "mistral": dict(sliding_window=5),
+    "qwen3": dict(head_dim="hidden/heads", attention_bias=True),
+    "gemma": dict(head_dim="hidden/heads"),
+    "gemma2": _GEMMA_2_3,
+    "gemma3_text": _GEMMA_2_3,
+}
+
+FAMILIES = tuple(FAMILY_SETTINGS)
+
+
 def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: int = 2, **overrides) -> PretrainedConfig:
-    """A small but real config; vocab 1001 is not divisible by any tp > 1 on purpose."""
+    """A small but real config of ``family`` (a ``model_type``) from its own config class; vocab
+    1001 is not divisible by any tp > 1 on purpose."""
     common = dict(
         vocab_size=1001,
         hidden_size=64,
@@ -57,42 +77,13 @@ def tiny_config(family: str, *, tied: bool = False, heads: int = 4, kv_heads: in
         # check of them would test noise. At 0.1 every gradient is resolved.
         initializer_range=0.1,
     )
-    if family == "llama":
-        common.update(
-            attention_bias=True,
-            mlp_bias=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-        )
-        cls = LlamaConfig
-    elif family == "qwen2":
-        cls = Qwen2Config
-    elif family == "mistral":
-        common.update(sliding_window=5)
-        cls = MistralConfig
-    elif family == "qwen3":
-        # Qwen3's head_dim is a config field (128 by default), not hidden / heads.
-        common.update(head_dim=common["hidden_size"] // heads, attention_bias=True)
-        cls = Qwen3Config
-    elif family == "gemma":
-        common.update(head_dim=common["hidden_size"] // heads)
-        cls = GemmaConfig
-    elif family in ("gemma2", "gemma3_text"):
-        # Every Gemma 2/3 feature on: logit soft-capping (Gemma 2), alternating sliding-window
-        # and global layers (window 5 < the test sequences), query_pre_attn_scalar != head_dim.
-        common.update(head_dim=common["hidden_size"] // heads, sliding_window=5, query_pre_attn_scalar=12)
-        common.update(layer_types=["sliding_attention", "full_attention"])
-        cls = Gemma2Config if family == "gemma2" else Gemma3TextConfig
-    else:
-        raise ValueError(family)
+    if family not in FAMILY_SETTINGS:
+        raise ValueError(f"no tiny settings for {family!r}; add it to FAMILY_SETTINGS")
+    common.update(FAMILY_SETTINGS[family])
+    if common.get("head_dim") == "hidden/heads":
+        common["head_dim"] = common["hidden_size"] // heads
     common.update(overrides)
-    return cls(**common)
+    return AutoConfig.for_model(family, **common)
 
 
 def tiny_model(

@@ -76,26 +76,15 @@ def test_crash_resume_on_other_meshes_then_export(setup, tmp_path) -> None:  # n
 def test_export_cli_errors_and_push_without_network(setup, tmp_path) -> None:  # noqa: F811
     model_dir, data = setup
     out = tmp_path / "run"
-    proc = hf_tp_train(
-        "--model",
-        str(model_dir),
-        "--dataset",
-        str(data),
-        *RUN,
-        "--max-steps",
-        "2",
-        "--tp",
-        "2",
-        "--dp",
-        "1",
-        "--batch-size",
-        "2",
-        "--output-dir",
-        str(out),
-        "--save-every",
-        "2",
-    )
+    flags = ["--model", str(model_dir), "--dataset", str(data), *RUN, "--max-steps", "2", "--tp", "2", "--dp", "1"]
+    flags += ["--batch-size", "2", "--output-dir", str(out), "--save-every", "2"]
+    proc = hf_tp_train(*flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Resuming a finished run takes no step; --export-on-finish still exports its newest checkpoint.
+    proc = hf_tp_train(*flags, "--resume", "--export-on-finish")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to train" in proc.stdout and "exported step-2" in proc.stdout
+    assert (out / "export" / "model.safetensors").is_file()
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
 
     def export(*args: str) -> subprocess.CompletedProcess:
