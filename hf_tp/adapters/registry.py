@@ -53,6 +53,7 @@ class Adapter:
     split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
     plain_lm_head: bool = False
+    derived: bool = False  # built by hf_tp.adapters.generic from the model, not registered by hand
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""
@@ -118,19 +119,39 @@ def unregister_adapter(model_type: str) -> None:
     _REGISTRY.pop(model_type, None)
 
 
-def supported_model_types() -> list[str]:
-    """The ``model_type`` values with a registered adapter, sorted."""
+def registered_model_types() -> list[str]:
+    """The ``model_type`` values with a hand-written (registered) adapter, sorted."""
     return sorted(_REGISTRY)
 
 
+def supported_model_types() -> list[str]:
+    """Every ``model_type`` hf_tp trains: the registered adapters and the families whose generic
+    plan holds parity in the test grid (``hf_tp/adapters/support.py``), sorted."""
+    from hf_tp.adapters.support import GENERIC
+
+    return sorted(set(_REGISTRY) | set(GENERIC))
+
+
 def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
-    """The adapter for a config (or a ``model_type`` string); a clear error if there is none."""
+    """The adapter for a config: the registered one for its ``model_type``, else the generic plan
+    derived from its model (:mod:`hf_tp.adapters.generic`), else a ``ValueError`` saying why.
+    A bare ``model_type`` string finds registered adapters only (deriving needs the config)."""
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
-    try:
+    if model_type in _REGISTRY:
         return _REGISTRY[model_type]
-    except KeyError:
+    from hf_tp.adapters.support import REFUSED
+
+    if model_type in REFUSED:
         raise ValueError(
-            f"no hf_tp adapter for model_type '{model_type}'; supported: "
-            f"{', '.join(supported_model_types())}. Add one with hf_tp.register_adapter(Adapter("
-            f"model_type='{model_type}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/llama.py)"
-        ) from None
+            f"hf_tp does not support model_type '{model_type}': {REFUSED[model_type]}. Add an adapter with "
+            f"hf_tp.register_adapter(Adapter(model_type='{model_type}', layer_plan=..., top_plan=...)) "
+            "(see hf_tp/adapters/llama.py)"
+        )
+    if isinstance(config_or_type, str):
+        raise ValueError(
+            f"no registered hf_tp adapter for model_type '{model_type}' (a generic plan is derived from a config: "
+            f"pass the model's config); supported: {', '.join(supported_model_types())}"
+        )
+    from hf_tp.adapters.generic import generic_adapter
+
+    return generic_adapter(config_or_type)

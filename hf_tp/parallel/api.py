@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.fsdp import apply_fsdp
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
@@ -82,7 +85,20 @@ def parallelize(
     if fsdp:
         apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
+    # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
+    model.generate = types.MethodType(_generate, model)
     return model
+
+
+def _generate(model: nn.Module, inputs=None, **kwargs):
+    """``model.generate`` of a parallelized model: :func:`hf_tp.generate` with HF's signature."""
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise ValueError(
+            "model.generate on a model parallelized by hf_tp needs input_ids (token ids); "
+            "hf_tp.generate(model, input_ids, ...) documents what it takes"
+        )
+    return parallel_generate(model, input_ids, **kwargs)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

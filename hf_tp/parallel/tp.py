@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.registry import Adapter, PlanOptions
@@ -39,6 +40,17 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
         )
 
 
+def _check_all_placed(model: nn.Module, adapter: Adapter) -> None:
+    """Under SP every parameter must be a DTensor: a plain one in a sharded region would train on
+    one rank's share of its gradient (silently wrong), so an incomplete plan is an error."""
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"the {adapter.model_type} adapter's plan leaves {len(plain)} parameters without a placement "
+            f"({', '.join(plain[:4])}); their gradients would cover one tp rank's share only: add them to its plan"
+        )
+
+
 def _has(module: nn.Module, path: str) -> bool:
     try:
         module.get_submodule(path)
@@ -62,6 +74,8 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
             set_local_kv_groups(layer.get_submodule(attention), model.config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, layer_plan)
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
+    if opts.sequence_parallel:
+        _check_all_placed(model, adapter)
     if tied:
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.

@@ -1,0 +1,237 @@
+"""The generic TP+SP plan: derived from a model's own ``base_model_tp_plan`` and its modules.
+
+transformers says, per family, which projections are column- and row-parallel
+(``config.base_model_tp_plan``). That is not yet a sequence-parallel plan: hf_tp also needs which
+norms sit on the residual stream, how the decoder layer calls each block (so ``PrepareModuleInput``
+gathers the right argument), where the embedding, final norm and lm_head are, and whether the
+logits are exactly ``lm_head(hidden)``. This module reads those from the model itself (built on the
+meta device from the config: no memory, no weights) and from the source of its ``forward``s.
+
+It proves itself or refuses: every parameter of a decoder layer and of the top level must be
+placed by a rule below, every block that holds column-parallel projections must be called from
+the layer in a way it can read, and a style transformers uses that has no exact SP counterpart
+here (packed projections, gathered outputs, full-width q/k norms, ...) is a ``ValueError`` naming
+the module and the way out (a hand-written adapter), never a guessed plan.
+
+The rules, per decoder layer (Megatron's SP layout, as ``adapters/llama.py`` writes by hand):
+  - ``colwise`` Linear -> ``ColwiseParallel`` (K/V projections replicated when tp > KV heads);
+  - ``rowwise`` Linear -> ``RowwiseParallel`` reduce-scattering to sequence shards (DTensor out);
+  - the layer-level child holding them (``self_attn``, ``mlp``, ...) -> ``PrepareModuleInput``
+    all-gathering its ``hidden_states`` input, by keyword or position as the layer calls it;
+  - a layer-level norm over ``hidden_size`` -> ``SequenceParallel`` (every layer-level tensor is a
+    sequence shard, so this holds for pre-, post- and parallel-block norms alike);
+  - ``replicated_with_grad_allreduce`` on a ``head_dim`` norm -> the per-head norm style.
+Top level: the input embedding vocab-sharded to sequence shards, hidden-size norms of the base
+model sequence parallel, the output embedding column-parallel over the vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from transformers import PretrainedConfig
+
+from hf_tp.adapters.registry import Adapter, Plan, PlanOptions
+from hf_tp.styles import (
+    ColwiseOwnOutput,
+    Compose,
+    LocalHeadParams,
+    ReplicatedKVProjection,
+    ScaledEmbeddingRowwise,
+    WidthNormParallel,
+    head_norm,
+)
+
+HOW_TO_ADD = (
+    "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "
+    "top_plan=...)) (see hf_tp/adapters/llama.py)"
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A layer-level child that holds column-parallel projections, and how the layer calls it."""
+
+    positional: int  # positional arguments in the call (0: hidden_states is passed by keyword)
+    edits_in_place: bool = False  # its forward changes tensors in place (OLMo's clamp_ under clip_qkv)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """What the generic plan needs, read off one model: module paths relative to the layer or model."""
+
+    model_type: str
+    layers_path: str
+    colwise: tuple[str, ...]
+    kv: tuple[str, ...]  # colwise K/V projections (replicated when tp > num_key_value_heads)
+    rowwise: tuple[str, ...]
+    head_norms: tuple[str, ...]
+    width_norms: tuple[str, ...]  # norms over a whole column-parallel output (all heads)
+    head_params: dict[str, tuple[str, ...]] = field(hash=False)  # block -> its own per-head parameters (sinks)
+    activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
+    layer_norms: tuple[str, ...]
+    blocks: dict[str, Block] = field(hash=False)
+    embedding: str = ""
+    top_norms: tuple[str, ...] = ()
+    lm_head: str = ""
+    plain_lm_head: bool = False
+    widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check
+
+
+def refuse(model_type: str, what: str) -> ValueError:
+    return ValueError(f"hf_tp cannot derive a TP+SP plan for model_type '{model_type}': {what}; {HOW_TO_ADD}")
+
+
+# model_type -> corrections to transformers' tp plan (same keys), for what a family file knows
+# better: e.g. OLMo 2 gathers q/k before its full-width norms, hf_tp keeps them sharded
+# ("width_norm", an hf_tp style). Registered by the family files (adapters/olmo2.py).
+PLAN_OVERRIDES: dict[str, dict[str, str]] = {}
+
+
+def register_plan_overrides(model_types: tuple[str, ...], overrides: dict[str, str]) -> None:
+    """Correct the tp plan the generic derivation starts from, for these ``model_type``s."""
+    for model_type in model_types:
+        PLAN_OVERRIDES[model_type] = dict(overrides)
+
+
+_DERIVED: dict[str, Derivation] = {}  # config JSON -> derivation (building the meta model costs ~0.1-2 s)
+
+
+def generic_adapter(config: PretrainedConfig) -> Adapter:
+    """The :class:`Adapter` derived from ``config``'s model (cached per config)."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _DERIVED:
+        _DERIVED[key] = derive(config)
+    d = _DERIVED[key]
+    split = tuple(f for f in ("num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is not None)
+    return Adapter(
+        model_type=d.model_type,
+        layer_plan=lambda opts: layer_plan(d, opts),
+        top_plan=lambda opts: top_plan(d, opts),
+        layers_path=d.layers_path,
+        split_fields=split,
+        check=lambda cfg, tp: _check_widths(d, cfg, tp),
+        plain_lm_head=d.plain_lm_head,
+        derived=True,
+    )
+
+
+def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
+    """One decoder layer's plan (see the module docstring for the rules)."""
+    plan: Plan = {}
+    kv_style = ReplicatedKVProjection(opts.kv_replicas) if opts.kv_replicas > 1 else None
+    for path in d.colwise:
+        own = d.blocks[path.split(".", 1)[0]].edits_in_place
+        plan[path] = (kv_style if path in d.kv else None) or (ColwiseOwnOutput() if own else ColwiseParallel())
+    for path in d.rowwise:
+        plan[path] = (
+            RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            if opts.sequence_parallel
+            else RowwiseParallel()
+        )
+    for path in d.head_norms:
+        plan[path] = head_norm()
+    for path in d.width_norms:
+        plan[path] = WidthNormParallel()
+    for path in d.activations:
+        plan[path] = SequenceParallel(sequence_dim=-1, use_local_output=True)  # replicated scalars, Partial grads
+    if opts.sequence_parallel:
+        for path in d.layer_norms:
+            plan[path] = SequenceParallel()
+        for path, block in d.blocks.items():
+            plan[path] = _gather_input(block)
+    for path, names in d.head_params.items():
+        own = LocalHeadParams(names)
+        plan[path] = Compose(plan[path], own) if path in plan else own
+    return dict(sorted(plan.items()))
+
+
+def _gather_input(block: Block) -> PrepareModuleInput:
+    """All-gather the block's hidden-states input from sequence shards (the other inputs pass)."""
+    if block.positional == 0:
+        return PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        )
+    rest = (None,) * (block.positional - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+
+
+def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
+    """Embedding (vocab-sharded rows, scaled after the reduction if the model scales it), the base
+    model's norms and the lm_head (vocab-sharded columns)."""
+    seq = Shard(1) if opts.sequence_parallel else Replicate()
+    plan: Plan = {
+        d.embedding: ScaledEmbeddingRowwise(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
+        ),
+    }
+    if opts.loss_parallel:
+        plan[d.lm_head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    else:
+        plan[d.lm_head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if opts.sequence_parallel:
+        for path in d.top_norms:
+            plan[path] = SequenceParallel()
+    return plan
+
+
+def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
+    kv = getattr(config, "num_key_value_heads", None)
+    if d.width_norms and kv is not None and tp > kv:
+        raise ValueError(
+            f"tp ({tp}) is over num_key_value_heads ({kv}) of this {d.model_type} model, whose norms over the "
+            f"whole k projection ({', '.join(d.width_norms)}) need every KV head sharded: use tp <= {kv}"
+        )
+    for path, width in d.widths:
+        if width % tp:
+            valid = ", ".join(str(t) for t in range(1, width + 1) if width % t == 0 and t <= 64)
+            raise ValueError(
+                f"tp must divide the {width} features that {path} splits in this {d.model_type} model, got tp={tp}; "
+                f"valid tp values for it include: {valid}"
+            )
+
+
+def derive(config: PretrainedConfig) -> Derivation:
+    """Read the plan's facts off ``config``'s causal-LM model, built on the meta device."""
+    from hf_tp.adapters.inspect_model import inspect_model  # the reading of modules and sources
+
+    mt = config.model_type
+    tp_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    tp_plan.update(PLAN_OVERRIDES.get(mt, {}))
+    if not tp_plan:
+        from hf_tp.adapters.registry import supported_model_types
+
+        raise ValueError(
+            f"no hf_tp adapter for model_type '{mt}'; supported: {', '.join(supported_model_types())}. Its config "
+            "has no base_model_tp_plan to derive a generic plan from (transformers cannot tensor-parallelize it "
+            f"either). Add one with hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) "
+            "(see hf_tp/adapters/llama.py)"
+        )
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation
+            raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {exc})") from None
+    try:
+        return inspect_model(model, tp_plan)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model the reading does not understand is refused, not crashed on
+        raise refuse(
+            mt, f"reading its modules failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        ) from None
+
+
+def is_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear

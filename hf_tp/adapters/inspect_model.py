@@ -1,0 +1,301 @@
+"""Reading a HF causal LM for the generic plan: its modules, parameters and forward sources.
+
+Hand-written, because nothing in torch or transformers answers these questions: transformers'
+``base_model_tp_plan`` names only the projections, and its TP integration needs no SP (it never
+asks where the residual stream's norms are or how a layer calls its blocks). Every rule here
+either places a parameter or refuses with the module's name (:func:`hf_tp.adapters.generic.refuse`).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from torch import nn
+
+from hf_tp.adapters.generic import Block, Derivation, is_linear, refuse
+
+SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "local_params", "width_norm")
+
+
+def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
+    """The :class:`Derivation` of ``model`` (a ``*ForCausalLM``, possibly on the meta device)."""
+    config = model.config
+    mt = config.model_type
+    layers_path, layer_styles = _layer_styles(model, tp_plan)
+    layers = model.get_submodule(layers_path)
+    _check_layers_alike(mt, layers)
+    layer = layers[0]
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    colwise, rowwise, head_norms, width_norms, head_params = [], [], [], [], {}
+    for path, style in sorted(layer_styles.items(), key=lambda item: item[1] == "width_norm"):  # norms last
+        try:
+            module = layer.get_submodule(path)
+        except AttributeError:
+            continue  # the plan names a module this config does not build (e.g. q_norm when off)
+        if style in ("colwise", "rowwise"):
+            if not is_linear(module):
+                raise refuse(mt, f"{path} is {style} in its tp plan but a {type(module).__name__}, not an nn.Linear")
+            (colwise if style == "colwise" else rowwise).append(path)
+        elif style == "replicated_with_grad_allreduce":
+            if not _is_norm(module, head_dim):
+                raise refuse(mt, f"{path} is a norm over more than one head ({_shapes(module)}, head_dim {head_dim})")
+            head_norms.append(path)
+        elif style == "local_params":  # the module's own per-head parameters (attention sinks)
+            own = dict(module.named_parameters(recurse=False))
+            if not own or any(p.dim() < 1 or p.shape[0] != heads for p in own.values()):
+                raise refuse(mt, f"{path}'s own parameters ({_shapes(module)}) are not one entry per attention head")
+            head_params[path] = tuple(own)
+        elif style == "width_norm":
+            widths = {layer.get_submodule(p).out_features for p in colwise}
+            if not any(_is_norm(module, w) for w in widths):
+                raise refuse(mt, f"{path} is a width_norm but not a norm over a column-parallel output")
+            width_norms.append(path)
+        else:
+            raise refuse(mt, f"its tp plan gives {path} the style '{style}', which the generic plan does not translate")
+    kv = tuple(p for p in colwise if kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim)
+    blocks = _blocks(mt, layer, colwise, rowwise)
+    head_norms += _head_dim_norms(layer, blocks, set(colwise + rowwise + head_norms), head_dim)
+    activations = _activations(layer, blocks, set(colwise + rowwise + head_norms + width_norms))
+    planned = set(colwise + rowwise + head_norms + width_norms + activations) | set(head_params)
+    layer_norms = _layer_norms(mt, layer, planned, blocks, config.hidden_size)
+    embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
+    widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
+    for i, each in enumerate(layers):
+        widths += [(f"{layers_path}.{i}.{p}", each.get_submodule(p).out_features) for p in colwise if p not in kv]
+        widths += [(f"{layers_path}.{i}.{p}", each.get_submodule(p).in_features) for p in rowwise]
+    return Derivation(
+        model_type=mt,
+        layers_path=layers_path,
+        colwise=tuple(colwise),
+        kv=kv,
+        rowwise=tuple(rowwise),
+        head_norms=tuple(head_norms),
+        width_norms=tuple(width_norms),
+        head_params=head_params,
+        activations=tuple(activations),
+        layer_norms=tuple(layer_norms),
+        blocks=blocks,
+        embedding=embedding,
+        top_norms=tuple(top_norms),
+        lm_head=lm_head,
+        plain_lm_head=plain_logits(model, lm_head),
+        widths=tuple(widths),
+    )
+
+
+def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The layers' ModuleList path and the plan relative to one layer."""
+    mt = model.config.model_type
+    outside = sorted(k for k in tp_plan if ".*." not in k)
+    if outside:
+        raise refuse(mt, f"its tp plan shards modules outside the decoder layers ({', '.join(outside)})")
+    lists = {k.split(".*.", 1)[0] for k in tp_plan}
+    if len(lists) != 1:
+        raise refuse(mt, f"its tp plan covers several layer lists ({', '.join(sorted(lists))})")
+    layers_path = f"{model.base_model_prefix}.{lists.pop()}"
+    try:
+        layers = model.get_submodule(layers_path)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise refuse(mt, f"no decoder layers at '{layers_path}'")
+    return layers_path, {k.split(".*.", 1)[1]: v for k, v in tp_plan.items()}
+
+
+def _check_layers_alike(mt: str, layers: nn.ModuleList) -> None:
+    """One plan serves every layer only if they hold the same parameters (their sizes may differ)."""
+    first = [n for n, _ in layers[0].named_parameters()]
+    for i, layer in enumerate(layers):
+        names = [n for n, _ in layer.named_parameters()]
+        if names != first:
+            odd = sorted(set(names) ^ set(first))[:3]
+            raise refuse(
+                mt, f"decoder layer {i} holds other parameters than layer 0 ({', '.join(odd)}): mixed layer kinds"
+            )
+
+
+def _blocks(mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str]) -> dict:
+    """Layer-level children with column-parallel projections, and how the layer calls them."""
+    names = {p.split(".", 1)[0] for p in colwise + rowwise}
+    for path in colwise + rowwise:
+        if "." not in path:
+            raise refuse(mt, f"the projection {path} is called by the decoder layer itself, not by a block")
+    calls = _self_calls(type(layer).forward)
+    blocks = {}
+    for name in sorted(names):
+        if not any(p.startswith(name + ".") for p in colwise) or not any(p.startswith(name + ".") for p in rowwise):
+            raise refuse(mt, f"the block {name} does not pair column- with row-parallel projections")
+        block = layer.get_submodule(name)
+        first = _first_param(type(block).forward)
+        styles = {_call_style(call, first) for call in calls.get(name, [])}
+        if len(styles) != 1 or None in styles:
+            raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {name}")
+        blocks[name] = Block(positional=styles.pop(), edits_in_place=_edits_in_place(type(block).forward))
+    return blocks
+
+
+def _head_dim_norms(layer: nn.Module, blocks: dict, planned: set[str], head_dim: int) -> list[str]:
+    """Norms over ``head_dim`` inside a block that transformers' plan leaves out (Phi's optional
+    ``q_layernorm``/``k_layernorm``): per-head norms, as the plan's q_norm/k_norm elsewhere."""
+    return [
+        path
+        for path, module in layer.named_modules()
+        if path not in planned and path.split(".", 1)[0] in blocks and "." in path and _is_norm(module, head_dim)
+    ]
+
+
+def _activations(layer: nn.Module, blocks: dict, planned: set[str]) -> list[str]:
+    """Activation modules with learned scalars inside a block (Apertus' xIELU ``act_fn``): they
+    act elementwise on the column-parallel output, so the scalars are replicated and their
+    gradients summed over tp like a per-head norm's."""
+    found = []
+    for path, module in layer.named_modules():
+        params = list(module.parameters(recurse=False))
+        if path in planned or not params or path.split(".", 1)[0] not in blocks:
+            continue
+        if "act" in path.rpartition(".")[2] and all(p.numel() == 1 for p in params):
+            found.append(path)
+    return found
+
+
+def _layer_norms(mt: str, layer: nn.Module, planned: set[str], blocks: dict, hidden: int) -> list[str]:
+    """Layer-level modules with parameters outside the planned projections: norms over hidden_size
+    (sequence parallel) or a refusal naming the module."""
+    norms = set()
+    for name, _ in layer.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner in planned:
+            continue
+        if owner.split(".", 1)[0] in blocks or not owner:
+            raise refuse(mt, f"the parameter {name} of its decoder layer has no place in a TP plan")
+        if not _is_norm(layer.get_submodule(owner), hidden):
+            raise refuse(mt, f"the decoder layer's {owner} ({_shapes(layer.get_submodule(owner))}) is not a norm")
+        norms.add(owner)
+    return sorted(norms)
+
+
+def _top_level(model: nn.Module, layers_path: str, hidden: int) -> tuple[str, list[str], str]:
+    """Paths of the input embedding, the hidden-size norms outside the layers, and the lm_head."""
+    mt = model.config.model_type
+    paths = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embed) is not nn.Embedding and not isinstance(embed, nn.Embedding):
+        raise refuse(mt, f"its input embedding is a {type(embed).__name__}, not an nn.Embedding")
+    if head is None or not is_linear(head):
+        raise refuse(mt, "it has no nn.Linear output embedding (lm_head)")
+    embedding, lm_head = paths[id(embed)], paths[id(head)]
+    norms = set()
+    for name, _ in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner in (embedding, lm_head) or owner.startswith(layers_path + "."):
+            continue
+        module = model.get_submodule(owner) if owner else model
+        if not owner or not _is_norm(module, hidden):
+            raise refuse(mt, f"the parameter {name} outside the decoder layers has no place in a TP plan")
+        norms.add(owner)
+    return embedding, sorted(norms), lm_head
+
+
+def _is_norm(module: nn.Module, size: int) -> bool:
+    """A leaf whose parameters are all vectors of ``size`` (a norm's weight and bias)."""
+    params = list(module.parameters(recurse=False))
+    has_children = any(True for _ in module.children() if any(True for _ in _.parameters()))
+    return bool(params) and not has_children and all(p.dim() == 1 and p.numel() == size for p in params)
+
+
+def _shapes(module: nn.Module) -> str:
+    return ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters()) or "no parameters"
+
+
+def _source_tree(fn) -> ast.AST | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _self_calls(fn) -> dict[str, list[ast.Call]]:
+    """``self.<name>(...)`` calls in ``fn``'s source, by name."""
+    calls: dict[str, list[ast.Call]] = {}
+    tree = _source_tree(fn)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            if isinstance(target, ast.Name) and target.id == "self":
+                calls.setdefault(node.func.attr, []).append(node)
+    return calls
+
+
+def _edits_in_place(fn) -> bool:
+    """The source calls an in-place tensor method (``x.clamp_(...)``, ``x.mul_(...)``...)."""
+    tree = _source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in INPLACE for n in ast.walk(tree)
+    )
+
+
+INPLACE = {"clamp_", "clip_", "mul_", "div_", "add_", "sub_", "masked_fill_", "copy_", "zero_", "fill_"}
+
+
+def _first_param(fn) -> str | None:
+    params = [p for p in inspect.signature(inspect.unwrap(fn)).parameters.values() if p.name != "self"]
+    return params[0].name if params else None
+
+
+def _call_style(call: ast.Call, first: str | None) -> int | None:
+    """Positional arguments of the call (hidden states first), 0 for ``first=`` by keyword, None
+    when unreadable (``*args``, ``**kwargs`` only, or no hidden-states argument)."""
+    if any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    if call.args:
+        return len(call.args)
+    if first == "hidden_states" and any(k.arg == first for k in call.keywords):
+        return 0
+    return None
+
+
+def plain_logits(model: nn.Module, lm_head: str) -> bool:
+    """True when the causal-LM forward computes ``logits = self.<lm_head>(h)`` once, with ``h`` the
+    decoder's last hidden state (sliced at most), and never changes the logits afterwards (no
+    scaling or soft-capping): only then may the loss be fused with the lm_head."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None or "." in lm_head:
+        return False
+    tree = _source_tree(type(model).forward)
+    if tree is None:
+        return False
+    writes = [n for n in ast.walk(tree) if _writes_name(n, "logits")]
+    if len(writes) != 1 or not isinstance(writes[0], ast.Assign):
+        return False
+    value = writes[0].value
+    if not (isinstance(value, ast.Call) and ast.unparse(value.func) == f"self.{lm_head}" and len(value.args) == 1):
+        return False
+    arg = value.args[0]
+    source = arg.value if isinstance(arg, ast.Subscript) else arg
+    if not isinstance(source, ast.Name):
+        return False
+    return all(_is_hidden_state(n.value, source.id) for n in ast.walk(tree) if _writes_name(n, source.id))
+
+
+def _writes_name(node: ast.AST, name: str) -> bool:
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    return (
+        isinstance(node, ast.AugAssign | ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name
+    )
+
+
+def _is_hidden_state(value: ast.AST | None, name: str) -> bool:
+    """``outputs.last_hidden_state``, ``outputs[0]``, ``name[...]`` or a slicing helper of those."""
+    if isinstance(value, ast.Attribute):
+        return value.attr == "last_hidden_state"
+    if isinstance(value, ast.Subscript):
+        return isinstance(value.value, ast.Name)
+    if isinstance(value, ast.Call) and "slice" in ast.unparse(value.func):
+        return bool(value.args) and _is_hidden_state(value.args[0], name) or ast.unparse(value.args[0]) == name
+    return False

@@ -1,0 +1,115 @@
+"""The family grid: every dense causal-LM family of the installed transformers, a tiny random model
+of each built from its own config class, trained with hf_tp at tp=2 (and tp=4 for a subset) on
+threads of one process and compared with plain single-process HF.
+
+Used by tests/unit/test_family_grid.py and by scripts/family_grid.py (which writes
+docs/architectures.md from the same runs).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+import hf_tp
+from tests.helpers import batch, clone, run_threaded
+from tests.parity import assert_parity, train_steps
+
+# Sizes of the grid's tiny models; heads/kv are per case. Dropout off: dropout draws differ
+# between a sharded and an unsharded run, so no parity could hold with it.
+GRID_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    head_dim=16,
+    vocab_size=301,  # not divisible by 2 or 4: uneven vocab shards
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,  # see tests/helpers.tiny_config: resolves every gradient
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    residual_dropout=0.0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+)
+# What a family needs beyond GRID_SIZES to build at these sizes.
+FAMILY_EXTRAS: dict[str, dict] = {
+    # Its default config has no rope parameters for its layer type.
+    "cohere_compass_text": dict(
+        layer_types=["full_attention"] * 2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    ),
+}
+GREEDY_TOKENS = 4
+
+
+def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> PretrainedConfig:
+    sizes = {**GRID_SIZES, "num_attention_heads": heads, "num_key_value_heads": kv}
+    return AutoConfig.for_model(model_type, **{**sizes, **FAMILY_EXTRAS.get(model_type, {}), **overrides})
+
+
+def grid_model(config: PretrainedConfig) -> torch.nn.Module:
+    """float64 (fp32's round-off would sit above the element-wise tolerance for some families'
+    gradients; in float64 the same tolerances are far stricter), random 1-D parameters."""
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    except ValueError:  # transformers has no sdpa path for it (Gemma 2, VaultGemma, Granite SWA, ...)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+@dataclass
+class GridResult:
+    model_type: str
+    status: str  # "parity" or "refused"
+    reason: str = ""
+
+
+def _prompt(vocab: int) -> dict[str, torch.Tensor]:
+    """Two left-padded prompts (the second has 2 pad tokens)."""
+    ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps: int = 1, **overrides) -> GridResult:
+    """Parity of ``model_type`` at ``tp`` against plain HF (logits, loss and every gradient, the
+    weights after ``steps`` AdamW steps, and ``model.generate`` greedy tokens), or the
+    ``ValueError`` with which hf_tp refuses it. Any other exception propagates (a defect).
+
+    The refusal is asked of ``hf_tp.get_adapter`` and ``Adapter.validate``, the checks
+    ``hf_tp.parallelize`` runs first, before any reference model is built (some refused families
+    build GBs of encoders at their default sizes)."""
+    config = grid_config(model_type, heads, kv, **overrides)
+    try:
+        hf_tp.get_adapter(config).validate(config, tp)
+    except ValueError as exc:
+        return GridResult(model_type, "refused", str(exc))
+    ref = grid_model(config)
+    data = batch(config.vocab_size, b=2, s=13, pad="right")
+    prompt = _prompt(config.vocab_size)
+    want = train_steps(copy.deepcopy(ref), data, steps=steps)
+    greedy = ref.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
+    candidates = [clone(ref) for _ in range(tp)]
+
+    def rank_fn(rank: int) -> None:
+        model = candidates[rank]
+        hf_tp.parallelize(model, hf_tp.build_mesh(tp=tp, device_type="cpu"))
+        got = model.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
+        assert torch.equal(got, greedy), f"model.generate: {got} vs plain HF {greedy}"
+        model.train()
+        assert_parity(train_steps(model, data, steps=steps, ctx=hf_tp.loss_parallel), want)
+
+    run_threaded(tp, rank_fn)
+    return GridResult(model_type, "parity")

@@ -1,0 +1,64 @@
+"""The family grid: every dense family of the installed transformers holds parity with plain HF
+at tp=2 (logits, loss, every gradient, AdamW weights, ``model.generate`` greedy tokens) or is
+refused with a clear ``ValueError``; nothing crashes inside torch or diverges silently."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_tp
+from hf_tp.adapters import registry
+from hf_tp.adapters.support import GENERIC, REFUSED, tensor_parallel_causal_lm_types
+from tests.family_grid import grid_config, run_family
+
+DENSE = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_family_tp2(model_type: str) -> None:
+    result = run_family(model_type)
+    if model_type in REFUSED:
+        assert result.status == "refused", f"{model_type} is listed as refused but holds parity: update support.py"
+        assert REFUSED[model_type] in result.reason and "register_adapter" in result.reason, result.reason
+    elif model_type in GENERIC or model_type in registry.registered_model_types():
+        assert result.status == "parity", result.reason
+    else:  # a family newer than support.py: the derivation decides, but only parity or a clear refusal
+        assert result.status == "parity" or "hf_tp cannot derive" in result.reason, result.reason
+
+
+@pytest.mark.parametrize("model_type", ["granite", "starcoder2", "smollm3", "exaone4", "granite_swa"])
+def test_family_tp4_replicated_kv_heads(model_type: str) -> None:
+    # 8 heads, 2 KV heads at tp=4: each KV head on 2 ranks (the generic plan's K/V projections).
+    assert run_family(model_type, tp=4, heads=8, kv=2).status == "parity"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "features"),
+    [
+        ("olmo", dict(clip_qkv=0.5)),  # q/k/v clamped in place
+        ("cohere", dict(use_qk_norm=True)),  # per-head norm weights [heads, head_dim]: refused, not wrong
+        ("phi", dict(qk_layernorm=True)),  # q/k LayerNorms over head_dim outside the tp plan: refused
+        ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0)),
+    ],
+)
+def test_family_optional_features(model_type: str, features: dict) -> None:
+    result = run_family(model_type, **features)
+    assert result.status == "parity" or "hf_tp cannot derive" in result.reason, result.reason
+
+
+def test_support_tables_are_consistent() -> None:
+    assert not set(GENERIC) & set(REFUSED)
+    assert not set(GENERIC) & set(registry.registered_model_types())
+    assert set(hf_tp.supported_model_types()) == set(GENERIC) | set(registry.registered_model_types())
+    assert len(set(DENSE) - set(REFUSED)) >= 35  # this transformers' dense families hf_tp trains
+
+
+def test_refusal_names_module_and_fix() -> None:
+    with pytest.raises(ValueError, match=r"packed projection \(gate_up_proj\).*register_adapter"):
+        hf_tp.get_adapter(grid_config("glm4"))
+
+
+def test_olmo2_width_norms_refuse_replicated_kv_heads() -> None:
+    config = grid_config("olmo2", heads=8, kv=2)
+    with pytest.raises(ValueError, match=r"tp \(4\) is over num_key_value_heads \(2\).*use tp <= 2"):
+        hf_tp.get_adapter(config).validate(config, 4)
