@@ -1,48 +1,43 @@
-"""hf_tp: tensor + sequence parallel (with FSDP2 data parallel) training of HF causal LMs."""
+"""hf_tp: tensor + sequence parallel (with FSDP2 data parallel) training of HF causal LMs.
 
-from hf_tp.adapters import Adapter, PlanOptions, get_adapter, register_adapter, supported_model_types
-from hf_tp.parallel import build_mesh, loss_parallel, parallelize
+Every public name is imported on first use (module ``__getattr__``), so ``import hf_tp`` and
+``hf-tp --help`` load neither torch nor transformers nor datasets.
+"""
+
+from __future__ import annotations
+
+from hf_tp.lazy import lazy_names
 
 __version__ = "0.1.0"
 
-# The training, checkpoint and inference entry points pull in datasets and more: import lazily.
-_LAZY = {
+# public name -> the module that defines it, or (module, attribute) where it has another name there
+_PUBLIC: dict[str, str | tuple[str, str]] = {
+    "Adapter": "hf_tp.adapters",
+    "PlanOptions": "hf_tp.adapters",
+    "get_adapter": "hf_tp.adapters",
+    "register_adapter": "hf_tp.adapters",
+    "supported_model_types": "hf_tp.adapters",
+    "build_mesh": "hf_tp.parallel",
+    "loss_parallel": "hf_tp.parallel",
+    "parallelize": "hf_tp.parallel",
+    "causal_lm_loss": "hf_tp.parallel.linear_ce",
     "TrainConfig": "hf_tp.train.config",
-    "fit": "hf_tp.train.loop",
-    "export": "hf_tp.checkpoint.export",
+    "fit": ("hf_tp.train.loop", "train"),
+    "shutdown": "hf_tp.train.setup",
+    "save_checkpoint": ("hf_tp.checkpoint.dcp", "save"),
+    "export": ("hf_tp.checkpoint.export", "export_checkpoint"),
     "push_to_hub": "hf_tp.checkpoint.hub",
     "generate": "hf_tp.inference",
     "evaluate": "hf_tp.inference",
-    "shutdown": "hf_tp.train.setup",
-    "causal_lm_loss": "hf_tp.parallel.linear_ce",
+    "embedded_default": ("hf_tp.demo.assets", "ensure_default_assets"),
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module = importlib.import_module(_LAZY[name])
-        attr = {"fit": "train", "export": "export_checkpoint"}.get(name, name)
-        return getattr(module, attr)
-    raise AttributeError(f"module 'hf_tp' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _PUBLIC)
 
 
-__all__ = [
-    "Adapter",
-    "TrainConfig",
-    "causal_lm_loss",
-    "evaluate",
-    "export",
-    "fit",
-    "generate",
-    "push_to_hub",
-    "shutdown",
-    "PlanOptions",
-    "build_mesh",
-    "get_adapter",
-    "loss_parallel",
-    "parallelize",
-    "register_adapter",
-    "supported_model_types",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
+
+__all__ = sorted(_PUBLIC)

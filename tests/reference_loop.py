@@ -6,8 +6,10 @@ No hf_tp model code runs here: the model is a plain ``from_pretrained`` model, t
 
 from __future__ import annotations
 
+import math
+
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 
@@ -33,9 +35,16 @@ def reference_losses(
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)
     collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    sched = get_cosine_with_min_lr_schedule_with_warmup(
-        opt, num_warmup_steps=warmup_steps, num_training_steps=steps, min_lr_rate=min_lr_ratio
-    )
+
+    # hf-tp's schedule, written out: warmup (step + 1) / (warmup + 1) (the first step is not at lr 0),
+    # then HF's cosine decay to min_lr_ratio (get_cosine_with_min_lr_schedule_with_warmup's formula).
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)) * (1 - min_lr_ratio) + min_lr_ratio)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses, norms = [], []
     for step in range(steps):
         batch = collate([data[i] for i in plan.step_indices(step)])

@@ -100,6 +100,24 @@ def save_checkpoint(
     return final
 
 
+def save(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Any = None,
+    *,
+    keep: int = 0,
+) -> Path:
+    """``hf_tp.save_checkpoint``: collective; every rank calls it. Writes
+    ``output_dir/checkpoints/step-{step}`` (model and optimizer shards, the model's config and
+    generation config, the tokenizer if given), which :func:`hf_tp.export` turns into a
+    ``from_pretrained`` folder (its model card names the model it was loaded from). Returns its path."""
+    files = [model.config, getattr(model, "generation_config", None), tokenizer]
+    state = {"base_model": getattr(model.config, "name_or_path", None) or None}
+    return save_checkpoint(output_dir, step, model, optimizer, state, [f for f in files if f is not None], keep=keep)
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "trainer_state.json").read_text())
 

@@ -10,20 +10,28 @@ import argparse
 import json
 import sys
 
+from hf_tp.cli.formatting import subcommand_parser
+
+EPILOG = """examples:
+  hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
+  hf-tp estimate --model llama-3.1-8b --world-size 16 --gpu-memory 80GiB --seq-len 8192 --batch-size 1"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.configs import bundled_models
+    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size (default 1)")
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, required=True, help="sequences per dp rank per micro-step")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision (default)")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision, fp32 master weights"
+    )
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB: sweep (tp, dp) and recommend one")
-    p.add_argument("--world-size", type=int, help="GPUs to split into (tp, dp) for the sweep (default tp*dp)")
+    p.add_argument("--world-size", type=int, help="GPUs to split into (tp, dp) for the sweep (default: tp*dp)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -62,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hf-tp estimate", description=__doc__)
+    p = subcommand_parser("hf-tp estimate", __doc__, EPILOG)
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+EPILOG = """examples:
+  hf-tp export outputs/run exported/        # the newest complete checkpoint of a run
+  hf-tp export outputs/run/checkpoints/step-100 exported/ --dtype bf16 --push-to-hub me/my-model --private
+
+A run has checkpoints when it was trained with --save-every N or --export-on-finish."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="OUTPUT_DIR of a run (its newest checkpoint) or OUTPUT_DIR/checkpoints/step-N")
-    p.add_argument("out_dir", help="where to write the HF folder (safetensors, config, tokenizer, card)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (an index is written if >1)")
+    p.add_argument("out_dir", help="where to write the HF folder (safetensors, config, tokenizer, model card)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="dtype of the exported weights")
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file; bigger models get several and an index"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")

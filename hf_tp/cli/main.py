@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from hf_tp.cli import estimate, export, train
+from hf_tp.cli.formatting import HelpFormatter
 
 # name -> (module with add_arguments(parser) and run(args), one-line help)
 SUBCOMMANDS = {
@@ -15,12 +16,38 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-tp", description="TP+SP x FSDP2 training of HF causal LMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+EPILOG = """examples:
+  hf-tp train                        # the embedded tiny Llama on CPU: 4 ranks, about a minute
+  hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
+  hf-tp export outputs/run exported/
+
+hf-tp SUBCOMMAND --help lists every flag with its default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``hf-tp`` parser (building it imports neither torch nor transformers)."""
+    parser = argparse.ArgumentParser(
+        prog="hf-tp",
+        description="TP+SP x FSDP2 training of HF causal LMs",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=help_text))
-    args = parser.parse_args(argv)
+        module.add_arguments(
+            sub.add_parser(
+                name,
+                help=help_text,
+                description=getattr(module, "DESCRIPTION", module.__doc__).replace("``", ""),
+                epilog=module.EPILOG,
+                formatter_class=HelpFormatter,
+            )
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return SUBCOMMANDS[args.command][0].run(args)
 
 

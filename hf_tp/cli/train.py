@@ -5,57 +5,186 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from hf_tp.train.config import TrainConfig, merge
+from hf_tp.cli.formatting import subcommand_parser
+from hf_tp.train.config import EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
+
+DESCRIPTION = """Train a Hugging Face causal LM with tensor + sequence parallel x FSDP2: starts tp*dp processes on
+this node (gloo on CPU, nccl on GPUs), or runs in place under torchrun / accelerate launch. Bad input
+stops it with one line, before any process starts where the inputs alone decide."""
+
+EPILOG = """examples:
+  hf-tp train          # the embedded tiny Llama and toy corpus, tp=2 x dp=2 on CPU (~1 min)
+  hf-tp train --model Qwen/Qwen2-0.5B --dataset corpus.jsonl --tp 2 --dp 4 --seq-len 2048 --batch-size 4
+  hf-tp train --config configs/qwen2-0.5b-tp2-dp4.yaml --dataset corpus.jsonl --save-every 100 --resume
+
+Settings: defaults < --config YAML < flags. "embedded default" means without --model."""
+
+
+def _default(name: str) -> str:
+    """The real default of a setting, as help text: the profile values for the ones a profile fills."""
+
+    def show(value: object) -> str:
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    if name in GENERAL_PROFILE:
+        return f"default {show(GENERAL_PROFILE[name])}; {show(EMBEDDED_PROFILE[name])} for the embedded default"
+    return f"default {show(next(f.default for f in fields(TrainConfig) if f.name == name))}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags default to None so that only what the user typed overrides the YAML file."""
-    p.add_argument("--config", help="YAML file of settings (keys as these flags); flags override it")
-    p.add_argument("--model", help="Hub id or local dir (default: the embedded tiny Llama)")
-    p.add_argument("--dataset", help="Hub id, or local .txt/.json/.jsonl/.parquet/.csv file or dir")
-    p.add_argument("--text-column")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--no-pack", dest="pack", action="store_const", const=False, help="pad each document")
-    p.add_argument("--tp", type=int, help="tensor-parallel size")
-    p.add_argument("--dp", type=int, help="data-parallel (FSDP2) size")
-    p.add_argument("--batch-size", type=int, help="sequences per dp rank per micro-step")
-    p.add_argument("--grad-accum", type=int)
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup-steps", type=int)
-    p.add_argument("--weight-decay", type=float)
-    p.add_argument("--max-grad-norm", type=float, help="0 disables clipping")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--output-dir")
-    p.add_argument("--overwrite", action="store_const", const=True, help="reuse an output dir that holds a run")
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--save-every", type=int, help="optimizer steps between checkpoints (0: none)")
-    p.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
-    p.add_argument("--resume", action="store_const", const=True, help="continue from the newest complete checkpoint")
-    p.add_argument("--export-on-finish", action="store_const", const=True, help="export an HF folder at the end")
-    p.add_argument("--activation-checkpointing", action="store_const", const=True)
-    p.add_argument("--compile", action="store_const", const=True, help="torch.compile each decoder layer")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
+    """Flags default to None so that only what the user typed overrides the YAML file; the help
+    texts state the real defaults (TrainConfig and its two profiles)."""
+    d = _default
+    switch = dict(action="store_const", const=True)
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML file of settings, keys as these flags; flags override it (default: none)"
+    )
+    p.add_argument(
+        "--model",
+        metavar="ID_OR_DIR",
+        help="Hub id (e.g. Qwen/Qwen2-0.5B) or local dir, loaded with from_pretrained, tokenizer included "
+        "(default: the embedded tiny Llama, ~150k random-init parameters built locally under ~/.cache/hf_tp "
+        "or $HF_TP_CACHE)",
+    )
+    p.add_argument(
+        "--dataset",
+        metavar="ID_OR_PATH",
+        help="Hub dataset id, or a local .txt/.json/.jsonl/.parquet/.csv file or directory of them "
+        "(default: the embedded generated toy corpus, one document per line)",
+    )
+    p.add_argument(
+        "--text-column", metavar="NAME", help=f"the dataset column holding the documents ({d('text_column')})"
+    )
+    p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per sequence ({d('seq_len')})")
+    p.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_const",
+        const=False,
+        help="one padded document per row (truncated to --seq-len) instead of documents packed into "
+        "--seq-len blocks with EOS between them (default: pack)",
+    )
+    p.add_argument("--tp", type=int, metavar="N", help=f"tensor-parallel size; must fit the model's heads ({d('tp')})")
+    p.add_argument("--dp", type=int, metavar="N", help=f"data-parallel (FSDP2) size; tp*dp processes run ({d('dp')})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help=f"sequences per dp rank per micro-step; the global batch is batch x dp x grad-accum ({d('batch_size')})",
+    )
+    p.add_argument("--grad-accum", type=int, metavar="N", help=f"micro-steps per optimizer step ({d('grad_accum')})")
+    p.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps ({d('max_steps')})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate of AdamW, betas 0.9/0.95 ({d('lr')})")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        metavar="N",
+        help="linear warmup from lr/(N+1) at the first step to lr at step N+1, then cosine decay to "
+        f"{TrainConfig.min_lr_ratio:g} x lr at --max-steps ({d('warmup_steps')})",
+    )
+    p.add_argument("--weight-decay", type=float, metavar="W", help=f"AdamW weight decay ({d('weight_decay')})")
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="X",
+        help=f"clip the global gradient norm to X; 0 disables ({d('max_grad_norm')})",
+    )
+    p.add_argument("--seed", type=int, help=f"seed of the data order and of random init ({d('seed')})")
+    p.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        help=f"where metrics.jsonl, config.yaml, TensorBoard logs and checkpoints go ({d('output_dir')})",
+    )
+    p.add_argument("--overwrite", **switch, help="write into an output dir that already holds a run (default: refuse)")
+    p.add_argument(
+        "--log-every", type=int, metavar="N", help=f"optimizer steps between metrics records ({d('log_every')})"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        metavar="N",
+        help="optimizer steps between checkpoints in OUTPUT_DIR/checkpoints; 0: none, except a final one for "
+        f"--export-on-finish ({d('save_every')})",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="K",
+        help=f"keep only the newest K checkpoints; 0 keeps all ({d('keep_checkpoints')})",
+    )
+    p.add_argument(
+        "--resume",
+        **switch,
+        help="continue from the newest complete checkpoint in --output-dir, on any mesh with the same global "
+        "batch (default: start from step 0)",
+    )
+    p.add_argument(
+        "--export-on-finish",
+        **switch,
+        help="save a final checkpoint and export it to OUTPUT_DIR/export, a from_pretrained folder (default: off)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        **switch,
+        help="recompute each decoder layer in the backward: less memory, more compute (default: off)",
+    )
+    p.add_argument("--compile", **switch, help="torch.compile each decoder layer (default: off)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        help="compute dtype; bf16 keeps fp32 master weights and reductions (default auto: bf16 on GPUs, fp32 on CPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help="where the ranks run (default auto: one GPU per rank if CUDA is visible, else CPU; the embedded default runs on CPU)",
+    )
+    p.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_const",
+        const=False,
+        help="tensor parallel without sequence parallel: norms run on the whole sequence (default: sequence parallel)",
+    )
     p.add_argument(
         "--no-loss-parallel",
         dest="loss_parallel",
         action="store_const",
         const=False,
-        help="replicated instead of vocab-sharded logits (only for models whose lm_head and loss are not fused)",
+        help="replicated instead of vocab-sharded logits, only for models whose lm_head and loss are not fused "
+        "(default: vocab-sharded)",
     )
     p.add_argument(
         "--profile-steps",
-        help="profile optimizer steps A-B (e.g. 10-12): Perfetto trace and op table in OUTPUT_DIR/profile",
+        metavar="A-B",
+        help="profile optimizer steps A-B (e.g. 10-12): Perfetto trace and op table in OUTPUT_DIR/profile "
+        "(default: off)",
     )
-    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False)
-    p.add_argument("--nnodes", type=int)
-    p.add_argument("--node-rank", type=int)
-    p.add_argument("--master-addr")
-    p.add_argument("--master-port", type=int)
+    p.add_argument(
+        "--no-tensorboard",
+        dest="tensorboard",
+        action="store_const",
+        const=False,
+        help="do not write TensorBoard logs (default: write them to OUTPUT_DIR)",
+    )
+    p.add_argument("--nnodes", type=int, metavar="N", help=f"nodes; run the same command on each ({d('nnodes')})")
+    p.add_argument("--node-rank", type=int, metavar="I", help=f"this node's index, 0 to nnodes-1 ({d('node_rank')})")
+    p.add_argument("--master-addr", metavar="HOST", help=f"address of node 0 for the rendezvous ({d('master_addr')})")
+    p.add_argument(
+        "--master-port",
+        type=int,
+        metavar="PORT",
+        help="port on node 0 (default: a free port; set it for several nodes)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the launcher's own output (torch elastic warnings and tracebacks) and every rank's error, "
+        "not only the first error (default: off)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -69,42 +198,52 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from hf_tp.demo import with_embedded_default
-    from hf_tp.train.launch import launch
-    from hf_tp.train.loop import train
-    from hf_tp.train.setup import resolve_device, shutdown
-    from hf_tp.train.validate import prelaunch_checks
+    from hf_tp.train.launch import launch, start_line
 
     in_rank = "WORLD_SIZE" in os.environ
     try:
-        cfg = with_embedded_default(config_from_args(args))
-        if not in_rank:
-            prelaunch_checks(cfg, resolve_device(cfg).type)
+        cfg = config_from_args(args)
+        cfg.resolve().validate()  # the numbers alone, before torch is imported
+        from hf_tp.train.validate import device_type as find_device_type
+        from hf_tp.train.validate import prelaunch_checks
+
+        cfg = with_embedded_default(cfg)
+        device_type = find_device_type(cfg) if in_rank else prelaunch_checks(cfg)
     except ValueError as exc:
         print(f"hf-tp train: error: {exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("HF_TP_LAUNCHED"):
+        print(start_line(cfg, device_type, launching=not in_rank and cfg.world_size > 1), flush=True)
     if not in_rank and cfg.world_size > 1:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
-        code = launch(cfg, out / "config.yaml")
-        if code != 0:
-            print(f"hf-tp train: training failed (exit code {code}); the ranks' errors are above", file=sys.stderr)
-        return code
+        return launch(cfg, out / "config.yaml", verbose=args.verbose)
+    from hf_tp.train.errors import report_rank_error
+    from hf_tp.train.loop import train
+    from hf_tp.train.setup import shutdown
+
     try:
         train(cfg)
     except (ValueError, FloatingPointError, RuntimeError) as exc:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        print(f"hf-tp train: error [rank {rank}]: {exc}", file=sys.stderr)
+        code = report_rank_error(exc, rank)
         if dist.is_initialized():
-            dist.destroy_process_group()
-        return 1
+            # No barrier: the other ranks may be waiting in another collective and never reach
+            # it. Abort, not destroy: destroy is the normal exit and may wait for collectives in
+            # flight (NCCL), abort returns at once (for gloo both only forget the groups). The
+            # non-zero exit makes the launcher stop the other ranks.
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        return code
     shutdown()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hf-tp train", description=__doc__)
+    p = subcommand_parser("hf-tp train", DESCRIPTION, EPILOG)
     add_arguments(p)
     return run(p.parse_args(argv))

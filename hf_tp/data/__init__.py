@@ -1,7 +1,22 @@
-"""Data for training: load and tokenize a text dataset, plan global batches, pad batches."""
+"""Data for training: load and tokenize a text dataset, plan global batches, pad batches.
 
-from hf_tp.data.collator import PadToMultipleCollator
-from hf_tp.data.datasets import load_text_dataset, tokenize_dataset
-from hf_tp.data.sampler import GlobalBatchOrder
+Names are imported on first use: the launching process checks a dataset (``hf_tp.data.datasets``)
+without loading torch, which the collator and the batch plan need.
+"""
 
-__all__ = ["GlobalBatchOrder", "PadToMultipleCollator", "load_text_dataset", "tokenize_dataset"]
+from __future__ import annotations
+
+from hf_tp.lazy import lazy_names
+
+# public name -> module that defines it
+_PUBLIC: dict[str, str | tuple[str, str]] = {
+    "GlobalBatchOrder": "hf_tp.data.sampler",
+    "PadToMultipleCollator": "hf_tp.data.collator",
+    "load_text_dataset": "hf_tp.data.datasets",
+    "tokenize_dataset": "hf_tp.data.datasets",
+}
+
+
+__getattr__ = lazy_names(__name__, _PUBLIC)
+
+__all__ = sorted(_PUBLIC)

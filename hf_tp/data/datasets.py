@@ -6,7 +6,9 @@ depends only on the data, the tokenizer and ``seq_len``, so every rank builds th
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,83 @@ def load_text_dataset(source: str, *, text_column: str = "text", split: str = "t
     _check_text_column(ds, text_column, f"'{source}'")
     ds.info.dataset_name = source
     return ds
+
+
+def check_text_dataset(source: str, *, text_column: str = "text", split: str = "train") -> None:
+    """Before any rank starts: what :func:`load_text_dataset` would reject, decided from as little
+    as possible. Raises its one-line ``ValueError``s (not found, unreadable, empty, no such text
+    column or not strings).
+
+    ``.txt`` files need only their sizes (their one column is "text"; an empty file has no rows);
+    other local files and Hub ids stream just their first row. What the first row cannot decide
+    (a bad row further on, too few tokens for one block) is left to the ranks.
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        _check_hub_first_row(source, text_column, split)
+        return
+    builder, files = _data_files(source, path)
+    files = [f for f in files if not _has_no_rows(f, builder)]
+    if not files:
+        raise ValueError(f"dataset '{source}' is empty")
+    if builder == "text":
+        _check_columns(["text"], datasets.Value("string"), text_column, f"'{source}'")
+        return
+    try:
+        with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
+            stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
+            first = next(iter(stream), None)
+    except (DatasetsError, ValueError, OSError) as exc:
+        raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
+    _check_first_row(stream, first, source, text_column)
+
+
+def _check_hub_first_row(source: str, text_column: str, split: str) -> None:
+    from hf_tp.checkpoint.hub import hub_unreachable
+
+    not_found = f"dataset not found: '{source}' is neither a local file/directory nor a dataset on the Hub"
+    if not _HUB_ID.match(source) or Path(source).suffix.lower() in SUPPORTED_EXTENSIONS:
+        raise ValueError(f"{not_found} (no such file or directory, and not a Hub id)")
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        if datasets.config.HF_HUB_OFFLINE:  # from the cache: memory-mapped, so reading it costs little
+            ds = _load_hub(source, split)
+            _check_first_row(ds, ds[0] if len(ds) else None, source, text_column)
+            return
+        raise ValueError(
+            f"the Hub cannot be reached ({unreachable}) to load dataset '{source}'; if it is in the "
+            "cache, set HF_HUB_OFFLINE=1"
+        )
+    try:
+        stream = datasets.load_dataset(source, split=split, streaming=True)
+        first = next(iter(stream), None)
+    except datasets.exceptions.DatasetNotFoundError as exc:
+        raise ValueError(f"{not_found} ({_reason(exc)})") from None
+    except Exception:  # noqa: BLE001 - a dataset that does not stream: the ranks load it in full
+        return
+    _check_first_row(stream, first, source, text_column)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _check_first_row(
+    stream: datasets.IterableDataset | datasets.Dataset, first: dict | None, source: str, text_column: str
+) -> None:
+    if first is None:
+        raise ValueError(f"dataset '{source}' is empty")
+    features = stream.features
+    feature = features.get(text_column) if features is not None else None
+    if feature is None and first.get(text_column) is not None and not isinstance(first[text_column], str):
+        feature = type(first[text_column]).__name__  # the first row's value, when the stream has no schema
+    _check_columns(list(features) if features is not None else list(first), feature, text_column, f"'{source}'")
 
 
 def tokenize_dataset(
@@ -105,12 +184,18 @@ def _label(ds: datasets.Dataset) -> str:
 
 
 def _check_text_column(ds: datasets.Dataset, text_column: str, label: str) -> None:
-    if text_column not in ds.column_names:
+    _check_columns(ds.column_names, ds.features.get(text_column), text_column, label)
+
+
+def _check_columns(columns: list[str], feature: Any, text_column: str, label: str) -> None:
+    """``text_column`` is one of ``columns`` and its ``feature`` (None: unknown) holds strings."""
+    if text_column not in columns:
         raise ValueError(
-            f"text column '{text_column}' not in dataset {label}; its columns are: {', '.join(ds.column_names)}; "
+            f"text column '{text_column}' not in dataset {label}; its columns are: {', '.join(columns)}; "
             "pass --text-column"
         )
-    feature = ds.features[text_column]
+    if feature is None:
+        return
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         raise ValueError(
             f"text column '{text_column}' of dataset {label} holds {feature}, not strings; pass --text-column"

@@ -15,13 +15,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING
 
 from hf_tp.demo.corpus import generate_corpus
+
+if TYPE_CHECKING:  # imported where the assets are built: finding built ones needs no torch
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 # Bump the suffix whenever the grammar, tokenizer or model changes, so stale caches are not reused.
 ASSETS_NAME = "default-tiny-llama-v1"
@@ -131,6 +130,8 @@ def _build(out: Path) -> None:
     tokenizer = build_tokenizer(lines)
     tokenizer.save_pretrained(model_dir)
     model = build_tiny_llama(tokenizer)
+    from transformers.utils import logging as hf_logging
+
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar is noise here
     try:
@@ -148,6 +149,9 @@ def build_tokenizer(lines: list[str]) -> PreTrainedTokenizerFast:
 
     Like Llama's tokenizers it prepends ``<s>`` to every encoded text; ``</s>`` is the end token.
     """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     unk, pad, bos, eos = SPECIAL_TOKENS
     tok = Tokenizer(models.WordLevel(unk_token=unk))
     tok.normalizer = normalizers.Lowercase()
@@ -172,6 +176,9 @@ def build_tiny_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
 
     The global RNG state of the caller is restored afterwards.
     """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -1,18 +1,27 @@
-"""Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps."""
+"""Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps.
 
-from hf_tp.estimate.api import Estimate, MemoryBreakdown, estimate
-from hf_tp.estimate.comm import CommStat
-from hf_tp.estimate.configs import bundled_models, resolve_model_config
-from hf_tp.estimate.sweep import Sweep, parse_memory, sweep
+Names are imported on first use, so ``hf-tp estimate --help`` (which lists the bundled models
+through :mod:`hf_tp.estimate.bundled`) loads neither torch nor transformers.
+"""
 
-__all__ = [
-    "CommStat",
-    "Estimate",
-    "MemoryBreakdown",
-    "Sweep",
-    "bundled_models",
-    "estimate",
-    "parse_memory",
-    "resolve_model_config",
-    "sweep",
-]
+from __future__ import annotations
+
+from hf_tp.lazy import lazy_names
+
+# public name -> module that defines it
+_PUBLIC: dict[str, str | tuple[str, str]] = {
+    "CommStat": "hf_tp.estimate.comm",
+    "Estimate": "hf_tp.estimate.api",
+    "MemoryBreakdown": "hf_tp.estimate.api",
+    "Sweep": "hf_tp.estimate.sweep",
+    "bundled_models": "hf_tp.estimate.bundled",
+    "estimate": "hf_tp.estimate.api",
+    "parse_memory": "hf_tp.estimate.sweep",
+    "resolve_model_config": "hf_tp.estimate.configs",
+    "sweep": "hf_tp.estimate.sweep",
+}
+
+
+__getattr__ = lazy_names(__name__, _PUBLIC)
+
+__all__ = sorted(_PUBLIC)

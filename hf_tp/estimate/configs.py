@@ -10,16 +10,11 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, PretrainedConfig
 
+from hf_tp.estimate.bundled import bundled_models
 
-def bundled_models() -> dict[str, str]:
-    """Short name -> Hub id of every bundled config, sorted by short name."""
-    out = {}
-    for entry in sorted(resources.files("hf_tp.estimate").joinpath("models").iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".json"):
-            out[entry.name[: -len(".json")]] = json.loads(entry.read_text()).get("_name_or_path", "")
-    return out
+__all__ = ["bundled_config", "bundled_models", "config_from_dict", "resolve_model_config"]
 
 
 def config_from_dict(data: dict) -> PretrainedConfig:
@@ -61,11 +56,12 @@ def resolve_model_config(model: str) -> tuple[PretrainedConfig, str]:
         raise ValueError(
             f"unknown model '{model}': not a bundled short name ({', '.join(models)}), a local path, or a Hub id"
         )
+    from hf_tp.train.validate import load_model_config  # one quick request when the Hub is unreachable
+
     try:
-        return AutoConfig.from_pretrained(model), model
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return load_model_config(model), model
+    except ValueError as exc:
         raise ValueError(
-            f"cannot load a config for '{model}' ({first}); offline, use a local dir/config.json or a bundled "
+            f"cannot load a config for '{model}' ({exc}); offline, use a local dir/config.json or a bundled "
             f"short name: {', '.join(models)}"
         ) from None

@@ -3,5 +3,6 @@
 import sys
 
 from hf_tp.cli.train import main
+from hf_tp.train.errors import run_reporting_crashes
 
-sys.exit(main())
+sys.exit(run_reporting_crashes(main))

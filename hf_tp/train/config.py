@@ -9,10 +9,24 @@ from typing import Any
 
 import yaml
 
-from hf_tp.train.profile import parse_profile_steps
-
 DTYPES = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
+    """``"A-B"`` (or ``"A"``) -> (A, B), 1-based and inclusive; A >= 2 leaves a warm-up step."""
+    if spec is None or spec == "":
+        return None
+    first, _, last = str(spec).partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"--profile-steps must look like 10-12 (optimizer steps, inclusive), got {spec!r}") from None
+    if not 2 <= a <= b:
+        raise ValueError(
+            f"--profile-steps {spec}: need 2 <= first <= last (step first-1 is the profiler's warm-up), got {a}-{b}"
+        )
+    return a, b
 
 
 @dataclass
@@ -122,6 +136,10 @@ class TrainConfig:
             raise ValueError(
                 f"tp*dp ({self.tp * self.dp}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def compute_dtype_name(self, device_type: str) -> str:
+        """ "bf16" on GPUs unless ``--dtype fp32``; "fp32" on CPU unless ``--dtype bf16``."""
+        return "bf16" if self.dtype == "bf16" or (self.dtype == "auto" and device_type == "cuda") else "fp32"
 
     @property
     def world_size(self) -> int:

@@ -1,4 +1,9 @@
-"""Start tp*dp ranks through accelerate's launcher (torch elastic underneath)."""
+"""Start tp*dp ranks through accelerate's launcher (torch elastic underneath).
+
+The launcher runs inside a thin wrapper (``python -m hf_tp.train.launch``, see :func:`_wrapper_main`)
+that hides torch elastic's warnings and its ``ChildFailedError`` traceback unless ``--verbose``: the
+launching process prints the ranks' first error itself, once (:mod:`hf_tp.train.errors`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.errors import ERROR_DIR_ENV, VERBOSE_ENV, explain_failure, record_launcher_failures
 
 
 def free_port() -> int:
@@ -19,12 +26,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
+    """What is started: ranks, mesh, device, backend, dtype, the global batch in sequences and tokens."""
+    nodes = f"{cfg.nnodes} nodes, {cfg.world_size // cfg.nnodes} ranks on this one" if cfg.nnodes > 1 else "1 node"
+    where = "one GPU per rank" if device_type == "cuda" else "CPU"
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dtype = cfg.compute_dtype_name(device_type)
+    dtype = "bf16 compute, fp32 master weights" if dtype == "bf16" else dtype
+    tokens = cfg.global_batch * cfg.seq_len
+    split = f"{cfg.batch_size} per rank x dp {cfg.dp}" + (
+        f" x grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
+    )
+    verb = "launching" if launching else "running in this process:" if cfg.world_size == 1 else "running in place:"
+    return (
+        f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp} x dp {cfg.dp} "
+        f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} sequence"
+        f"{'s' if cfg.global_batch > 1 else ''} ({split}) = "
+        f"{'up to ' if not cfg.pack else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
+    )
+
+
 def launch_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     """The ``accelerate launch`` command line that runs ``python -m hf_tp.train`` on every rank."""
     return [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        "hf_tp.train.launch",  # accelerate.commands.launch, quiet on failure (see _wrapper_main)
         "--multi_gpu",  # accelerate's switch for "several processes"; it works with gloo on CPU
         "--num_processes",
         str(cfg.world_size),
@@ -47,9 +74,52 @@ def launch_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     ]
 
 
-def launch(cfg: TrainConfig, config_path: Path) -> int:
-    """Run the ranks of this node and wait; returns the launcher's exit code."""
+def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int:
+    """Run the ranks of this node and wait. On failure print the first rank error (or how the
+    ranks ended) as the last line; returns 0, 2 (bad input) or 1."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, cfg.world_size // cfg.nnodes))))
     env["HF_TP_LAUNCHED"] = "1"
-    return subprocess.call(launch_command(cfg, config_path), env=env)
+    env.pop(VERBOSE_ENV, None)
+    if verbose:
+        env[VERBOSE_ENV] = "1"
+    with tempfile.TemporaryDirectory(prefix="hf_tp-errors-") as folder:
+        env[ERROR_DIR_ENV] = folder
+        code = subprocess.call(launch_command(cfg, config_path), env=env)
+        if code == 0:
+            return 0
+        message, code = explain_failure(Path(folder), code)
+    print(message, file=sys.stderr, flush=True)
+    return code
+
+
+def _wrapper_main(argv: list[str]) -> int:
+    """``accelerate launch ARGS``; when a rank fails, record how each one ended and exit 1 quietly
+    (torch elastic's warnings and traceback only with ``HF_TP_VERBOSE``)."""
+    import logging
+
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    verbose = bool(os.environ.get(VERBOSE_ENV))
+    if not verbose:
+        logging.disable(logging.ERROR)  # "Sending process N closing signal", "failed (exitcode: 1)"
+    try:
+        accelerate_launch(args)
+    except ChildFailedError as exc:
+        record_launcher_failures(exc.failures)
+        if verbose:
+            raise
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the launcher itself failed (rendezvous, port in use)
+        if verbose:
+            raise
+        print(f"hf-tp train: the launcher failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_wrapper_main(sys.argv[1:]))

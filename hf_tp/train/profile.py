@@ -14,21 +14,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from hf_tp.train.config import parse_profile_steps
 
-def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
-    """``"A-B"`` (or ``"A"``) -> (A, B), 1-based and inclusive; A >= 2 leaves a warm-up step."""
-    if spec is None or spec == "":
-        return None
-    first, _, last = str(spec).partition("-")
-    try:
-        a, b = int(first), int(last or first)
-    except ValueError:
-        raise ValueError(f"--profile-steps must look like 10-12 (optimizer steps, inclusive), got {spec!r}") from None
-    if not 2 <= a <= b:
-        raise ValueError(
-            f"--profile-steps {spec}: need 2 <= first <= last (step first-1 is the profiler's warm-up), got {a}-{b}"
-        )
-    return a, b
+__all__ = ["StepProfiler", "parse_profile_steps"]
 
 
 class StepProfiler:

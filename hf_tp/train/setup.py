@@ -6,6 +6,8 @@ Each function is one step of :func:`hf_tp.train.loop.train`'s set-up, kept apart
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
@@ -22,7 +24,7 @@ from hf_tp.data import load_text_dataset, tokenize_dataset
 from hf_tp.parallel import parallelize
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.launch import free_port
-from hf_tp.train.validate import validate_model_config
+from hf_tp.train.validate import device_type, validate_model_config
 
 T = TypeVar("T")
 ADAMW_BETAS = (0.9, 0.95)
@@ -30,10 +32,8 @@ ADAMW_BETAS = (0.9, 0.95)
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
     """CPU, or this rank's GPU (``LOCAL_RANK``)."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    if device_type(cfg) == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but no CUDA device is visible")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
@@ -80,9 +80,7 @@ def rank0_first(fn: Callable[[], T]) -> T:
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """bf16 on GPUs unless ``--dtype fp32``; fp32 on CPU unless ``--dtype bf16``."""
-    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cfg.compute_dtype_name(device.type) == "bf16" else torch.float32
 
 
 def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy | None:
@@ -139,8 +137,17 @@ def build_optimizer(
     )
 
 
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """The multiple of the peak lr at 0-based optimizer step ``step``: linear warmup
+    ``(step + 1) / (warmup + 1)`` (so the first step already trains, at lr / (warmup + 1), and step
+    ``warmup`` is the first at the peak), then cosine decay to ``min_ratio`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        opt, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps, min_lr_rate=cfg.min_lr_ratio
-    )
+    """:func:`lr_factor`: linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
+    factor = functools.partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.max_steps, min_ratio=cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -7,20 +7,55 @@ The launcher runs them once in the parent process so that a typo costs a second,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
-
-from hf_tp.adapters import get_adapter
 from hf_tp.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# torch, transformers and the adapters are imported where they are needed, so that the checks of
+# the inputs alone (numbers, paths, the dataset's first row) answer before they are loaded.
 
 
 def load_model_config(model: str) -> PretrainedConfig:
-    """``AutoConfig.from_pretrained`` with a one-line error for a missing model."""
+    """``AutoConfig.from_pretrained`` with a one-line error for a missing model.
+
+    For a Hub id one quick request first asks whether the Hub answers at all; if it does not, the
+    config comes from the Hub cache or the error says so at once (``from_pretrained`` alone spends
+    about 25 s in retries first). ``HF_HUB_OFFLINE=1`` uses the cache only."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from hf_tp.checkpoint.hub import hub_unreachable
+
+    local = Path(model).expanduser()
+    if local.exists() or model.startswith((".", "/", "~")):
+        return _auto_config(model, "local directory" if local.exists() else "Hub id or local directory")
+    unreachable = hub_unreachable()
+    if unreachable is None:
+        return _auto_config(model, "Hub id or local directory")
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        raise ValueError(
+            f"model not found: '{model}' is not a local directory and not in the Hub cache, and the Hub "
+            f"cannot be reached ({unreachable})"
+        ) from None
+    if not constants.HF_HUB_OFFLINE:  # the ranks would retry every file for minutes before using the cache
+        raise ValueError(
+            f"the Hub cannot be reached ({unreachable}); '{model}' is in the Hub cache: set HF_HUB_OFFLINE=1 "
+            "to train from the cache"
+        )
+    return config
+
+
+def _auto_config(model: str, where: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as exc:
-        where = "local directory" if Path(model).exists() else "Hub id or local directory"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
 
@@ -28,6 +63,8 @@ def load_model_config(model: str) -> PretrainedConfig:
 def validate_model_config(config: PretrainedConfig, tp: int, seq_len: int, seq_len_name: str = "--seq-len") -> None:
     """tp against the architecture, the sequence length against the model's positions (for
     ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name`` is how the caller names the setting)."""
+    from hf_tp.adapters import get_adapter
+
     get_adapter(config).validate(config, tp)
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
@@ -58,9 +95,22 @@ def check_dataset_source(source: str) -> None:
         raise ValueError(f"dataset not found: no file or directory at '{source}'")
 
 
+def device_type(cfg: TrainConfig) -> str:
+    """ "cuda" or "cpu": where this run's ranks compute (the embedded default resolves to CPU)."""
+    import torch
+
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA device is visible")
+    return "cuda"
+
+
 def check_devices(cfg: TrainConfig, device_type: str) -> None:
     if device_type != "cuda":
         return
+    import torch
+
     per_node = cfg.world_size // cfg.nnodes
     have = torch.cuda.device_count()
     if per_node > have:
@@ -70,13 +120,20 @@ def check_devices(cfg: TrainConfig, device_type: str) -> None:
         )
 
 
-def prelaunch_checks(cfg: TrainConfig, device_type: str) -> None:
-    """Everything that can be checked from the parent process, in the order a user would fix it."""
+def prelaunch_checks(cfg: TrainConfig) -> str:
+    """Everything that can be checked from the parent process, cheapest first (paths, the
+    dataset's first row, then the device and the model, which need torch and transformers);
+    returns the device type."""
     cfg.validate()
-    check_devices(cfg, device_type)
-    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
     check_dataset_source(cfg.dataset)
     check_output_dir(Path(cfg.output_dir), cfg)
+    from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
+
+    check_text_dataset(cfg.dataset, text_column=cfg.text_column)
+    kind = device_type(cfg)
+    check_devices(cfg, kind)
+    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
+    return kind
 
 
 FINGERPRINT_MODEL_FIELDS = (

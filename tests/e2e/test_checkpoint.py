@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -92,7 +93,11 @@ def test_export_cli_errors_and_push_without_network(setup, tmp_path) -> None:  #
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
     bad = export(str(tmp_path / "nothing"), str(tmp_path / "x"))
-    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr
+    assert bad.returncode == 2 and "nothing does not exist" in bad.stderr
+    (tmp_path / "no-ckpt").mkdir()
+    (tmp_path / "no-ckpt" / "metrics.jsonl").write_text("{}\n")
+    bad = export(str(tmp_path / "no-ckpt"), str(tmp_path / "x"))
+    assert bad.returncode == 2 and "saved no checkpoint; train with --save-every N" in bad.stderr
     dest = tmp_path / "hf"
     pushed = export(str(out), str(dest), "--push-to-hub", "someone/tiny")
     assert pushed.returncode == 1
@@ -110,4 +115,11 @@ def test_export_cli_errors_and_push_without_network(setup, tmp_path) -> None:  #
         torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
     card = (dest / "README.md").read_text()
     assert "2 optimizer steps" in card
+    # The card names the base model (a local dir: by its name), never a path of this machine.
+    assert "# local model `qwen2`, trained with hf_tp" in card and str(tmp_path) not in card
+    # Ordinary permissions: what mkdir and open make under the umask (755 and 644 with 022).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in dest.iterdir()} == {0o666 & ~umask}
     assert json.loads((dest / "config.json").read_text())["model_type"] == "qwen2"

@@ -170,3 +170,56 @@ def test_in_place_under_torchrun_every_rank_reports_an_empty_dataset(setup, tmp_
     for rank in (0, 1):
         assert f"hf-tp train: error [rank {rank}]:" in proc.stderr, proc.stderr[-3000:]
     assert "is empty" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "columns.jsonl",
+            '{"content": "a b c"}\n',
+            r"hf-tp train: error: text column 'text' not in dataset '.*columns\.jsonl'; its columns are: content; "
+            r"pass --text-column",
+        ),
+        ("empty.txt", "", r"hf-tp train: error: dataset '.*empty\.txt' is empty"),
+    ],
+)
+def test_dataset_errors_are_one_line_before_any_rank_starts(setup, tmp_path, name, content, message) -> None:
+    model_dir, _ = setup
+    data = tmp_path / name
+    data.write_text(content)
+    out = tmp_path / "out"
+    proc = hf_tp_train(
+        "--model", str(model_dir), "--dataset", str(data), "--tp", "2", "--dp", "1", "--seq-len", "15",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert __import__("re").fullmatch(message, proc.stderr.strip()), proc.stderr
+    assert "launching" not in proc.stdout and not out.exists()  # no rank started
+
+
+def test_an_error_inside_the_ranks_is_printed_once_last_with_exit_2(setup, tmp_path) -> None:
+    """Too few tokens for one block shows only once the ranks tokenize the corpus: the launching
+    process prints the first rank's error once, as its last line, without torch elastic's report."""
+    model_dir, _ = setup
+    data = tmp_path / "short.txt"
+    data.write_text("one two three\n")
+    out = tmp_path / "out"
+    proc = hf_tp_train(
+        "--model", str(model_dir), "--dataset", str(data), "--tp", "2", "--dp", "1", "--seq-len", "64",
+        "--batch-size", "2", "--output-dir", str(out), "--no-tensorboard",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == (
+        f"hf-tp train: launching 2 ranks = tp 2 x dp 1 (1 node) on CPU, gloo, fp32; global batch 2 sequences "
+        f"(2 per rank x dp 1) = 128 tokens per step, 1000 steps -> {out}"
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert __import__("re").fullmatch(
+        r"hf-tp train: error \[rank \d\]: dataset '.*short\.txt' has only \d+ tokens, fewer than one block of "
+        r"seq_len=64; lower --seq-len or add data",
+        last,
+    ), proc.stderr
+    assert proc.stderr.count("fewer than one block") == 1
+    for noise in ("Traceback", "ChildFailedError", "closing signal", "exitcode"):
+        assert noise not in proc.stderr, proc.stderr

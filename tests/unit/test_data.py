@@ -142,6 +142,31 @@ def test_load_errors(tmp_path: Path) -> None:
         load_text_dataset(str(tmp_path / "bad.jsonl"))
 
 
+def test_prelaunch_check_rejects_what_loading_rejects_from_the_first_row(tmp_path: Path) -> None:
+    """check_text_dataset (run by the launching process, before any rank) raises load_text_dataset's
+    one-line errors, reading only a file's size or first row."""
+    from hf_tp.data.datasets import check_text_dataset
+
+    for name, content in [("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("arr.json", "[]")]:
+        (tmp_path / name).write_text(content)
+    write(tmp_path / "header.csv", [], "csv")
+    cols = write(tmp_path / "cols.jsonl", ["a"], "jsonl")
+    (tmp_path / "x.xlsx").write_text("a")
+    cases = [(str(tmp_path / n), "text") for n in ("empty.txt", "empty.jsonl", "blank.jsonl", "arr.json", "header.csv")]
+    cases += [(str(cols), "body"), (str(tmp_path / "x.xlsx"), "text"), (str(tmp_path / "no" / "x.txt"), "text")]
+    cases += [("definitely-not/a-dataset-xyz", "text"), (str(write(tmp_path / "t.txt", ["a"], "txt")), "body")]
+    for source, column in cases:
+        with pytest.raises(ValueError) as loading:
+            load_text_dataset(source, text_column=column)
+        with pytest.raises(ValueError) as checking:
+            check_text_dataset(source, text_column=column)
+        assert str(checking.value) == str(loading.value)
+    with pytest.raises(ValueError, match=r"text column 'id' of dataset .* holds .*, not strings; pass --text-column"):
+        check_text_dataset(str(cols), text_column="id")
+    for fmt in ("txt", "jsonl", "parquet", "csv"):
+        check_text_dataset(str(write(tmp_path / f"ok.{fmt}", ["a b"], fmt)))
+
+
 def test_directory_errors(tmp_path: Path) -> None:
     (tmp_path / "notes.md").write_text("a")
     with pytest.raises(ValueError, match="no data files in directory .*; supported extensions: .txt"):

@@ -137,3 +137,45 @@ def test_more_processes_than_visible_gpus(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"tp\*dp = 2\*2 = 4 processes need 4 GPUs per node, but 2 are visible"):
         check_devices(TrainConfig(tp=2, dp=2), "cuda")
     check_devices(TrainConfig(tp=2, dp=2, nnodes=2), "cuda")  # 2 per node fits
+
+
+def test_start_line_says_what_is_launched() -> None:
+    from hf_tp.train.launch import start_line
+
+    cfg = TrainConfig(model="m", tp=2, dp=2, batch_size=4, grad_accum=2, seq_len=64, max_steps=10).resolve()
+    assert start_line(cfg, "cpu", launching=True) == (
+        "hf-tp train: launching 4 ranks = tp 2 x dp 2 (1 node) on CPU, gloo, fp32; global batch 16 sequences "
+        "(4 per rank x dp 2 x grad-accum 2) = 1,024 tokens per step, 10 steps -> outputs/run"
+    )
+    gpu = start_line(TrainConfig(model="m", tp=4, dp=4, nnodes=2).resolve(), "cuda", launching=True)
+    assert "16 ranks = tp 4 x dp 4 (2 nodes, 8 ranks on this one) on one GPU per rank, nccl, bf16 compute" in gpu
+    assert start_line(TrainConfig(model="m").resolve(), "cpu", launching=False).startswith(
+        "hf-tp train: running in this process: 1 rank = tp 1 x dp 1"
+    )
+
+
+def test_warmup_starts_above_zero_and_reaches_the_peak() -> None:
+    from hf_tp.train.setup import lr_factor
+
+    f = [lr_factor(s, warmup=3, total=10, min_ratio=0.1) for s in range(11)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # the first step trains at lr / (warmup + 1)
+    assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False)) and f[10] == pytest.approx(0.1)
+    assert lr_factor(0, warmup=0, total=10, min_ratio=0.1) == 1.0
+
+
+def test_unreachable_hub_fails_at_once_with_one_line(monkeypatch) -> None:
+    """No network: one quick request decides, instead of from_pretrained's ~25 s of retries."""
+    import time
+
+    import hf_tp.checkpoint.hub
+    from hf_tp.train.validate import load_model_config
+
+    monkeypatch.setattr(hf_tp.checkpoint.hub, "hub_unreachable", lambda: "ConnectError: Name or service not known")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        load_model_config("some-org/some-model-that-is-not-cached")
+    assert time.perf_counter() - t0 < 5
+    assert str(info.value) == (
+        "model not found: 'some-org/some-model-that-is-not-cached' is not a local directory and not in the Hub "
+        "cache, and the Hub cannot be reached (ConnectError: Name or service not known)"
+    )

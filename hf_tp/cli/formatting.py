@@ -1,0 +1,27 @@
+"""How every ``hf-tp`` parser prints its help: examples kept as written, every flag's default shown."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already names its default (train's
+    flags default to None so that a YAML file can set them: their help states the real default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if action.default is None:
+            return f"{text} (default: none)"
+        if action.default is False and action.nargs == 0:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def subcommand_parser(prog: str, doc: str | None, epilog: str) -> argparse.ArgumentParser:
+    """A stand-alone parser for one subcommand (``python -m hf_tp.train``), formatted as ``hf-tp``'s."""
+    return argparse.ArgumentParser(prog=prog, description=doc, epilog=epilog, formatter_class=HelpFormatter)
