@@ -53,6 +53,33 @@ def build_empty(config: PretrainedConfig) -> torch.nn.Module:
     return model
 
 
+def file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
+    """Model state-dict key -> the safetensors key that holds it.
+
+    transformers 5 keeps some families' files under older names and renames them on load
+    (GPT-NeoX saves its ``lm_head`` as ``embed_out``); DCP's HF reader reads by the file's names,
+    so the same pure renames are applied here (transformers' own mapping, not a copy of it)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversion mappings: names are as saved
+        return {k: k for k in keys}
+    # Looked up as transformers does (class name, then model_type), by the HF class: FSDP2 makes the
+    # model an instance of a subclass of its own, which transformers would take for custom code.
+    hf_class = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    transforms = get_checkpoint_conversion_mapping(hf_class.__name__)
+    if transforms is None:
+        transforms = get_checkpoint_conversion_mapping(model.config.model_type) or []
+    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+    out = {}
+    for key in keys:
+        name = key
+        for rename in renames:
+            name, _ = rename.rename_source_key(name)
+        out.setdefault(name, key)
+    return out
+
+
 def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.device) -> None:
     """Allocate the (already parallelized) meta parameters on ``device`` and fill each rank's
     shards straight from the safetensors files with DCP's HF reader."""
@@ -69,9 +96,10 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
     state = get_model_state_dict(model)
+    in_file = file_keys(model, keys)
     tied_alias = "lm_head.weight" if tied else None
-    missing = sorted(k for k in state if k not in keys and k != tied_alias)
+    missing = sorted(k for k in state if k not in in_file and k != tied_alias)
     if missing:
         raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
-    state = {k: v for k, v in state.items() if k in keys}
+    state = {in_file[k]: v for k, v in state.items() if k in in_file}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
