@@ -37,8 +37,15 @@ def _default(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags default to None so that only what the user typed overrides the YAML file; the help
     texts state the real defaults (TrainConfig and its two profiles)."""
+    _model_and_data(p.add_argument_group("model and data"))
+    _sizes_and_optimizer(p.add_argument_group("sizes and optimizer"))
+    _output_and_checkpoints(p.add_argument_group("output and checkpoints"))
+    _speed_and_parallelism(p.add_argument_group("speed, precision and parallelism"))
+    _launch(p.add_argument_group("launch (several nodes)"))
+
+
+def _model_and_data(p) -> None:
     d = _default
-    switch = dict(action="store_const", const=True)
     p.add_argument(
         "--config", metavar="FILE", help="YAML file of settings, keys as these flags; flags override it (default: none)"
     )
@@ -67,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="one padded document per row (truncated to --seq-len) instead of documents packed into "
         "--seq-len blocks with EOS between them (default: pack)",
     )
+
+
+def _sizes_and_optimizer(p) -> None:
+    d = _default
     p.add_argument("--tp", type=int, metavar="N", help=f"tensor-parallel size; must fit the model's heads ({d('tp')})")
     p.add_argument("--dp", type=int, metavar="N", help=f"data-parallel (FSDP2) size; tp*dp processes run ({d('dp')})")
     p.add_argument(
@@ -93,6 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"clip the global gradient norm to X; 0 disables ({d('max_grad_norm')})",
     )
     p.add_argument("--seed", type=int, help=f"seed of the data order and of random init ({d('seed')})")
+
+
+def _output_and_checkpoints(p) -> None:
+    d = _default
+    switch = dict(action="store_const", const=True)
     p.add_argument(
         "--output-dir",
         metavar="DIR",
@@ -126,6 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         **switch,
         help="save a final checkpoint and export it to OUTPUT_DIR/export, a from_pretrained folder (default: off)",
     )
+
+
+def _speed_and_parallelism(p) -> None:
+    switch = dict(action="store_const", const=True)
     p.add_argument(
         "--activation-checkpointing",
         **switch,
@@ -170,6 +190,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         const=False,
         help="do not write TensorBoard logs (default: write them to OUTPUT_DIR)",
     )
+
+
+def _launch(p) -> None:
+    d = _default
     p.add_argument("--nnodes", type=int, metavar="N", help=f"nodes; run the same command on each ({d('nnodes')})")
     p.add_argument("--node-rank", type=int, metavar="I", help=f"this node's index, 0 to nnodes-1 ({d('node_rank')})")
     p.add_argument("--master-addr", metavar="HOST", help=f"address of node 0 for the rendezvous ({d('master_addr')})")
