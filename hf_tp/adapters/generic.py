@@ -74,6 +74,10 @@ class Derivation:
     colwise: tuple[str, ...]
     kv: tuple[str, ...]  # colwise K/V projections (replicated when tp > num_key_value_heads)
     rowwise: tuple[str, ...]
+    # transformers' colwise_gather_output / rowwise_split_input (packed qkv_proj, gate_up_proj):
+    # the projection is sharded, its output all-gathered, the region between runs whole on every
+    # rank, and the row-parallel projection takes its own slice of the input again.
+    gathered: tuple[str, ...]
     head_norms: tuple[str, ...]
     width_norms: tuple[str, ...]  # norms over a whole column-parallel output (all heads)
     head_params: dict[str, tuple[str, ...]] = field(hash=False)  # block -> its own per-head parameters (sinks)
@@ -129,15 +133,15 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     """One decoder layer's plan (see the module docstring for the rules)."""
     plan: Plan = {}
     kv_style = ReplicatedKVProjection(opts.kv_replicas) if opts.kv_replicas > 1 else None
+    out = dict(output_layouts=Shard(1), use_local_output=False) if opts.sequence_parallel else {}
     for path in d.colwise:
         own = d.blocks[path.split(".", 1)[0]].edits_in_place
-        plan[path] = (kv_style if path in d.kv else None) or (ColwiseOwnOutput() if own else ColwiseParallel())
+        if path in d.gathered:
+            plan[path] = ColwiseParallel(output_layouts=Replicate())
+        else:
+            plan[path] = (kv_style if path in d.kv else None) or (ColwiseOwnOutput() if own else ColwiseParallel())
     for path in d.rowwise:
-        plan[path] = (
-            RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-            if opts.sequence_parallel
-            else RowwiseParallel()
-        )
+        plan[path] = RowwiseParallel(input_layouts=Replicate(), **out) if path in d.gathered else RowwiseParallel(**out)
     for path in d.head_norms:
         plan[path] = head_norm()
     for path in d.width_norms:

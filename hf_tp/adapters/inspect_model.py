@@ -16,7 +16,8 @@ from torch import nn
 
 from hf_tp.adapters.generic import Block, Derivation, is_linear, refuse
 
-SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "local_params", "width_norm")
+# transformers' styles the generic plan translates (plus hf_tp's own "width_norm", from overrides)
+GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
 
 
 def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
@@ -29,18 +30,20 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     layer = layers[0]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _head_dim(layer, config)
 
-    colwise, rowwise, head_norms, width_norms, head_params = [], [], [], [], {}
+    colwise, rowwise, head_norms, width_norms, head_params, gathered = [], [], [], [], {}, []
     for path, style in sorted(layer_styles.items(), key=lambda item: item[1] == "width_norm"):  # norms last
         try:
             module = layer.get_submodule(path)
         except AttributeError:
             continue  # the plan names a module this config does not build (e.g. q_norm when off)
-        if style in ("colwise", "rowwise"):
+        if style in ("colwise", "rowwise", *GATHERED):
             if not is_linear(module):
                 raise refuse(mt, f"{path} is {style} in its tp plan but a {type(module).__name__}, not an nn.Linear")
-            (colwise if style == "colwise" else rowwise).append(path)
+            (colwise if GATHERED.get(style, style) == "colwise" else rowwise).append(path)
+            if style in GATHERED:
+                gathered.append(path)
         elif style == "replicated_with_grad_allreduce":
             if not _is_norm(module, head_dim):
                 raise refuse(mt, f"{path} is a norm over more than one head ({_shapes(module)}, head_dim {head_dim})")
@@ -57,7 +60,11 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
             width_norms.append(path)
         else:
             raise refuse(mt, f"its tp plan gives {path} the style '{style}', which the generic plan does not translate")
-    kv = tuple(p for p in colwise if kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim)
+    kv = tuple(
+        p
+        for p in colwise
+        if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
+    )
     blocks = _blocks(mt, layer, colwise, rowwise)
     head_norms += _head_dim_norms(layer, blocks, set(colwise + rowwise + head_norms), head_dim)
     activations = _activations(layer, blocks, set(colwise + rowwise + head_norms + width_norms))
@@ -74,6 +81,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         colwise=tuple(colwise),
         kv=kv,
         rowwise=tuple(rowwise),
+        gathered=tuple(gathered),
         head_norms=tuple(head_norms),
         width_norms=tuple(width_norms),
         head_params=head_params,
@@ -86,6 +94,20 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         plain_lm_head=plain_logits(model, lm_head),
         widths=tuple(widths),
     )
+
+
+def _head_dim(layer: nn.Module, config) -> int:
+    """The attention's own ``head_dim`` (it may differ per layer: Gemma 4 reads it from per-layer
+    configs and refuses the global one), else the config's, else hidden / heads."""
+    for module in layer.modules():
+        value = module.__dict__.get("head_dim")
+        if isinstance(value, int):
+            return value
+    try:
+        value = getattr(config, "head_dim", None)
+    except Exception:  # noqa: BLE001 - transformers raises its own error for per-layer attributes
+        value = None
+    return value or config.hidden_size // config.num_attention_heads
 
 
 def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[str, str]]:

@@ -18,6 +18,9 @@ GENERIC: dict[str, str] = {
     "cohere_compass_text": "Cohere layout (parallel attention + MLP); logits scaled (not fused)",
     "cwm": "Llama layout, sliding-window layers",
     "ernie4_5": "Llama layout",
+    "gemma4_unified_text": "Gemma layout; per-layer head sizes read from the attention modules",
+    "glm": "packed gate_up_proj run gathered (transformers' colwise_gather_output: the MLP's middle is whole on every rank)",
+    "glm4": "as GLM, with post-attention and post-MLP norms",
     "exaone4": "norms after attention and MLP; per-head q/k norms",
     "gpt_neox": "packed query_key_value interleaved per head (column-parallel as is); parallel residual; partial rotary",
     "granite": "embedding, residual and attention multipliers; logits scaled (not fused)",
@@ -34,6 +37,7 @@ GENERIC: dict[str, str] = {
     "olmo": "parameter-free LayerNorm",
     "olmo2": "q/k norms over the whole projection width (hand-written overrides: adapters/olmo2.py)",
     "olmo3": "as OLMo 2, with sliding-window layers",
+    "phi3": "packed qkv_proj and gate_up_proj run gathered: attention and MLP middle whole on every rank (correct, more communication)",
     "phi": "parallel attention + MLP from one LayerNorm; biases everywhere; partial rotary; lm_head bias (not fused)",
     "seed_oss": "Llama layout with attention biases",
     "smollm3": "no rotary embedding on every fourth layer",
@@ -41,22 +45,14 @@ GENERIC: dict[str, str] = {
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
 }
 
-_PACKED = (
-    "packed projection ({}) whose parts (q/k/v or gate/up) must be split per rank, which hf_tp's "
-    "contiguous shards in HF's checkpoint layout cannot express yet"
-)
 # model_type -> why hf_tp refuses it (the error message names this reason)
 REFUSED: dict[str, str] = {
-    "phi3": _PACKED.format("qkv_proj and gate_up_proj"),
-    "phi4_multimodal": _PACKED.format("qkv_proj and gate_up_proj"),
-    "glm": _PACKED.format("gate_up_proj"),
-    "glm4": _PACKED.format("gate_up_proj"),
+    "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
     "minicpm3": "multi-head latent attention (low-rank q and kv projections) is not supported",
     "youtu": "multi-head latent attention (low-rank q and kv projections) is not supported",
     "olmo_hybrid": "its decoder layers mix attention with linear-attention layers (different modules per layer)",
     "qwen3_5_text": "its decoder layers mix attention with linear-attention (gated delta net) layers",
     "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
-    "gemma4_unified_text": "per-layer head sizes read from per-layer configs, which the generic reading does not handle",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
     "llama4": "a multimodal model (its tp plan shards the vision projector); train llama4_text MoE under issue 14",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
