@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,30 +24,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+from hf_tp.checkpoint.layout import (
+    MARKER,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_trainer_state,
+)
 
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Published checkpoints (with their marker), oldest first; temp and half-written dirs are skipped."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / MARKER).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    ckpts = complete_checkpoints(output_dir)
-    return ckpts[-1] if ckpts else None
+__all__ = [
+    "MARKER",
+    "checkpoint_root",
+    "complete_checkpoints",
+    "crash_point",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_trainer_state",
+    "save",
+    "save_checkpoint",
+]
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -116,10 +110,6 @@ def save(
     files = [model.config, getattr(model, "generation_config", None), tokenizer]
     state = {"base_model": getattr(model.config, "name_or_path", None) or None}
     return save_checkpoint(output_dir, step, model, optimizer, state, [f for f in files if f is not None], keep=keep)
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "trainer_state.json").read_text())
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -8,13 +8,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-from transformers import AutoConfig, AutoModelForCausalLM
+from hf_tp.checkpoint.layout import MARKER, latest_checkpoint, load_trainer_state
 
-from hf_tp.checkpoint.dcp import MARKER, latest_checkpoint, load_trainer_state
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("fp32", "bf16", "fp16")  # torch, transformers: imported once the checkpoint is found
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -60,6 +56,10 @@ def export_checkpoint(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"export dir {out} is not empty; pass another dir or --overwrite")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     files = ckpt / "model_files"
     config = AutoConfig.from_pretrained(files)
     with torch.device("meta"):
@@ -69,7 +69,7 @@ def export_checkpoint(
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
-    model.to(DTYPES[dtype])
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))

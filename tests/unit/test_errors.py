@@ -62,3 +62,11 @@ def test_a_rank_prints_only_when_nobody_collects(tmp_path: Path, monkeypatch, ca
     assert capsys.readouterr().err == "hf-tp train: error [rank 0]: nan\n"
     with pytest.raises(KeyError):
         errors.run_reporting_crashes(lambda: {}["x"])
+
+
+def test_verbose_lets_every_rank_print_and_still_records(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(errors.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(errors.VERBOSE_ENV, "1")
+    assert errors.report_rank_error(RuntimeError("peer gone"), 1) == 1
+    assert capsys.readouterr().err == "hf-tp train: error [rank 1]: peer gone\n"
+    assert (tmp_path / "rank1.json").is_file()
