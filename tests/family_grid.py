@@ -39,6 +39,9 @@ GRID_SIZES = dict(
 )
 # What a family needs beyond GRID_SIZES to build at these sizes.
 FAMILY_EXTRAS: dict[str, dict] = {
+    # One layer of each kind (transformers' generate needs an attention layer for the cache length).
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
     # Its default config has no rope parameters for its layer type.
     "cohere_compass_text": dict(
         layer_types=["full_attention"] * 2,

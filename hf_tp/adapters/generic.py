@@ -45,7 +45,9 @@ from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
     LocalHeadParams,
+    LocalParamViews,
     ReplicatedKVProjection,
+    ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
     WidthNormParallel,
     head_norm,
@@ -63,6 +65,7 @@ class Block:
 
     positional: int  # positional arguments in the call (0: hidden_states is passed by keyword)
     edits_in_place: bool = False  # its forward changes tensors in place (OLMo's clamp_ under clip_qkv)
+    replicated: bool = False  # no row-parallel projection: runs whole on every rank (linear attention)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Derivation:
     head_norms: tuple[str, ...]
     width_norms: tuple[str, ...]  # norms over a whole column-parallel output (all heads)
     head_params: dict[str, tuple[str, ...]] = field(hash=False)  # block -> its own per-head parameters (sinks)
+    region_params: dict[str, tuple[str, ...]] = field(hash=False)  # module -> own parameters in a replicated block
     activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
     layer_norms: tuple[str, ...]
     blocks: dict[str, Block] = field(hash=False)
@@ -152,7 +156,14 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
         for path in d.layer_norms:
             plan[path] = SequenceParallel()
         for path, block in d.blocks.items():
-            plan[path] = _gather_input(block)
+            plan[path] = (
+                Compose(_gather_input(block), ReplicatedToSequenceShards())
+                if block.replicated
+                else _gather_input(block)
+            )
+    for path, names in d.region_params.items():
+        own = LocalParamViews(names, Replicate())
+        plan[path] = Compose(plan[path], own) if path in plan else own
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
@@ -160,13 +171,19 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
 
 
 def _gather_input(block: Block) -> PrepareModuleInput:
-    """All-gather the block's hidden-states input from sequence shards (the other inputs pass)."""
+    """All-gather the block's hidden-states input from sequence shards (the other inputs pass); a
+    replicated block gets it as a plain tensor (its code mixes it with plain tensors)."""
+    local = block.replicated
     if block.positional == 0:
         return PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=local,
         )
     rest = (None,) * (block.positional - 1)
-    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=local
+    )
 
 
 def top_plan(d: Derivation, opts: PlanOptions) -> Plan:

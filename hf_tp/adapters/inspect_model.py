@@ -26,18 +26,67 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     mt = config.model_type
     layers_path, layer_styles = _layer_styles(model, tp_plan)
     layers = model.get_submodule(layers_path)
-    _check_layers_alike(mt, layers)
-    layer = layers[0]
+    kinds: dict[tuple[str, ...], nn.Module] = {}  # parameter names -> first layer of that kind
+    for layer in layers:
+        kinds.setdefault(tuple(n for n, _ in layer.named_parameters()), layer)
+    facts = [_layer_facts(mt, config, layer, layer_styles) for layer in kinds.values()]
+    merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
+    embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
+    widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
+    for i, each in enumerate(layers):
+        present = [p for p in merged["colwise"] + merged["rowwise"] if _has(each, p)]
+        widths += [
+            (f"{layers_path}.{i}.{p}", _split_width(each.get_submodule(p), p in merged["colwise"])) for p in present
+        ]
+    widths = [(path, w) for path, w in widths if not any(path.endswith("." + k) for k in merged["kv"])]
+    return Derivation(
+        model_type=mt,
+        layers_path=layers_path,
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()},
+        embedding=embedding,
+        top_norms=tuple(top_norms),
+        lm_head=lm_head,
+        plain_lm_head=plain_logits(model, lm_head),
+        widths=tuple(widths),
+    )
+
+
+def _split_width(linear: nn.Linear, column: bool) -> int:
+    return linear.out_features if column else linear.in_features
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _merge(mt: str, key: str, values: list):
+    """One plan for every layer kind (hybrid models mix attention with linear-attention layers):
+    the union of their entries, which must agree where they name the same module."""
+    if isinstance(values[0], dict):
+        out: dict = {}
+        for value in values:
+            for name, item in value.items():
+                if out.setdefault(name, item) != item:
+                    raise refuse(mt, f"its layer kinds treat {name} differently ({key})")
+        return out
+    return sorted({item for value in values for item in value})
+
+
+def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]) -> dict:
+    """What the plan needs from one decoder layer (see :class:`Derivation` for the fields)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = _head_dim(layer, config)
-
     colwise, rowwise, head_norms, width_norms, head_params, gathered = [], [], [], [], {}, []
     for path, style in sorted(layer_styles.items(), key=lambda item: item[1] == "width_norm"):  # norms last
         try:
             module = layer.get_submodule(path)
         except AttributeError:
-            continue  # the plan names a module this config does not build (e.g. q_norm when off)
+            continue  # the plan names a module this layer does not build (e.g. q_norm when off)
         if style in ("colwise", "rowwise", *GATHERED):
             if not is_linear(module):
                 raise refuse(mt, f"{path} is {style} in its tp plan but a {type(module).__name__}, not an nn.Linear")
@@ -60,40 +109,46 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
             width_norms.append(path)
         else:
             raise refuse(mt, f"its tp plan gives {path} the style '{style}', which the generic plan does not translate")
-    kv = tuple(
+    kv = [
         p
         for p in colwise
         if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
-    )
-    blocks = _blocks(mt, layer, colwise, rowwise)
-    head_norms += _head_dim_norms(layer, blocks, set(colwise + rowwise + head_norms), head_dim)
-    activations = _activations(layer, blocks, set(colwise + rowwise + head_norms + width_norms))
-    planned = set(colwise + rowwise + head_norms + width_norms + activations) | set(head_params)
-    layer_norms = _layer_norms(mt, layer, planned, blocks, config.hidden_size)
-    embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
-    widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
-    for i, each in enumerate(layers):
-        widths += [(f"{layers_path}.{i}.{p}", each.get_submodule(p).out_features) for p in colwise if p not in kv]
-        widths += [(f"{layers_path}.{i}.{p}", each.get_submodule(p).in_features) for p in rowwise]
-    return Derivation(
-        model_type=mt,
-        layers_path=layers_path,
-        colwise=tuple(colwise),
+    ]
+    planned = set(colwise + rowwise + head_norms + width_norms) | set(head_params)
+    blocks = _blocks(mt, layer, colwise, rowwise, gathered, planned, config.hidden_size)
+    sharded = {b: blk for b, blk in blocks.items() if any(p not in gathered for p in colwise if p.startswith(b + "."))}
+    head_norms += _head_dim_norms(layer, sharded, planned | set(head_norms), head_dim)
+    activations = _activations(layer, sharded, planned | set(head_norms))
+    # Blocks that run whole on every rank: replicated ones, and those whose projections are all
+    # gathered (the region between them is whole too): their other parameters are replicated.
+    whole = [b for b in blocks if all(p in gathered for p in colwise + rowwise if p.startswith(b + "."))]
+    region = {b: names for b in whole if (names := _own_params(layer, b, planned))}
+    planned |= set(head_norms) | set(activations)
+    planned |= {f"{b}.{n}".rpartition(".")[0] for b, names in region.items() for n in names}
+    return dict(
+        colwise=colwise,
         kv=kv,
-        rowwise=tuple(rowwise),
-        gathered=tuple(gathered),
-        head_norms=tuple(head_norms),
-        width_norms=tuple(width_norms),
+        rowwise=rowwise,
+        gathered=gathered,
+        head_norms=head_norms,
+        width_norms=width_norms,
         head_params=head_params,
-        activations=tuple(activations),
-        layer_norms=tuple(layer_norms),
+        region_params=region,
+        activations=activations,
+        layer_norms=_layer_norms(mt, layer, planned, blocks, config.hidden_size),
         blocks=blocks,
-        embedding=embedding,
-        top_norms=tuple(top_norms),
-        lm_head=lm_head,
-        plain_lm_head=plain_logits(model, lm_head),
-        widths=tuple(widths),
     )
+
+
+def _own_params(layer: nn.Module, block: str, planned: set[str]) -> tuple[str, ...]:
+    """Parameters under ``block`` outside the plan, as dotted names relative to the block (the
+    block's code may read a submodule's weight itself: ``self.conv1d.weight``)."""
+    out = []
+    for path, module in layer.get_submodule(block).named_modules(prefix=block):
+        if path not in planned:
+            rel = path[len(block) + 1 :]
+            out += [f"{rel}.{n}" if rel else n for n, _ in module.named_parameters(recurse=False)]
+    return tuple(out)
 
 
 def _head_dim(layer: nn.Module, config) -> int:
@@ -129,35 +184,37 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
     return layers_path, {k.split(".*.", 1)[1]: v for k, v in tp_plan.items()}
 
 
-def _check_layers_alike(mt: str, layers: nn.ModuleList) -> None:
-    """One plan serves every layer only if they hold the same parameters (their sizes may differ)."""
-    first = [n for n, _ in layers[0].named_parameters()]
-    for i, layer in enumerate(layers):
-        names = [n for n, _ in layer.named_parameters()]
-        if names != first:
-            odd = sorted(set(names) ^ set(first))[:3]
-            raise refuse(
-                mt, f"decoder layer {i} holds other parameters than layer 0 ({', '.join(odd)}): mixed layer kinds"
-            )
-
-
-def _blocks(mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str]) -> dict:
-    """Layer-level children with column-parallel projections, and how the layer calls them."""
-    names = {p.split(".", 1)[0] for p in colwise + rowwise}
+def _blocks(
+    mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str], gathered: list[str], planned: set, hidden: int
+) -> dict:
+    """Layer-level children that take the hidden states: those with column- and row-parallel
+    projections, and *replicated* ones (no row-parallel projection: a linear-attention block
+    transformers leaves whole, or runs gathered), which run on every rank on the all-gathered
+    sequence and hand their output back as sequence shards. And how the layer calls each."""
     for path in colwise + rowwise:
         if "." not in path:
             raise refuse(mt, f"the projection {path} is called by the decoder layer itself, not by a block")
+    names = {p.split(".", 1)[0] for p in colwise + rowwise}
+    for name, child in layer.named_children():  # blocks the plan leaves whole
+        if name not in names and any(True for _ in child.parameters()) and not _is_norm(child, hidden):
+            names.add(name)
     calls = _self_calls(type(layer).forward)
     blocks = {}
     for name in sorted(names):
-        if not any(p.startswith(name + ".") for p in colwise) or not any(p.startswith(name + ".") for p in rowwise):
-            raise refuse(mt, f"the block {name} does not pair column- with row-parallel projections")
+        inside = [p for p in colwise + rowwise if p.startswith(name + ".")]
+        replicated = not any(p in rowwise for p in inside)
+        if replicated and any(p not in gathered for p in inside):
+            raise refuse(mt, f"the block {name} has column-parallel projections but no row-parallel one")
+        if not replicated and not any(p in colwise for p in inside):
+            raise refuse(mt, f"the block {name} has row-parallel projections but no column-parallel one")
         block = layer.get_submodule(name)
         first = _first_param(type(block).forward)
         styles = {_call_style(call, first) for call in calls.get(name, [])}
         if len(styles) != 1 or None in styles:
             raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {name}")
-        blocks[name] = Block(positional=styles.pop(), edits_in_place=_edits_in_place(type(block).forward))
+        blocks[name] = Block(
+            positional=styles.pop(), edits_in_place=_edits_in_place(type(block).forward), replicated=replicated
+        )
     return blocks
 
 

@@ -32,7 +32,8 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
             f"hf_tp.parallelize expects a *ForCausalLM model (e.g. from AutoModelForCausalLM)"
         )
     missing = [p for p in adapter.top_plan(opts) if not _has(model, p)]
-    missing += [f"{adapter.layers_path}.0.{p}" for p in adapter.layer_plan(opts) if not _has(layers[0], p)]
+    # Hybrid models mix layer kinds: a layer-plan entry must exist in some layer (each gets its own).
+    missing += [f"{adapter.layers_path}.*.{p}" for p in adapter.layer_plan(opts) if not any(_has(x, p) for x in layers)]
     if missing:
         raise ValueError(
             f"the {adapter.model_type} adapter names modules that {type(model).__name__} lacks: "
@@ -70,9 +71,9 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
             f"divide num_key_value_heads ({model.config.num_key_value_heads})"
         )
     for layer in model.get_submodule(adapter.layers_path):
-        for attention in set(replicated_kv):  # raises before the first layer is touched
+        for attention in {a for a in replicated_kv if _has(layer, a)}:  # raises before the first layer is touched
             set_local_kv_groups(layer.get_submodule(attention), model.config.num_attention_heads, tp_mesh.size())
-        parallelize_module(layer, tp_mesh, layer_plan)
+        parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if _has(layer, p)})
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)

@@ -5,7 +5,7 @@ so every family file and the generic plan build from the same pieces.
 """
 
 from hf_tp.styles.embedding import ScaledEmbeddingRowwise
-from hf_tp.styles.heads import Compose, LocalHeadParams
+from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
 from hf_tp.styles.linear import ColwiseOwnOutput
 from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
@@ -14,6 +14,8 @@ __all__ = [
     "ColwiseOwnOutput",
     "Compose",
     "LocalHeadParams",
+    "LocalParamViews",
+    "ReplicatedToSequenceShards",
     "HEADS_DIM",
     "KVHeadLinear",
     "ReplicatedKVProjection",

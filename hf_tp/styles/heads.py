@@ -1,42 +1,71 @@
-"""Per-head parameters held by an attention module itself (attention sinks), sharded by head."""
+"""Styles for a module's own parameters (attention sinks, a replicated block's) and for blocks that run whole."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
-class LocalHeadParams(ParallelStyle):
-    """Shard the module's parameters ``names`` (one entry per attention head on dim 0) over tp with
-    the heads, and let its forward see only the local heads' entries: a plain tensor view whose
-    gradient flows back into the sharded parameter. Attention code indexes them with its local
-    heads (``module.sinks``), where a DTensor would mix with plain tensors."""
+class LocalParamViews(ParallelStyle):
+    """Distribute the parameters ``names`` of the module (dotted names reach into its submodules)
+    over tp with ``placement`` and let its forward see plain local tensors: each is shadowed for the call by ``param.to_local()``, a view
+    whose gradient flows back into the DTensor parameter. For code that mixes its parameters with
+    plain tensors: attention sinks indexed by the local heads (``Shard(0)``), or the parameters of a
+    block that runs whole on every rank (``Replicate()``: every rank computes the same gradient)."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], placement: Placement) -> None:
         super().__init__()
         self.names = names
+        self.placement = placement
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners = []  # (submodule, parameter name): dotted names reach into submodules
         for name in self.names:
-            param = module._parameters[name]
-            module.register_parameter(
-                name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]), param.requires_grad)
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix else module
+            param = owner._parameters[leaf]
+            owner.register_parameter(
+                leaf, nn.Parameter(distribute_tensor(param, device_mesh, [self.placement]), param.requires_grad)
             )
-        names = self.names
+            owners.append((owner, leaf))
 
         def local_views(mod: nn.Module, args) -> None:
-            for name in names:  # an instance attribute shadows the registered parameter for the call
-                mod.__dict__[name] = mod._parameters[name].to_local()
+            for owner, leaf in owners:  # an instance attribute shadows the registered parameter for the call
+                owner.__dict__[leaf] = owner._parameters[leaf].to_local()
 
         def drop_views(mod: nn.Module, args, output):
-            for name in names:
-                mod.__dict__.pop(name, None)
+            for owner, leaf in owners:
+                owner.__dict__.pop(leaf, None)
             return output
 
         module.register_forward_pre_hook(local_views)
         module.register_forward_hook(drop_views)
+        return module
+
+
+def LocalHeadParams(names: tuple[str, ...]) -> LocalParamViews:  # noqa: N802 - a style, named like one
+    """Per-head parameters of an attention module (sinks), sharded with the heads."""
+    return LocalParamViews(names, Shard(0))
+
+
+class ReplicatedToSequenceShards(ParallelStyle):
+    """The output of a block that ran whole on every rank (a plain tensor, the same everywhere)
+    handed back to the residual stream as its sequence shard (a ``Shard(1)`` DTensor): a local
+    slice, no communication; in backward the shards' gradients are all-gathered into it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_shards(mod: nn.Module, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            if isinstance(first, DTensor):
+                return output
+            shards = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False).redistribute(
+                device_mesh, [Shard(1)]
+            )
+            return (shards, *output[1:]) if isinstance(output, tuple) else shards
+
+        module.register_forward_hook(to_shards)
         return module
 
 
