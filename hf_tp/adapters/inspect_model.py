@@ -34,7 +34,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
     widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
     for i, each in enumerate(layers):
-        present = [p for p in merged["colwise"] + merged["rowwise"] if _has(each, p)]
+        present = [p for p in merged["colwise"] + merged["rowwise"] if has_submodule(each, p)]
         widths += [
             (f"{layers_path}.{i}.{p}", _split_width(each.get_submodule(p), p in merged["colwise"])) for p in present
         ]
@@ -55,7 +55,8 @@ def _split_width(linear: nn.Linear, column: bool) -> int:
     return linear.out_features if column else linear.in_features
 
 
-def _has(module: nn.Module, path: str) -> bool:
+def has_submodule(module: nn.Module, path: str) -> bool:
+    """``module.get_submodule(path)`` exists."""
     try:
         module.get_submodule(path)
     except AttributeError:

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from hf_tp.adapters.inspect_model import has_submodule
 from hf_tp.adapters.registry import Adapter, PlanOptions
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
@@ -31,9 +32,11 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
             f"{type(model).__name__} has no decoder layers at '{adapter.layers_path}'; "
             f"hf_tp.parallelize expects a *ForCausalLM model (e.g. from AutoModelForCausalLM)"
         )
-    missing = [p for p in adapter.top_plan(opts) if not _has(model, p)]
+    missing = [p for p in adapter.top_plan(opts) if not has_submodule(model, p)]
     # Hybrid models mix layer kinds: a layer-plan entry must exist in some layer (each gets its own).
-    missing += [f"{adapter.layers_path}.*.{p}" for p in adapter.layer_plan(opts) if not any(_has(x, p) for x in layers)]
+    missing += [
+        f"{adapter.layers_path}.*.{p}" for p in adapter.layer_plan(opts) if not any(has_submodule(x, p) for x in layers)
+    ]
     if missing:
         raise ValueError(
             f"the {adapter.model_type} adapter names modules that {type(model).__name__} lacks: "
@@ -52,14 +55,6 @@ def _check_all_placed(model: nn.Module, adapter: Adapter) -> None:
         )
 
 
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
 def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh, opts: PlanOptions) -> None:
     """Shard every decoder layer and the top-level modules over ``tp_mesh``, in place."""
     tied = embeddings_tied(model)
@@ -71,9 +66,11 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
             f"divide num_key_value_heads ({model.config.num_key_value_heads})"
         )
     for layer in model.get_submodule(adapter.layers_path):
-        for attention in {a for a in replicated_kv if _has(layer, a)}:  # raises before the first layer is touched
+        for attention in {
+            a for a in replicated_kv if has_submodule(layer, a)
+        }:  # raises before the first layer is touched
             set_local_kv_groups(layer.get_submodule(attention), model.config.num_attention_heads, tp_mesh.size())
-        parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if _has(layer, p)})
+        parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
