@@ -209,3 +209,15 @@ def test_parse_memory() -> None:
     assert parse_memory("512 MiB") == 512 * MiB
     with pytest.raises(ValueError, match="not a memory size; write it like 80GiB"):
         parse_memory("lots")
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2", "phi3"])
+def test_cli_estimates_generic_families_from_config_json(model_type: str, tmp_path: Path, capsys) -> None:
+    # Families served by the generic plan: a config.json is enough (no weights, no adapter file).
+    from tests.family_grid import grid_config
+
+    grid_config(model_type).save_pretrained(tmp_path)
+    args = ["estimate", "--model", str(tmp_path / "config.json"), "--tp", "2", "--seq-len", "32", "--batch-size", "1"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["peak"]["total"] > 0 and any(c["collective"] == "reduce_scatter" for c in data["comms"])
