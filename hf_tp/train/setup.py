@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -49,12 +50,25 @@ def init_distributed(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def shutdown() -> None:
-    """Leave the process group cleanly (a barrier first: a rank that exits while another is still
-    in a collective makes gloo abort)."""
+def shutdown(exit_code: int | None = None) -> None:
+    """Leave the process group together with the other ranks: a barrier (a rank that quits while
+    a peer is still in a collective with it fails the peer: "Connection closed by peer"), then
+    ``destroy_process_group``. For the success path only: a failed rank must not wait for others.
+
+    That does not stop gloo's worker threads while DTensors and DeviceMeshes still reference the
+    groups; one may still be freeing the last collective's tensors when the interpreter finalizes,
+    which ends the process with "terminate called without an active exception" (SIGABRT), rarely,
+    after all the work is done. With ``exit_code``, stdout/stderr are flushed and the process
+    leaves with ``os._exit(exit_code)``, skipping finalization: use it where the process ends anyway
+    (a script run on each rank), never inside a notebook or a test process.
+    """
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def rank0_first(fn: Callable[[], T]) -> T:

@@ -77,13 +77,13 @@ def _worker(settings: str) -> None:
     import torch.distributed as dist
 
     import hf_tp
+    from tests.e2e.rank_exit import end_rank
 
     result = hf_tp.fit(hf_tp.TrainConfig(**json.loads(settings)))
     if dist.get_rank() == 0:
         record = {"losses": result.losses, "grad_norms": result.grad_norms}
         (result.output_dir / "fit_result.json").write_text(json.dumps(record))
-    dist.barrier()  # leave together: a rank gone while another is in a collective makes gloo abort
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

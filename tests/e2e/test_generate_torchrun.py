@@ -40,6 +40,7 @@ def _worker() -> None:
 
     import hf_tp
     from hf_tp.inference import evaluate, generate
+    from tests.e2e.rank_exit import end_rank
     from tests.helpers import batch, tiny_config, tiny_model
 
     dist.init_process_group("gloo")
@@ -76,7 +77,7 @@ def _worker() -> None:
     assert result.tokens == count and abs(result.loss - total / count) <= 1e-5 * total / count, (result, total / count)
     assert model.training
     print(f"GENERATE OK rank {rank}", flush=True)
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":
