@@ -87,7 +87,7 @@ Every dense causal-LM family that transformers can tensor-parallelize (its confi
 (logits, loss and every gradient of a tiny random model of the family's own config class, float64,
 a right-padded row; the weights after an AdamW step; `model.generate` greedy tokens with left
 padding), and the others are refused by `hf_tp.parallelize` with the reason below. tp=4 with KV
-heads replicated is checked for granite, starcoder2, smollm3, exaone4 and granite_swa.
+heads replicated is checked for granite, exaone4 and granite_swa.
 
 - **hand-written**: a registered adapter (`hf_tp/adapters/<family>.py`).
 - **generic**: the plan derived from the model by `hf_tp/adapters/generic.py` (transformers'

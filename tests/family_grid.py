@@ -60,10 +60,15 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
     """float64 (fp32's round-off would sit above the element-wise tolerance for some families'
     gradients; in float64 the same tolerances are far stricter), random 1-D parameters."""
     torch.manual_seed(0)
+    default = torch.get_default_dtype()
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
     except ValueError:  # transformers has no sdpa path for it (Gemma 2, VaultGemma, Granite SWA, ...)
+        # ... and raised with torch's default dtype still set to float64: restore it, or every later
+        # test in this process would build float64 tensors.
+        torch.set_default_dtype(default)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
+    assert torch.get_default_dtype() == default
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -95,6 +100,7 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
     ``hf_tp.parallelize`` runs first, before any reference model is built (some refused families
     build GBs of encoders at their default sizes)."""
     config = grid_config(model_type, heads, kv, **overrides)
+    default_dtype = torch.get_default_dtype()  # checked at the end: a leak would change later tests
     try:
         hf_tp.get_adapter(config).validate(config, tp)
     except ValueError as exc:
@@ -115,4 +121,5 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
         assert_parity(train_steps(model, data, steps=steps, ctx=hf_tp.loss_parallel), want)
 
     run_threaded(tp, rank_fn)
+    assert torch.get_default_dtype() == default_dtype, f"{model_type} left torch's default dtype changed"
     return GridResult(model_type, "parity")

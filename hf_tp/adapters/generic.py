@@ -27,6 +27,7 @@ model sequence parallel, the output embedding column-parallel over the vocab.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -112,13 +113,17 @@ def register_plan_overrides(model_types: tuple[str, ...], overrides: dict[str, s
 
 
 _DERIVED: dict[str, Derivation] = {}  # config JSON -> derivation (building the meta model costs ~0.1-2 s)
+_DERIVING = threading.Lock()
 
 
 def generic_adapter(config: PretrainedConfig) -> Adapter:
     """The :class:`Adapter` derived from ``config``'s model (cached per config)."""
     key = config.to_json_string(use_diff=False)
-    if key not in _DERIVED:
-        _DERIVED[key] = derive(config)
+    # One derivation at a time: building the meta model sets torch's process-wide default dtype for
+    # a while, and two threads (ranks of an in-process group) interleaving that would leave it wrong.
+    with _DERIVING:
+        if key not in _DERIVED:
+            _DERIVED[key] = derive(config)
     d = _DERIVED[key]
     split = tuple(f for f in ("num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is not None)
     return Adapter(
