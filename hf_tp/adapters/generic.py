@@ -8,10 +8,10 @@ logits are exactly ``lm_head(hidden)``. This module reads those from the model i
 meta device from the config: no memory, no weights) and from the source of its ``forward``s.
 
 It proves itself or refuses: every parameter of a decoder layer and of the top level must be
-placed by a rule below, every block that holds column-parallel projections must be called from
-the layer in a way it can read, and a style transformers uses that has no exact SP counterpart
-here (packed projections, gathered outputs, full-width q/k norms, ...) is a ``ValueError`` naming
-the module and the way out (a hand-written adapter), never a guessed plan.
+placed by a rule below, every block must be called from the layer in a way it can read, and a
+style or module it has no rule for (latent attention, experts, parameters on the layer itself,
+...) is a ``ValueError`` naming the module and the way out (a hand-written adapter), never a
+guessed plan.
 
 The rules, per decoder layer (Megatron's SP layout, as ``adapters/llama.py`` writes by hand):
   - ``colwise`` Linear -> ``ColwiseParallel`` (K/V projections replicated when tp > KV heads);
@@ -20,7 +20,11 @@ The rules, per decoder layer (Megatron's SP layout, as ``adapters/llama.py`` wri
     all-gathering its ``hidden_states`` input, by keyword or position as the layer calls it;
   - a layer-level norm over ``hidden_size`` -> ``SequenceParallel`` (every layer-level tensor is a
     sequence shard, so this holds for pre-, post- and parallel-block norms alike);
-  - ``replicated_with_grad_allreduce`` on a ``head_dim`` norm -> the per-head norm style.
+  - ``replicated_with_grad_allreduce`` on a ``head_dim`` norm -> the per-head norm style; a norm
+    over a whole projection (``width_norm``, from a family's overrides) -> ``WidthNormParallel``;
+  - ``colwise_gather_output``/``rowwise_split_input`` (packed qkv/gate_up) and blocks without a
+    row-parallel projection (linear attention) run whole on every rank on the gathered sequence,
+    their other parameters replicated; a hybrid model's layer kinds share one plan.
 Top level: the input embedding vocab-sharded to sequence shards, hidden-size norms of the base
 model sequence parallel, the output embedding column-parallel over the vocab.
 """
@@ -62,7 +66,8 @@ HOW_TO_ADD = (
 
 @dataclass(frozen=True)
 class Block:
-    """A layer-level child that holds column-parallel projections, and how the layer calls it."""
+    """A layer-level child that takes the hidden states (attention, MLP, linear attention), and how
+    the layer calls it."""
 
     positional: int  # positional arguments in the call (0: hidden_states is passed by keyword)
     edits_in_place: bool = False  # its forward changes tensors in place (OLMo's clamp_ under clip_qkv)
@@ -134,7 +139,6 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         split_fields=split,
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
-        derived=True,
     )
 
 

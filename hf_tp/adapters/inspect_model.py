@@ -16,7 +16,7 @@ from torch import nn
 
 from hf_tp.adapters.generic import Block, Derivation, is_linear, refuse
 
-# transformers' styles the generic plan translates (plus hf_tp's own "width_norm", from overrides)
+# transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
 
 
@@ -115,15 +115,20 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
         for p in colwise
         if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
     ]
-    planned = set(colwise + rowwise + head_norms + width_norms) | set(head_params)
-    blocks = _blocks(mt, layer, colwise, rowwise, gathered, planned, config.hidden_size)
-    sharded = {b: blk for b, blk in blocks.items() if any(p not in gathered for p in colwise if p.startswith(b + "."))}
-    head_norms += _head_dim_norms(layer, sharded, planned | set(head_norms), head_dim)
-    activations = _activations(layer, sharded, planned | set(head_norms))
+    blocks = _blocks(mt, layer, colwise, rowwise, gathered, config.hidden_size)
     # Blocks that run whole on every rank: replicated ones, and those whose projections are all
-    # gathered (the region between them is whole too): their other parameters are replicated.
-    whole = [b for b in blocks if all(p in gathered for p in colwise + rowwise if p.startswith(b + "."))]
-    region = {b: names for b in whole if (names := _own_params(layer, b, planned))}
+    # gathered (the region between them is whole too). Every rank computes their parameters' full
+    # gradient, so all of them are replicated (a per-head or width rule there would sum over tp).
+    whole = {b for b in blocks if all(p in gathered for p in colwise + rowwise if p.startswith(b + "."))}
+    inside = lambda path: path.split(".", 1)[0] in whole  # noqa: E731
+    head_norms = [p for p in head_norms if not inside(p)]
+    width_norms = [p for p in width_norms if not inside(p)]
+    head_params = {p: n for p, n in head_params.items() if not inside(p)}
+    planned = set(colwise + rowwise + head_norms + width_norms) | set(head_params)
+    sharded = {b: blk for b, blk in blocks.items() if b not in whole}
+    head_norms += _head_dim_norms(layer, sharded, planned, head_dim)
+    activations = _activations(layer, sharded, planned | set(head_norms))
+    region = {b: names for b in sorted(whole) if (names := _own_params(layer, b, planned))}
     planned |= set(head_norms) | set(activations)
     planned |= {f"{b}.{n}".rpartition(".")[0] for b, names in region.items() for n in names}
     return dict(
@@ -186,7 +191,7 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
 
 
 def _blocks(
-    mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str], gathered: list[str], planned: set, hidden: int
+    mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str], gathered: list[str], hidden: int
 ) -> dict:
     """Layer-level children that take the hidden states: those with column- and row-parallel
     projections, and *replicated* ones (no row-parallel projection: a linear-attention block

@@ -53,7 +53,6 @@ class Adapter:
     split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
     plain_lm_head: bool = False
-    derived: bool = False  # built by hf_tp.adapters.generic from the model, not registered by hand
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""

@@ -166,3 +166,16 @@ def test_evaluate_matches_plain_hf(family: str, tied: bool) -> None:
         assert all(m.training for m in model.modules())
 
     run_threaded(2, rank_fn)
+
+
+def test_model_generate_without_input_ids_names_hf_tp_generate() -> None:
+    # model.generate on a parallelized model is hf_tp.generate; it needs token ids.
+    config = tiny_config("qwen2")
+    models = [tiny_model(config) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        with pytest.raises(ValueError, match=r"needs input_ids.*hf_tp\.generate"):
+            model.generate(max_new_tokens=2)
+
+    run_threaded(2, rank_fn)
