@@ -61,19 +61,25 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
     gradients; in float64 the same tolerances are far stricter), random 1-D parameters."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
+    # torch's grouped_mm (transformers' default experts kernel) has no float64 path on CPU
+    extra = {"experts_implementation": "eager"} if is_moe(config) else {}
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64, **extra)
     except ValueError:  # transformers has no sdpa path for it (Gemma 2, VaultGemma, Granite SWA, ...)
         # ... and raised with torch's default dtype still set to float64: restore it, or every later
         # test in this process would build float64 tensors.
         torch.set_default_dtype(default)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64, **extra)
     assert torch.get_default_dtype() == default
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     return model
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    return any("expert" in key for key in getattr(config, "base_model_tp_plan", None) or {})
 
 
 @dataclass
@@ -108,15 +114,21 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
     ref = grid_model(config)
     data = batch(config.vocab_size, b=2, s=13, pad="right")
     prompt = _prompt(config.vocab_size)
-    want = train_steps(copy.deepcopy(ref), data, steps=steps)
     greedy = ref.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
     candidates = [clone(ref) for _ in range(tp)]
+    if is_moe(config):
+        # Train with the router's aux loss in the loss (HF's generate cannot run with it on).
+        for model in [ref, *candidates]:
+            model.config.output_router_logits = True
+    want = train_steps(copy.deepcopy(ref), data, steps=steps)
 
     def rank_fn(rank: int) -> None:
         model = candidates[rank]
         hf_tp.parallelize(model, hf_tp.build_mesh(tp=tp, device_type="cpu"))
+        model.config.output_router_logits = False
         got = model.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
         assert torch.equal(got, greedy), f"model.generate: {got} vs plain HF {greedy}"
+        model.config.output_router_logits = is_moe(config)
         model.train()
         assert_parity(train_steps(model, data, steps=steps, ctx=hf_tp.loss_parallel), want)
 

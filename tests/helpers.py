@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from hf_tp.styles.experts import hf_shapes
+
 # fp32 parity: the standard of the project. Not to be loosened to make a test pass.
 RTOL = 1e-5
 ATOL = 1e-6
@@ -171,11 +173,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    """Global gradients in HF's shapes (hf_tp stores packed expert weights with their halves apart)."""
+    shapes = hf_shapes(model)
+    return {
+        n: full(p.grad).detach().reshape(shapes.get(n, p.shape)).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    shapes = hf_shapes(model)
+    return {n: full(p.detach()).reshape(shapes.get(n, p.shape)).clone() for n, p in model.named_parameters()}
 
 
 def assert_close_dict(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, **tol) -> None:

@@ -46,11 +46,14 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions
+from hf_tp.styles.experts import Role
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
+    DenseOrMoE,
     LocalHeadParams,
     LocalParamViews,
+    MoERegion,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
@@ -75,6 +78,18 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Region:
+    """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
+
+    roles: dict[str, Role] = field(hash=False)  # parameter (relative to the block) -> its placement
+    positional: int  # how the layer passes the hidden states, as Block.positional
+    routers: tuple[str, ...]  # modules whose logits HF records for the aux loss
+    experts: str  # the experts module, relative to the block
+    widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
+    aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
+
+
+@dataclass(frozen=True)
 class Derivation:
     """What the generic plan needs, read off one model: module paths relative to the layer or model."""
 
@@ -94,6 +109,7 @@ class Derivation:
     activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
     layer_norms: tuple[str, ...]
     blocks: dict[str, Block] = field(hash=False)
+    regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
     embedding: str = ""
     top_norms: tuple[str, ...] = ()
     lm_head: str = ""
@@ -139,6 +155,7 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         split_fields=split,
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
+        moe=bool(d.regions),
     )
 
 
@@ -170,6 +187,9 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
                 if block.replicated
                 else _gather_input(block)
             )
+    for path, region in d.regions.items():
+        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel)
+        plan[path] = DenseOrMoE(plan.get(path), moe, region.experts) if path in d.blocks else moe
     for path, names in d.region_params.items():
         own = LocalParamViews(names, Replicate())
         plan[path] = Compose(plan[path], own) if path in plan else own
@@ -220,6 +240,15 @@ def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
         raise ValueError(
             f"tp ({tp}) is over num_key_value_heads ({kv}) of this {d.model_type} model, whose norms over the "
             f"whole k projection ({', '.join(d.width_norms)}) need every KV head sharded: use tp <= {kv}"
+        )
+    if (
+        d.regions
+        and not all(r.aux_exact for r in d.regions.values())
+        and getattr(config, "output_router_logits", False)
+    ):
+        raise ValueError(
+            f"this {d.model_type} model's router returns the logits it routes with, so hf_tp cannot give its "
+            "load-balancing loss the right gradient under tp > 1: set config.output_router_logits=False"
         )
     for path, width in d.widths:
         if width % tp:

@@ -14,7 +14,8 @@ import textwrap
 
 from torch import nn
 
-from hf_tp.adapters.generic import Block, Derivation, is_linear, refuse
+from hf_tp.adapters.generic import Block, Derivation, Region, is_linear, refuse
+from hf_tp.adapters.inspect_moe import moe_blocks, region_roles, returns_tuple, router_classes
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
@@ -29,7 +30,8 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     kinds: dict[tuple[str, ...], nn.Module] = {}  # parameter names -> first layer of that kind
     for layer in layers:
         kinds.setdefault(tuple(n for n, _ in layer.named_parameters()), layer)
-    facts = [_layer_facts(mt, config, layer, layer_styles) for layer in kinds.values()]
+    routers = router_classes(model)
+    facts = [_layer_facts(mt, config, layer, layer_styles, routers) for layer in kinds.values()]
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
     widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
@@ -39,6 +41,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
             (f"{layers_path}.{i}.{p}", _split_width(each.get_submodule(p), p in merged["colwise"])) for p in present
         ]
     widths = [(path, w) for path, w in widths if not any(path.endswith("." + k) for k in merged["kv"])]
+    widths += [(f"{layers_path}.*.{b}.{p}", w) for b, region in merged["regions"].items() for p, w in region.widths]
     return Derivation(
         model_type=mt,
         layers_path=layers_path,
@@ -77,8 +80,11 @@ def _merge(mt: str, key: str, values: list):
     return sorted({item for value in values for item in value})
 
 
-def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]) -> dict:
+def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple) -> dict:
     """What the plan needs from one decoder layer (see :class:`Derivation` for the fields)."""
+    moe = moe_blocks(layer, layer_styles)
+    regions = {b: _region(mt, config, layer, b, layer_styles, routers) for b in moe}
+    layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in moe}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = _head_dim(layer, config)
@@ -115,7 +121,7 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
         for p in colwise
         if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
     ]
-    blocks = _blocks(mt, layer, colwise, rowwise, gathered, config.hidden_size)
+    blocks = _blocks(mt, layer, colwise, rowwise, gathered, config.hidden_size, skip=set(moe))
     # Blocks that run whole on every rank: replicated ones, and those whose projections are all
     # gathered (the region between them is whole too). Every rank computes their parameters' full
     # gradient, so all of them are replicated (a per-head or width rule there would sum over tp).
@@ -141,8 +147,26 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
         head_params=head_params,
         region_params=region,
         activations=activations,
-        layer_norms=_layer_norms(mt, layer, planned, blocks, config.hidden_size),
+        layer_norms=_layer_norms(mt, layer, planned | set(moe), blocks, config.hidden_size),
         blocks=blocks,
+        regions=regions,
+    )
+
+
+def _region(mt: str, config, layer: nn.Module, block: str, layer_styles: dict[str, str], routers: tuple) -> Region:
+    roles, router_paths, widths = region_roles(mt, config, layer, block, layer_styles, routers)
+    first = _first_param(type(layer.get_submodule(block)).forward)
+    styles = {_call_style(call, first) for call in _self_calls(type(layer).forward).get(block, [])}
+    if len(styles) != 1 or None in styles:
+        raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {block}")
+    experts = next(p for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + "."))
+    return Region(
+        roles=roles,
+        positional=styles.pop(),
+        routers=router_paths,
+        experts=experts[len(block) + 1 :],
+        widths=tuple(widths),
+        aux_exact=all(returns_tuple(layer.get_submodule(f"{block}.{r}" if r else block)) for r in router_paths),
     )
 
 
@@ -191,7 +215,7 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
 
 
 def _blocks(
-    mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str], gathered: list[str], hidden: int
+    mt: str, layer: nn.Module, colwise: list[str], rowwise: list[str], gathered: list[str], hidden: int, skip: set
 ) -> dict:
     """Layer-level children that take the hidden states: those with column- and row-parallel
     projections, and *replicated* ones (no row-parallel projection: a linear-attention block
@@ -202,6 +226,8 @@ def _blocks(
             raise refuse(mt, f"the projection {path} is called by the decoder layer itself, not by a block")
     names = {p.split(".", 1)[0] for p in colwise + rowwise}
     for name, child in layer.named_children():  # blocks the plan leaves whole
+        if name in skip:
+            continue
         if name not in names and any(True for _ in child.parameters()) and not _is_norm(child, hidden):
             names.add(name)
     calls = _self_calls(type(layer).forward)
@@ -254,7 +280,7 @@ def _layer_norms(mt: str, layer: nn.Module, planned: set[str], blocks: dict, hid
     norms = set()
     for name, _ in layer.named_parameters():
         owner = name.rpartition(".")[0]
-        if owner in planned:
+        if owner in planned or owner.split(".", 1)[0] in planned:  # planned holds the MoE blocks whole
             continue
         if owner.split(".", 1)[0] in blocks or not owner:
             raise refuse(mt, f"the parameter {name} of its decoder layer has no place in a TP plan")

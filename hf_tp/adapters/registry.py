@@ -40,6 +40,7 @@ class Adapter:
         split_fields: config fields that tp shards and must therefore divide (head counts, the
             MLP width).
         check: optional extra validation ``(config, tp) -> None`` that raises ``ValueError``.
+        moe: the plan runs mixture-of-experts blocks as expert-tensor-parallel regions.
         plain_lm_head: the logits are exactly ``lm_head(get_decoder()(...).last_hidden_state)``
             (no logit scaling), so the training loop may fuse the lm_head with the loss
             (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`). A config with
@@ -53,6 +54,7 @@ class Adapter:
     split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
     plain_lm_head: bool = False
+    moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""

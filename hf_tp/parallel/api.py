@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.fsdp import apply_fsdp
+from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
@@ -74,6 +75,8 @@ def parallelize(
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
     if tp_mesh.size() > 1:
         apply_tensor_parallel(model, adapter, tp_mesh, opts)
+        if adapter.moe:
+            model.loss_function = local_loss_function(model.loss_function)
         if fuse_partial_grads:
             units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
             install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from torch.distributed.tensor import DTensor, Replicate
 
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 
@@ -43,3 +45,16 @@ def loss_parallel() -> Iterator[None]:
             if _depth == 0 and _active is not None:
                 _active.__exit__(None, None, None)
                 _active = None
+
+
+def local_loss_function(loss_function: Callable) -> Callable:
+    """``loss_function`` returning a plain tensor where it returns a replicated DTensor: a MoE
+    model's HF forward adds its plain aux loss to the LM loss, and DTensor cannot take a plain
+    tensor's gradient in that sum's backward. Each rank's local loss is the whole loss."""
+
+    def local(*args, **kwargs):
+        loss = loss_function(*args, **kwargs)
+        # (cloned: HF adds the aux loss in place, which autograd forbids on the view to_local returns)
+        return loss.to_local(grad_placements=[Replicate()]).clone() if isinstance(loss, DTensor) else loss
+
+    return local

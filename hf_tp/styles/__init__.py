@@ -5,6 +5,7 @@ so every family file and the generic plan build from the same pieces.
 """
 
 from hf_tp.styles.embedding import ScaledEmbeddingRowwise
+from hf_tp.styles.experts import DenseOrMoE, MoERegion, Role
 from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
 from hf_tp.styles.linear import ColwiseOwnOutput
@@ -13,6 +14,9 @@ from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
 __all__ = [
     "ColwiseOwnOutput",
     "Compose",
+    "DenseOrMoE",
+    "MoERegion",
+    "Role",
     "LocalHeadParams",
     "LocalParamViews",
     "ReplicatedToSequenceShards",

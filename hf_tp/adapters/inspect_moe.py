@@ -1,0 +1,157 @@
+"""Reading a decoder layer's mixture-of-experts blocks for the generic plan.
+
+A layer-level child holding a module that transformers' plan marks ``moe_tp_experts`` is a MoE
+block. hf_tp runs it as one region (:class:`hf_tp.styles.experts.MoERegion`) and gives every
+parameter under it a role:
+
+- the experts' 3-D weights: sharded on the intermediate dim their plan style names
+  (``packed_colwise``/``colwise``: dim -2, ``packed_rowwise``/``rowwise``: dim -1; packed ones as
+  gate and up halves), an expert bias following its weight (sharded with a column split, added
+  once with a row split);
+- Linear layers the plan shards (DeepSeek's ``shared_experts.gate_proj``) or whose name the
+  plan shards in a dense MLP of the same layer (Qwen2-MoE's ``shared_expert.gate_proj`` from
+  ``mlp.gate_proj``): column- or row-parallel, a row-parallel bias added once;
+- routers and gates (the module whose logits HF records, a Linear onto one score per expert or
+  one gate value): replicated;
+- vectors (norms inside the block, score-correction biases): replicated.
+
+Anything else (a Linear the plan does not split and that is not a gate) could add a whole,
+unsplit result to a partial sum: refused with its name, never guessed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from torch import nn
+
+from hf_tp.adapters.generic import is_linear, refuse
+from hf_tp.styles.experts import Role
+
+EXPERT_DIMS = {
+    "packed_colwise": (-2, True),
+    "colwise": (-2, False),
+    "packed_rowwise": (-1, True),
+    "rowwise": (-1, False),
+}
+LINEAR_DIMS = {"colwise": 0, "rowwise": 1}
+
+
+def moe_blocks(layer: nn.Module, layer_styles: dict[str, str]) -> list[str]:
+    """Layer-level children of ``layer`` that hold an experts module of the plan."""
+    out = []
+    for path, style in layer_styles.items():
+        if style == "moe_tp_experts" and "." in path and _has(layer, path):
+            out.append(path.split(".", 1)[0])
+    return sorted(set(out))
+
+
+def region_roles(
+    mt: str, config, layer: nn.Module, block: str, layer_styles: dict[str, str], router_classes: tuple[type, ...]
+) -> tuple[dict[str, Role], tuple[str, ...], list[tuple[str, int]]]:
+    """(parameter -> role, router paths, (path, width) pairs tp must divide) for one MoE block;
+    names relative to the block."""
+    module = layer.get_submodule(block)
+    experts = [
+        p[len(block) + 1 :] for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + ".")
+    ]
+    dense_leaf = {p.rsplit(".", 1)[-1]: s for p, s in layer_styles.items() if s in LINEAR_DIMS}
+    num_experts = _num_experts(config)
+    roles: dict[str, Role] = {}
+    routers, widths = [], []
+    for path, sub in module.named_modules():
+        own = dict(sub.named_parameters(recurse=False))
+        if not own:
+            continue
+        full = f"{block}.{path}" if path else block
+        prefix = f"{path}." if path else ""
+        if path in experts:
+            for name, param in own.items():
+                roles[prefix + name] = _expert_role(mt, full, name, param, layer_styles, own)
+                if roles[prefix + name].kind == "shard":
+                    size = param.shape[roles[prefix + name].dim] // (2 if roles[prefix + name].packed else 1)
+                    widths.append((f"{full}.{name}", size))
+        elif is_linear(sub) and (style := layer_styles.get(full) or _shared_style(path, dense_leaf, experts)):
+            dim = LINEAR_DIMS[style]
+            roles[prefix + "weight"] = Role("shard", dim)
+            if sub.bias is not None:
+                roles[prefix + "bias"] = Role("shard", 0) if dim == 0 else Role("additive")
+            widths.append((full, sub.out_features if dim == 0 else sub.in_features))
+        elif isinstance(sub, router_classes) or (is_linear(sub) and sub.out_features in (num_experts, 1)):
+            roles.update({prefix + n: Role("replicate") for n in own})
+            if isinstance(sub, router_classes):
+                routers.append(path)
+        elif all(p.dim() == 1 for p in own.values()):
+            roles.update({prefix + n: Role("replicate") for n in own})
+        else:
+            raise refuse(
+                mt,
+                f"the MoE block {block} has {full} ({', '.join(f'{n} {tuple(p.shape)}' for n, p in own.items())}), "
+                "which the tp plan does not split and is not a router or gate",
+            )
+    return roles, tuple(routers), widths
+
+
+def _expert_role(mt: str, experts: str, name: str, param, layer_styles: dict[str, str], own: dict) -> Role:
+    style = layer_styles.get(f"{experts}.{name}")
+    if style is None:
+        weight = name[: -len("_bias")] if name.endswith("_bias") else None
+        wstyle = layer_styles.get(f"{experts}.{weight}") if weight in own else None
+        if wstyle not in EXPERT_DIMS:
+            raise refuse(mt, f"the experts parameter {experts}.{name} {tuple(param.shape)} has no split in its tp plan")
+        dim, packed = EXPERT_DIMS[wstyle]
+        # a bias [experts, out]: split with an output (column) split, added once with an input split
+        return Role("shard", 1, packed) if dim == -2 else Role("additive")
+    if style not in EXPERT_DIMS or param.dim() != 3:
+        raise refuse(mt, f"the experts parameter {experts}.{name} {tuple(param.shape)} has the style '{style}'")
+    dim, packed = EXPERT_DIMS[style]
+    return Role("shard", param.dim() + dim, packed)
+
+
+def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> str | None:
+    """A shared expert's projection: a Linear below a child of the block (not the experts) whose
+    leaf name the plan splits in a dense MLP (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    if "." not in path or any(path.startswith(e + ".") for e in experts):
+        return None
+    return dense_leaf.get(path.rsplit(".", 1)[-1])
+
+
+def _num_experts(config) -> int | None:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def router_classes(model: nn.Module) -> tuple[type, ...]:
+    """The module classes whose output HF records as ``router_logits``."""
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    rec = recorders.get("router_logits")
+    out = []
+    for item in rec if isinstance(rec, list | tuple) else [rec]:
+        cls = getattr(item, "target_class", item)
+        if isinstance(cls, type):
+            out.append(cls)
+    return tuple(out)
+
+
+def returns_tuple(module: nn.Module) -> bool:
+    """Every ``return`` of the module's forward is a tuple (a router handing out its logits apart
+    from the routing it computed)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
+    return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,181 @@
+"""The mixture-of-experts block as one tensor-parallel region (expert tensor parallelism).
+
+A MoE block (router, experts stored as fused 3-D parameters, optional shared experts) is run the
+way Megatron runs an MLP under sequence parallelism: its input is all-gathered from the sequence
+shards once, everything inside runs on plain local tensors over the whole sequence, and its
+output, a sum of per-rank partial results, is reduce-scattered back to sequence shards once. The
+layer stays at the SP minimum of collectives, whatever the block's code does with its tensors
+(top-k, one-hot masks, ``index_add_``, grouped matmuls: code DTensor could not follow op by op).
+
+Each parameter of the block has a :class:`Role`:
+
+- ``shard``: the rank keeps a slice along ``dim`` (an expert's intermediate rows or columns, a
+  shared expert's column- or row-parallel weight); ``packed`` parameters hold two halves along
+  ``dim`` (gate and up) and each rank keeps the matching slice of both, stored as a
+  ``[..., 2, n/2, ...]`` DTensor so a plain ``Shard`` describes it (checkpoints reshard with DCP;
+  export and loading reshape it to the HF layout, :func:`hf_layout_shape`);
+- ``replicate``: the whole tensor on every rank (the router, a shared expert's gate): it only
+  scales or selects the partial results, so each rank's gradient is a partial sum (``Partial``,
+  reduced with the other replicated weights in :mod:`hf_tp.parallel.partial_grads`);
+- ``additive``: a replicated term added once to the output (a row-parallel bias): each rank adds
+  ``1/tp`` of it, so the reduce-scatter adds it exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+@dataclass(frozen=True)
+class Role:
+    """How one parameter of a MoE region is placed over tp (see the module docstring)."""
+
+    kind: str  # "shard" | "replicate" | "additive"
+    dim: int = 0
+    packed: bool = False
+
+
+def stored_shape(shape: tuple[int, ...], role: Role) -> tuple[int, ...]:
+    """The shape hf_tp stores a parameter with: packed halves get their own dim of size 2."""
+    if role.kind != "shard" or not role.packed:
+        return tuple(shape)
+    return (*shape[: role.dim], 2, shape[role.dim] // 2, *shape[role.dim + 1 :])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (the router logits' path to the aux loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class MoERegion(ParallelStyle):
+    """Run a MoE block on local tensors: gathered input, per-role parameter views, partial output
+    reduce-scattered to sequence shards (all-reduced when ``sequence_parallel`` is off).
+
+    ``roles`` maps every parameter under the block (dotted names relative to it) to its
+    :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
+    keyword ``hidden_states``, else the number of positional arguments, hidden states first).
+    """
+
+    def __init__(
+        self, roles: dict[str, Role], positional: int, routers: tuple[str, ...] = (), sequence_parallel: bool = True
+    ) -> None:
+        super().__init__()
+        self.roles = roles
+        self.positional = positional
+        self.routers = routers
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        owners = []  # (owner module, leaf name, role)
+        for name, role in self.roles.items():
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix else module
+            param = owner._parameters[leaf]
+            if role.kind == "shard":
+                if role.packed:
+                    owner.__dict__.setdefault("hf_tp_hf_shapes", {})[leaf] = tuple(param.shape)
+                value = param.detach().view(stored_shape(tuple(param.shape), role))
+                dt = distribute_tensor(value, device_mesh, [Shard(role.dim + role.packed)])
+            else:
+                dt = distribute_tensor(param, device_mesh, [Replicate()])
+            owner.register_parameter(leaf, nn.Parameter(dt, param.requires_grad))
+            owners.append((owner, leaf, role))
+        seq_layout = Shard(1) if self.sequence_parallel else Replicate()
+
+        def to_region(x):
+            """The block's input, whole on every rank; its gradient is a partial sum."""
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [seq_layout], run_check=False)
+            return x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+        def enter(mod: nn.Module, args, kwargs):
+            for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
+                owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
+            if self.positional == 0:
+                kwargs = {**kwargs, "hidden_states": to_region(kwargs["hidden_states"])}
+            else:
+                args = (to_region(args[0]), *args[1:])
+            return args, kwargs
+
+        def leave(mod: nn.Module, args, kwargs, output):
+            for owner, leaf, _ in owners:
+                owner.__dict__.pop(leaf, None)
+            first = output[0] if isinstance(output, tuple) else output
+            out = DTensor.from_local(first, device_mesh, [Partial()], run_check=False).redistribute(
+                device_mesh, [seq_layout]
+            )
+            if not self.sequence_parallel:
+                out = out.to_local()
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True)
+        for path in self.routers:
+            _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
+        return module
+
+
+def hf_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> its shape in HF's layout, for the parameters hf_tp stores in another
+    shape (packed expert halves); the same numbers in the same order, so ``reshape`` converts."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for leaf, shape in module.__dict__.get("hf_tp_hf_shapes", {}).items():
+            out[f"{prefix}.{leaf}" if prefix else leaf] = shape
+    return out
+
+
+def _view(param: DTensor, role: Role, tp: int) -> torch.Tensor:
+    """What the block's code sees for ``param``: its local slice in the HF shape, or the whole
+    replicated tensor whose gradient is marked a partial sum."""
+    if role.kind == "shard":
+        local = param.to_local()
+        return local.flatten(role.dim, role.dim + 1) if role.packed else local
+    local = param.to_local(grad_placements=[Partial()])
+    return local / tp if role.kind == "additive" else local
+
+
+def _scale_aux_grad(router: nn.Module, scale: float) -> None:
+    """On a router that returns ``(logits, ...)``: the logits it hands out (which HF's and hf_tp's
+    aux losses read; the routing uses the other outputs) pass their gradient on times ``1/tp``.
+    Every tp rank computes the same aux loss from the same logits, while the router's weight
+    gradient is summed over tp as a partial sum: without the factor it would count tp times."""
+
+    def scaled(mod: nn.Module, args, output):
+        if isinstance(output, tuple) and torch.is_tensor(output[0]) and output[0].requires_grad:
+            return (_ScaleGrad.apply(output[0], scale), *output[1:])
+        return output
+
+    router.register_forward_hook(scaled)
+
+
+class DenseOrMoE(ParallelStyle):
+    """One plan entry for a block that is a dense MLP in some layers and a MoE block in others
+    (DeepSeek's first dense layers, Qwen's ``mlp_only_layers``): the MoE style where the block has
+    its experts module, the dense one elsewhere."""
+
+    def __init__(self, dense: ParallelStyle | None, moe: MoERegion, experts: str) -> None:
+        super().__init__()
+        self.dense, self.moe, self.experts = dense, moe, experts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        try:
+            module.get_submodule(self.experts)
+        except AttributeError:
+            return module if self.dense is None else self.dense._apply(module, device_mesh)
+        return self.moe._apply(module, device_mesh)
