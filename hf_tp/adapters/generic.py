@@ -46,7 +46,6 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.registry import Adapter, Plan, PlanOptions
-from hf_tp.styles.experts import Role
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
@@ -60,6 +59,7 @@ from hf_tp.styles import (
     WidthNormParallel,
     head_norm,
 )
+from hf_tp.styles.experts import Role
 
 HOW_TO_ADD = (
     "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "

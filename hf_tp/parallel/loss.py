@@ -7,7 +7,6 @@ import threading
 from collections.abc import Callable, Iterator
 
 from torch.distributed.tensor import DTensor, Replicate
-
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 
 _lock = threading.Lock()
