@@ -48,11 +48,47 @@ FAMILY_EXTRAS: dict[str, dict] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}},
     ),
 }
+# Mixture-of-experts sizes (set where the config class has the field): 4 experts, 2 per token,
+# an aux-loss weight large enough that a wrong router gradient from it shows; no router noise.
+MOE_SIZES = dict(
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    router_aux_loss_coef=0.5,
+    router_jitter_noise=0.0,
+    input_jitter_noise=0.0,
+    n_group=1,
+    topk_group=1,
+)
+# Latent-attention (DeepSeek-style) sizes: its head_dim must equal the rotary part.
+MLA_SIZES = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48)
+HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+FAMILY_EXTRAS.update(
+    {
+        "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+        "qwen3_next": HYBRID,
+        "qwen3_5_moe_text": HYBRID,
+        "kimi_linear": dict(**HYBRID, mlp_layer_types=["dense", "sparse"]),
+        "bailing_hybrid": dict(**HYBRID, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
+        "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+        "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
+    }
+)
 GREEDY_TOKENS = 4
 
 
 def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> PretrainedConfig:
     sizes = {**GRID_SIZES, "num_attention_heads": heads, "num_key_value_heads": kv}
+    fields = AutoConfig.for_model(model_type).to_dict()
+    if any("expert" in key for key in AutoConfig.for_model(model_type).base_model_tp_plan or {}):
+        sizes.update({k: v for k, v in MOE_SIZES.items() if k in fields})
+        if "first_k_dense_replace" in fields:
+            sizes["first_k_dense_replace"] = 1  # a dense layer, then a MoE layer
+    if "kv_lora_rank" in fields:
+        sizes.update({k: v for k, v in MLA_SIZES.items() if k in fields}, num_key_value_heads=heads)
     return AutoConfig.for_model(model_type, **{**sizes, **FAMILY_EXTRAS.get(model_type, {}), **overrides})
 
 

@@ -82,6 +82,10 @@ def _merge(mt: str, key: str, values: list):
 
 def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple) -> dict:
     """What the plan needs from one decoder layer (see :class:`Derivation` for the fields)."""
+    # Multi-head latent attention (DeepSeek's low-rank q/kv projections) runs whole on every rank:
+    # its shared latent and rotary key feed every head, which a head split cannot express locally.
+    mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
+    layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mla}
     moe = moe_blocks(layer, layer_styles)
     regions = {b: _region(mt, config, layer, b, layer_styles, routers) for b in moe}
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in moe}

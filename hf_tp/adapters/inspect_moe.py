@@ -37,6 +37,8 @@ EXPERT_DIMS = {
     "rowwise": (-1, False),
 }
 LINEAR_DIMS = {"colwise": 0, "rowwise": 1}
+# A shared expert's projections by HF's names, for plans that list none (Llama's MLP names)
+SHARED_EXPERT_STYLES = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
 def moe_blocks(layer: nn.Module, layer_styles: dict[str, str]) -> list[str]:
@@ -58,9 +60,11 @@ def region_roles(
         p[len(block) + 1 :] for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + ".")
     ]
     dense_leaf = {p.rsplit(".", 1)[-1]: s for p, s in layer_styles.items() if s in LINEAR_DIMS}
+    dense_leaf = {**SHARED_EXPERT_STYLES, **dense_leaf}
     num_experts = _num_experts(config)
     roles: dict[str, Role] = {}
-    routers, widths = [], []
+    routers = [path for path, sub in module.named_modules() if isinstance(sub, router_classes)]
+    widths = []
     for path, sub in module.named_modules():
         own = dict(sub.named_parameters(recurse=False))
         if not own:
@@ -79,10 +83,10 @@ def region_roles(
             if sub.bias is not None:
                 roles[prefix + "bias"] = Role("shard", 0) if dim == 0 else Role("additive")
             widths.append((full, sub.out_features if dim == 0 else sub.in_features))
-        elif isinstance(sub, router_classes) or (is_linear(sub) and sub.out_features in (num_experts, 1)):
+        elif isinstance(sub, router_classes) or _is_gate(sub, own, num_experts, config.hidden_size):
             roles.update({prefix + n: Role("replicate") for n in own})
-            if isinstance(sub, router_classes):
-                routers.append(path)
+        elif any(path.startswith(r + ".") for r in routers):  # a router's own parts (Ernie's moe_statics)
+            roles.update({prefix + n: Role("replicate") for n in own})
         elif all(p.dim() == 1 for p in own.values()):
             roles.update({prefix + n: Role("replicate") for n in own})
         else:
@@ -92,6 +96,15 @@ def region_roles(
                 "which the tp plan does not split and is not a router or gate",
             )
     return roles, tuple(routers), widths
+
+
+def _is_gate(module: nn.Module, own: dict, num_experts: int | None, hidden: int) -> bool:
+    """A Linear onto one score per expert or one gate value, or a module holding just such a
+    weight ``[experts, hidden]`` (routers not recorded by HF: DeepSeek-V4's hash router)."""
+    if is_linear(module):
+        return module.out_features in (num_experts, 1)
+    weights = [p for p in own.values() if p.dim() == 2]
+    return len(weights) == 1 and tuple(weights[0].shape) == (num_experts, hidden)
 
 
 def _expert_role(mt: str, experts: str, name: str, param, layer_styles: dict[str, str], own: dict) -> Role:
