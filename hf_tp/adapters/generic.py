@@ -187,12 +187,12 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
                 if block.replicated
                 else _gather_input(block)
             )
-    for path, region in d.regions.items():
-        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel)
-        plan[path] = DenseOrMoE(plan.get(path), moe, region.experts) if path in d.blocks else moe
     for path, names in d.region_params.items():
         own = LocalParamViews(names, Replicate())
         plan[path] = Compose(plan[path], own) if path in plan else own
+    for path, region in d.regions.items():
+        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel)
+        plan[path] = DenseOrMoE(plan.get(path), moe, region.experts) if path in d.blocks else moe
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own

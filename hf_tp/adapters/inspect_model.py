@@ -70,6 +70,12 @@ def has_submodule(module: nn.Module, path: str) -> bool:
 def _merge(mt: str, key: str, values: list):
     """One plan for every layer kind (hybrid models mix attention with linear-attention layers):
     the union of their entries, which must agree where they name the same module."""
+    if key == "region_params":  # a whole block's parameters: the union (each layer views those it has)
+        names: dict = {}
+        for value in values:
+            for name, item in value.items():
+                names[name] = tuple(sorted(set(names.get(name, ())) | set(item)))
+        return names
     if isinstance(values[0], dict):
         out: dict = {}
         for value in values:

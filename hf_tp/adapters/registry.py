@@ -128,9 +128,9 @@ def registered_model_types() -> list[str]:
 def supported_model_types() -> list[str]:
     """Every ``model_type`` hf_tp trains: the registered adapters and the families whose generic
     plan holds parity in the test grid (``hf_tp/adapters/support.py``), sorted."""
-    from hf_tp.adapters.support import GENERIC
+    from hf_tp.adapters.support import GENERIC, MOE
 
-    return sorted(set(_REGISTRY) | set(GENERIC))
+    return sorted(set(_REGISTRY) | set(GENERIC) | set(MOE))
 
 
 def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:

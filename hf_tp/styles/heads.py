@@ -24,8 +24,13 @@ class LocalParamViews(ParallelStyle):
         owners = []  # (submodule, parameter name): dotted names reach into submodules
         for name in self.names:
             prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix) if prefix else module
-            param = owner._parameters[leaf]
+            try:
+                owner = module.get_submodule(prefix) if prefix else module
+            except AttributeError:
+                owner = None
+            param = owner._parameters.get(leaf) if owner is not None else None
+            if param is None:  # a name of another layer kind (hybrid models merge their kinds' names)
+                continue
             owner.register_parameter(
                 leaf, nn.Parameter(distribute_tensor(param, device_mesh, [self.placement]), param.requires_grad)
             )

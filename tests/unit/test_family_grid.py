@@ -9,7 +9,7 @@ import pytest
 import hf_tp
 from hf_tp.adapters import registry
 from hf_tp.adapters.generic import generic_adapter
-from hf_tp.adapters.support import GENERIC, REFUSED, tensor_parallel_causal_lm_types
+from hf_tp.adapters.support import GENERIC, MOE, REFUSED, tensor_parallel_causal_lm_types
 from tests.family_grid import grid_config, run_family
 
 DENSE = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)
@@ -50,7 +50,7 @@ def test_family_optional_features(model_type: str, features: dict) -> None:
 def test_support_tables_are_consistent() -> None:
     assert not set(GENERIC) & set(REFUSED)
     assert not set(GENERIC) & set(registry.registered_model_types())
-    assert set(hf_tp.supported_model_types()) == set(GENERIC) | set(registry.registered_model_types())
+    assert set(hf_tp.supported_model_types()) == set(GENERIC) | set(MOE) | set(registry.registered_model_types())
     assert len(set(DENSE) - set(REFUSED)) >= 41  # this transformers' dense families hf_tp trains
 
 

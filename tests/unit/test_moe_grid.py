@@ -1,0 +1,44 @@
+"""The mixture-of-experts grid: every MoE family of the installed transformers holds parity with
+plain HF at tp=2 (logits, LM + aux loss, every gradient including the routers', AdamW weights,
+``model.generate`` greedy tokens) or is refused with a clear ``ValueError``.
+
+Each tiny model has 4 experts, 2 per token, and an aux-loss weight of 0.5, so a router gradient
+that counted the aux loss once per tp rank fails the gradient check (checked by mutation)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_tp
+from hf_tp.adapters.support import MOE, REFUSED, tensor_parallel_causal_lm_types
+from tests.family_grid import grid_config, run_family
+
+MIXTURES = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if moe)
+ISSUE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "phimoe")
+
+
+@pytest.mark.parametrize("model_type", MIXTURES)
+def test_moe_family_tp2(model_type: str) -> None:
+    if model_type in REFUSED:
+        with pytest.raises(ValueError, match="register_adapter"):
+            hf_tp.get_adapter(grid_config(model_type))
+        return
+    result = run_family(model_type)
+    if model_type in MOE:
+        assert result.status == "parity", result.reason
+    else:  # a family newer than support.py: parity or a clear refusal
+        assert result.status == "parity" or "hf_tp cannot derive" in result.reason, result.reason
+
+
+def test_moe_tables() -> None:
+    assert not set(MOE) & set(REFUSED)
+    assert set(MOE) <= set(hf_tp.supported_model_types())
+    assert set(ISSUE_FAMILIES) <= set(MOE)
+    assert len(MOE) >= 34
+    with pytest.raises(ValueError, match="gpt_oss.*no tensor-parallel plan"):
+        hf_tp.get_adapter(grid_config("gpt_oss"))
+
+
+def test_moe_tp4() -> None:
+    # tp=4: the 32-wide expert intermediate split 4 ways (8 rows of gate and of up per rank).
+    assert run_family("qwen3_moe", tp=4, heads=8, kv=4).status == "parity"
