@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -66,6 +67,7 @@ def export_checkpoint(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
     state = model.state_dict()  # tied weights: two keys, one storage, filled once
+    _stored_shapes(state, ckpt)
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
@@ -87,6 +89,20 @@ def export_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _stored_shapes(state: dict, ckpt: Path) -> None:
+    """Point the keys hf_tp stores in another shape (packed expert gate/up halves apart:
+    ``[experts, 2, n, hidden]`` for HF's ``[experts, 2n, hidden]``) at views of the HF tensors in
+    that shape: the same numbers in the same order, so DCP fills the HF tensor in place."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    for key, tensor in state.items():
+        meta = stored.get(f"model.{key}")
+        size = tuple(getattr(meta, "size", ()) or ())
+        if size and size != tuple(tensor.shape) and math.prod(size) == tensor.numel():
+            state[key] = tensor.view(size)
 
 
 def _umask() -> int:

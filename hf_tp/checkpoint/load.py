@@ -103,3 +103,15 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
         raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
     state = {in_file[k]: v for k, v in state.items() if k in in_file}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
+
+
+def files_match_model(model: torch.nn.Module, model_dir: Path) -> bool:
+    """Every parameter of the (meta) model is a tensor of the folder's safetensors files, up to
+    transformers' renames: then each rank can read its shards directly. Fused 3-D expert weights
+    are never read this way: hf_tp stores packed gate/up halves in another shape than the files
+    (:mod:`hf_tp.styles.experts`), and MoE checkpoints often hold one tensor per expert."""
+    if any(p.dim() == 3 for p in model.parameters()):
+        return False
+    in_file = file_keys(model, safetensors_keys(model_dir) or set())
+    tied = "lm_head.weight" if embeddings_tied(model) else None
+    return all(name in in_file or name == tied for name, _ in model.named_parameters(remove_duplicate=False))

@@ -20,7 +20,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
+from hf_tp.checkpoint.load import (
+    build_empty,
+    files_match_model,
+    local_model_dir,
+    materialize_and_load,
+    safetensors_keys,
+)
 from hf_tp.data import load_text_dataset, tokenize_dataset
 from hf_tp.parallel import parallelize
 from hf_tp.train.config import TrainConfig
@@ -113,10 +119,11 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
     config = AutoConfig.from_pretrained(model_dir)
     validate_model_config(config, cfg.tp, cfg.seq_len)
-    sharded = safetensors_keys(model_dir) is not None
-    if sharded:
-        model = build_empty(config)
-    else:
+    model = build_empty(config) if safetensors_keys(model_dir) is not None else None
+    # Files that need more than renames to become the model's tensors (a MoE checkpoint with one
+    # tensor per expert, which transformers merges on load) go through from_pretrained instead.
+    sharded = model is not None and files_match_model(model, model_dir)
+    if not sharded:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     parallelize(

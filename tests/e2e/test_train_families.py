@@ -2,7 +2,7 @@
 
 GPT-NeoX (its own module paths, attention called positionally, packed per-head query_key_value,
 parallel residual) and OLMo 2 (post-norms only, q/k norms over the whole projection width) are the
-two farthest from Llama's layout."""
+two farthest from Llama's layout; Qwen3-MoE runs its experts split over tp (expert tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.reference_loop import reference_losses
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2", "qwen3_moe"])
 def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
