@@ -58,7 +58,7 @@ def main() -> int:
     import transformers
 
     from hf_tp.adapters.registry import registered_model_types
-    from hf_tp.adapters.support import GENERIC, REFUSED, tensor_parallel_causal_lm_types
+    from hf_tp.adapters.support import GENERIC, MOE, REFUSED, tensor_parallel_causal_lm_types
     from tests.family_grid import run_family
 
     dense = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)
@@ -76,6 +76,19 @@ def main() -> int:
             reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
             rows.append(f"| `{mt}` | refused | | {reason} |")
         print(f"{mt:22s} {result.status:8s} {took:5.1f}s", file=sys.stderr, flush=True)
+
+    mixtures = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if moe)
+    moe_rows, moe_held = [], 0
+    for mt in mixtures:
+        t0 = time.perf_counter()
+        result = run_family(mt)
+        if result.status == "parity":
+            moe_held += 1
+            moe_rows.append(f"| `{mt}` | generic: parity | {valid_tp(mt)} | {MOE.get(mt, '')} |")
+        else:
+            reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
+            moe_rows.append(f"| `{mt}` | refused | | {reason} |")
+        print(f"{mt:22s} {result.status:8s} {time.perf_counter() - t0:5.1f}s", file=sys.stderr, flush=True)
 
     text = (
         f"""# Architectures
@@ -96,17 +109,37 @@ heads replicated is checked for granite, exaone4 and granite_swa.
 - **valid tp**: the tp sizes up to 16 that the family's default (published) shape accepts. KV
   heads are replicated when tp exceeds them (except OLMo 2/3, whose k norm spans all KV heads).
 
-MoE families (52) are issue 14's; dropout must be 0 for parity (as in every fine-tuning config
-these families publish, but Seed-OSS's default residual dropout is 0.1).
+Dropout must be 0 for parity (as in every fine-tuning config these families publish, but
+Seed-OSS's default residual dropout is 0.1). Mixture-of-experts families are in the second table.
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|
 """
         + "\n".join(rows)
+        + f"""
+
+## Mixture-of-experts families
+
+**{moe_held} of {len(mixtures)} hold parity** at tp=2 under the same checks, trained with the router's
+load-balancing loss in the loss (`output_router_logits=True`, weight 0.5 so that a wrong router
+gradient shows; 4 experts, 2 per token). Every MoE block runs as one expert-tensor-parallel region
+(`hf_tp/styles/experts.py`): each rank keeps its slice of every expert's intermediate dim (gate and
+up halves alike), routers and gates are replicated with their gradients summed over tp, shared
+experts are split like a dense MLP, and the block's input and output cost one all-gather and one
+reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
+parallelism (`--ep`) is not built yet.
+
+| model_type | status | valid tp | what is special / why refused |
+|---|---|---|---|
+"""
+        + "\n".join(moe_rows)
         + "\n"
     )
     Path(args.out).write_text(text)
-    print(f"wrote {args.out}: {held} of {len(dense)} dense families hold parity", file=sys.stderr)
+    print(
+        f"wrote {args.out}: {held} of {len(dense)} dense and {moe_held} of {len(mixtures)} MoE families hold parity",
+        file=sys.stderr,
+    )
     return 0
 
 
