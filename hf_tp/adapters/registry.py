@@ -55,6 +55,7 @@ class Adapter:
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
     plain_lm_head: bool = False
     moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
+    experts: tuple[str, ...] = ()  # the experts modules, relative to a decoder layer (for expert parallelism)
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""

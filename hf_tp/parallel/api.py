@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
+from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.mesh import split_mesh
@@ -29,6 +30,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     fuse_partial_grads: bool = True,
+    ep: int = 1,
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
@@ -54,6 +56,10 @@ def parallelize(
     KV head is replicated on tp / num_key_value_heads ranks (:mod:`hf_tp.parallel.kv_heads`).
 
     A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
+
+    ``ep`` > 1 (mixture-of-experts models) places whole experts on ranks borrowed from dp: each
+    group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
+    (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp and the number of experts.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -67,6 +73,12 @@ def parallelize(
         kv_replicas=adapter.kv_replicas(config, tp_mesh.size()),
     )
     check_plan_paths(model, adapter, opts)
+    ep_mesh = None
+    if ep > 1:
+        if not adapter.moe:
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts")
+        check_experts(model, adapter.layers_path, adapter.experts, ep)
+        ep_mesh = build_ep_mesh(mesh, ep)
     if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
 
@@ -85,8 +97,16 @@ def parallelize(
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
+    expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
     if fsdp:
-        apply_fsdp(model, adapter, dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        apply_fsdp(
+            model,
+            adapter,
+            dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=set(expert_params) or None,
+        )
     model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)

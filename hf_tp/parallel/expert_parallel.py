@@ -1,0 +1,163 @@
+"""Expert parallelism: whole experts placed on ranks, tokens moved to them with all-to-all.
+
+EP borrows its ranks from data parallelism, as torchtitan does: with ``dp = dp_out * ep`` each
+group of ``ep`` consecutive dp ranks (same tp rank) splits a MoE layer's experts ``ep`` ways, so
+the world stays ``tp * dp``. Expert weights become DTensors on a ``("dp_out", "ep", "tp")`` mesh:
+``Shard(0)`` over ep (each rank its ``experts / ep``), their tp split as before (expert tensor
+parallelism composes: a rank holds its tp slice of its own experts), replicated over ``dp_out``.
+FSDP2 leaves them alone (``ignored_params``); their gradients are averaged over dp by a hook
+here, as FSDP2 averages the others.
+
+Per MoE layer and micro-batch, after the router (which every rank runs on its own tokens):
+1. each (token, choice) pair is sent to the ep rank that owns its expert: one variable-size
+   all-to-all of the hidden rows (``all_to_all_single`` with the per-rank counts, exchanged first;
+   counts are uneven and may be zero: nothing is dropped, there is no capacity limit);
+2. the rank runs transformers' own experts forward (eager, ``grouped_mm`` ...) on the rows it
+   received, for its local experts, with routing weight 1;
+3. a second all-to-all returns the rows; the routing weights multiply them on the rank that owns
+   the token (so the router's gradient stays local), and ``index_add_`` sums each token's choices.
+Both all-to-alls are differentiable (``all_to_all_single_autograd``): backward sends the
+gradients the opposite way.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The ``("dp_out", "ep", "tp")`` mesh over the same ranks as the ``("dp", "tp")`` ``mesh``."""
+    dp, tp = (mesh["dp"].size(), mesh["tp"].size()) if mesh.ndim == 2 else (1, mesh.size())
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
+    if mesh.mesh.flatten().tolist() != list(range(dist.get_world_size())):
+        raise ValueError("expert parallelism needs the mesh hf_tp.build_mesh makes (ranks in order, tp adjacent)")
+    return init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
+
+
+def check_experts(model: nn.Module, layers_path: str, paths: tuple[str, ...], ep: int) -> None:
+    """The model has MoE layers and each one's expert count divides by ep (checked before
+    anything is changed)."""
+    found = experts_modules(model, layers_path, paths)
+    if not found:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts model; {type(model).__name__} has no experts")
+    for path, experts in found:
+        n = _num_experts(experts)
+        if n % ep:
+            raise ValueError(f"ep must divide the number of experts ({n}) of {path}, got ep={ep}")
+
+
+def experts_modules(model: nn.Module, layers_path: str, paths: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The experts modules (``paths`` relative to each decoder layer) of the model's layers."""
+    out = []
+    for i, layer in enumerate(model.get_submodule(layers_path)):
+        for rel in paths:
+            try:
+                out.append((f"{layers_path}.{i}.{rel}", layer.get_submodule(rel)))
+            except AttributeError:
+                continue  # a dense layer
+    return out
+
+
+def apply_expert_parallel(
+    model: nn.Module, layers_path: str, paths: tuple[str, ...], ep_mesh: DeviceMesh
+) -> list[nn.Parameter]:
+    """Place every experts module's weights on ``ep_mesh`` and route its calls through
+    all-to-all; returns the expert parameters (for FSDP2's ``ignored_params``)."""
+    ep = ep_mesh["ep"].size()
+    rank = ep_mesh["ep"].get_local_rank()
+    dp = ep_mesh["dp_out"].size() * ep
+    out_group = ep_mesh["dp_out"].get_group() if ep_mesh["dp_out"].size() > 1 else None
+    params = []
+    for _, experts in experts_modules(model, layers_path, paths):
+        local = _num_experts(experts) // ep
+        for name, param in list(experts.named_parameters(recurse=False)):
+            value = param.to_local() if isinstance(param, DTensor) else param.detach()
+            tp_placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
+            mine = value[rank * local : (rank + 1) * local]
+            dt = DTensor.from_local(mine, ep_mesh, [Replicate(), Shard(0), tp_placement], run_check=False)
+            new = nn.Parameter(dt, param.requires_grad)
+            new.register_hook(_average_over_dp(dp, out_group))
+            experts.register_parameter(name, new)
+            params.append(new)
+        experts.hf_tp_local_experts = (rank * local, local)
+        experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, ep_mesh["ep"]), experts)
+    return params
+
+
+def _average_over_dp(dp: int, out_group):
+    """Gradient hook: the sum over every rank that sent tokens to these experts, divided by dp
+    (FSDP2's average for the other weights); summed over the replicas first when dp_out > 1."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        local = grad.to_local() / dp
+        if out_group is not None:
+            dist.all_reduce(local, group=out_group)
+        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+
+    return hook
+
+
+def _num_experts(experts: nn.Module) -> int:
+    if "hf_tp_local_experts" in experts.__dict__:
+        raise ValueError("expert parallelism is already applied to this model")
+    n = getattr(experts, "num_experts", None)
+    if not isinstance(n, int):
+        n = next(p for p in experts.parameters() if p.dim() >= 2).shape[0]
+    return n
+
+
+def _dispatching_forward(original, ep_mesh: DeviceMesh):
+    group = ep_mesh.get_group()
+    ep = ep_mesh.size()
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        start, local = self.hf_tp_local_experts
+        tokens, k = top_k_index.shape
+        flat_expert = top_k_index.reshape(-1)
+        flat_token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
+        keep = flat_expert < local * ep  # some routers mark unused choices with an id past the last expert
+        flat_expert, flat_token = flat_expert[keep], flat_token[keep]
+        weights = top_k_weights.reshape(-1)[keep]
+        dest = torch.div(flat_expert, local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        flat_expert, flat_token, weights, dest = flat_expert[order], flat_token[order], weights[order], dest[order]
+        send = torch.bincount(dest, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        ids = torch.empty(sum(recv_sizes), dtype=flat_expert.dtype, device=flat_expert.device)
+        dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
+        rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
+        self.hf_tp_tokens_per_expert = torch.bincount(ids, minlength=local)  # this rank's experts' load
+        total = self.num_experts if hasattr(self, "num_experts") else None
+        if total is not None:
+            self.num_experts = local  # transformers' kernels size their per-expert counts by it
+        # Local views of this rank's experts (a MoE region's own views when tp > 1), in the compute
+        # dtype: FSDP2 does not cast these weights (they are outside it).
+        before = {n: self.__dict__.get(n) for n in self._parameters}
+        for name, param in self._parameters.items():
+            view = before[name] if before[name] is not None else param.to_local()
+            self.__dict__[name] = view.to(rows.dtype)
+        try:
+            out = original(self, rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype, device=rows.device))
+        finally:
+            if total is not None:
+                self.num_experts = total
+            for name, view in before.items():
+                if view is None:
+                    self.__dict__.pop(name, None)
+                else:
+                    self.__dict__[name] = view
+        back = wait_tensor(all_to_all_single_autograd(out, send_sizes, recv_sizes, group))
+        final = torch.zeros_like(hidden_states)
+        return final.index_add(0, flat_token, (back * weights[:, None]).to(final.dtype))
+
+    return forward
