@@ -81,6 +81,13 @@ def _sizes_and_optimizer(p) -> None:
     p.add_argument("--tp", type=int, metavar="N", help=f"tensor-parallel size; must fit the model's heads ({d('tp')})")
     p.add_argument("--dp", type=int, metavar="N", help=f"data-parallel (FSDP2) size; tp*dp processes run ({d('dp')})")
     p.add_argument(
+        "--ep",
+        type=int,
+        metavar="N",
+        help=f"expert parallelism for MoE models: each group of N dp ranks splits the experts; must divide "
+        f"--dp and the expert count ({d('ep')})",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         metavar="N",

@@ -46,6 +46,7 @@ class TrainConfig:
     # parallelism
     tp: int | None = None
     dp: int | None = None
+    ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
@@ -108,10 +109,14 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
-        for name in ("tp", "dp", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
+        for name in ("tp", "dp", "ep", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.dp is not None and self.ep > 1 and self.dp % self.ep:
+            raise ValueError(
+                f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
+            )
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         for name in ("save_every", "keep_checkpoints"):

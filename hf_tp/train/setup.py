@@ -118,7 +118,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
         hf_logging.disable_progress_bar()  # one progress bar, not one per rank
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
     config = AutoConfig.from_pretrained(model_dir)
-    validate_model_config(config, cfg.tp, cfg.seq_len)
+    validate_model_config(config, cfg.tp, cfg.seq_len, ep=cfg.ep)
     model = build_empty(config) if safetensors_keys(model_dir) is not None else None
     # Files that need more than renames to become the model's tensors (a MoE checkpoint with one
     # tensor per expert, which transformers merges on load) go through from_pretrained instead.
@@ -134,6 +134,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
         mp_policy=mixed_precision(compute_dtype(cfg, device)),
         activation_checkpointing=cfg.activation_checkpointing,
         compile=cfg.compile,
+        ep=cfg.ep,
     )
     if sharded:
         materialize_and_load(model, model_dir, device)

@@ -60,12 +60,30 @@ def _auto_config(model: str, where: str) -> PretrainedConfig:
         raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
 
 
-def validate_model_config(config: PretrainedConfig, tp: int, seq_len: int, seq_len_name: str = "--seq-len") -> None:
-    """tp against the architecture, the sequence length against the model's positions (for
-    ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name`` is how the caller names the setting)."""
+def validate_model_config(
+    config: PretrainedConfig, tp: int, seq_len: int, seq_len_name: str = "--seq-len", ep: int = 1
+) -> None:
+    """tp (and ep) against the architecture, the sequence length against the model's positions
+    (for ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name`` is how the caller names it)."""
     from hf_tp.adapters import get_adapter
 
-    get_adapter(config).validate(config, tp)
+    adapter = get_adapter(config)
+    adapter.validate(config, tp)
+    if ep > 1:
+        experts = next(
+            (
+                getattr(config, n)
+                for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                if hasattr(config, n)
+            ),
+            None,
+        )
+        if not adapter.moe or not isinstance(experts, int):
+            raise ValueError(
+                f"--ep {ep} needs a mixture-of-experts model; this {config.model_type} model has no experts"
+            )
+        if experts % ep:
+            raise ValueError(f"--ep must divide the number of experts ({experts}) of this model, got --ep {ep}")
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise ValueError(
@@ -132,7 +150,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_text_dataset(cfg.dataset, text_column=cfg.text_column)
     kind = device_type(cfg)
     check_devices(cfg, kind)
-    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
+    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len, ep=cfg.ep)
     return kind
 
 

@@ -2,13 +2,17 @@
 
 GPT-NeoX (its own module paths, attention called positionally, packed per-head query_key_value,
 parallel residual) and OLMo 2 (post-norms only, q/k norms over the whole projection width) are the
-two farthest from Llama's layout; Qwen3-MoE runs its experts split over tp (expert tensor parallelism)."""
+two farthest from Llama's layout. Qwen3-MoE trains with its experts split over tp and placed on
+ranks with --ep 2, resumes with --ep 1, and exports a folder plain transformers loads."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from hf_tp.checkpoint.layout import latest_checkpoint
 from tests.e2e.test_train_cli import COMMON, STEPS, hf_tp_train, metrics
 from tests.family_grid import grid_config
 from tests.reference_loop import reference_losses
@@ -16,8 +20,8 @@ from tests.reference_loop import reference_losses
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2", "qwen3_moe"])
-def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
+def _family_model(model_type: str, tmp_path):
+    """A tiny random model of the family, saved with the embedded default's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_tp.demo.assets import ensure_default_assets
@@ -29,11 +33,15 @@ def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
     model_dir = tmp_path / model_type
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    return model_dir, assets
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2"])
+def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
+    model_dir, assets = _family_model(model_type, tmp_path)
 
     out = tmp_path / "run"
     flags = ["--tp", "2", "--dp", "2", "--batch-size", "2", "--output-dir", str(out), *COMMON]
-    if config.model_type == "qwen3_moe":  # packed expert halves go back to HF's layout on export
-        flags.append("--export-on-finish")
     proc = hf_tp_train("--model", str(model_dir), "--dataset", str(assets.data_file), *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = [r["loss"] for r in metrics(out)]
@@ -42,9 +50,33 @@ def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
     )
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w) <= 1e-5 * abs(w), f"{model_type} step {step + 1}: loss {g} vs plain HF {w}"
-    if model_type == "qwen3_moe":
-        # The export loads with plain transformers, with the trained weights in HF's layout.
-        exported = AutoModelForCausalLM.from_pretrained(out / "export", dtype=torch.float32)
-        start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        moved = exported.model.layers[0].mlp.experts.gate_up_proj - start.model.layers[0].mlp.experts.gate_up_proj
-        assert moved.shape == start.model.layers[0].mlp.experts.gate_up_proj.shape and moved.abs().max() > 0
+
+
+def test_moe_expert_parallel_resumes_with_another_ep_and_exports(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, assets = _family_model("qwen3_moe", tmp_path)
+    out = tmp_path / "run"
+    flags = ["--model", str(model_dir), "--dataset", str(assets.data_file), "--output-dir", str(out), *COMMON]
+    mesh = ["--tp", "2", "--dp", "2", "--batch-size", "2"]
+    # Killed (rank 2) at the start of step 4, after the step-3 checkpoint: a kill-a-rank resume.
+    os.environ["HF_TP_CRASH"] = "train:4:2"
+    try:
+        first = hf_tp_train(*flags, *mesh, "--ep", "2", "--save-every", "3")
+    finally:
+        del os.environ["HF_TP_CRASH"]
+    assert first.returncode != 0 and latest_checkpoint(out).name == "step-3"
+    second = hf_tp_train(*flags, *mesh, "--ep", "1", "--resume", "--export-on-finish")
+    assert second.returncode == 0, second.stderr[-4000:]
+    got = [r["loss"] for r in metrics(out)]
+    want, _ = reference_losses(
+        str(model_dir), str(assets.data_file), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
+    )
+    assert len(got) == STEPS
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), f"step {step + 1}: loss {g} vs plain HF {w}"
+    # The export loads with plain transformers, experts back in HF's [experts, 2 x intermediate, hidden].
+    exported = AutoModelForCausalLM.from_pretrained(out / "export", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    new, old = (m.model.layers[0].mlp.experts.gate_up_proj for m in (exported, start))
+    assert new.shape == old.shape and (new - old).abs().max() > 0
