@@ -35,6 +35,7 @@ from hf_tp.train.setup import (
     build_optimizer,
     build_parallel_model,
     build_scheduler,
+    restore_schedule_position,
     compute_dtype,
     init_distributed,
     rank0_first,
@@ -275,11 +276,7 @@ def _resume(run: _Run) -> int:
     saved = load_trainer_state(ckpt)
     check_resume_compatible(saved["fingerprint"], run.fingerprint, ckpt)
     load_checkpoint(ckpt, run.model, run.opt)
-    # The step count, not the saved schedule function: LambdaLR would also restore the lambda's
-    # arguments (the first run's --max-steps), so a run resumed with more steps kept decaying to
-    # the old end (found by the MoE resume test: loss off from the first step after the old end).
-    sched = {**saved["scheduler"], "lr_lambdas": [None] * len(saved["scheduler"].get("lr_lambdas", []))}
-    run.sched.load_state_dict(sched)
+    restore_schedule_position(run.sched, saved["scheduler"])
     if run.is_main:
         print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
     return int(saved["step"])

@@ -173,3 +173,17 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim
     """:func:`lr_factor`: linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
     factor = functools.partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.max_steps, min_ratio=cfg.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def restore_schedule_position(sched: torch.optim.lr_scheduler.LRScheduler, state: dict) -> None:
+    """Resume a :func:`build_scheduler` schedule at the saved step, keeping this run's shape.
+
+    LambdaLR's ``state_dict`` also holds its lambda's arguments (the saving run's ``max_steps``);
+    loading them would make a run resumed with a larger ``--max-steps`` keep decaying towards the
+    old end. Only the position is restored, and the rate of that position recomputed (the
+    optimizer's state, loaded before, holds the saving run's rate)."""
+    sched.load_state_dict({**state, "lr_lambdas": [None] * len(state.get("lr_lambdas", []))})
+    lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    sched._last_lr = lrs  # what get_last_lr() reports (LambdaLR keeps it in this attribute)

@@ -83,6 +83,8 @@ def corpus(tmp_path_factory) -> Path:
         (["--profile-steps", "1-2"], r"--profile-steps 1-2: need 2 <= first <= last"),
         (["--profile-steps", "x"], "--profile-steps must look like 10-12"),
         (["--profile-steps", "4-9", "--max-steps", "5"], "--profile-steps 4-9 goes past --max-steps 5"),
+        (["--dp", "3", "--ep", "2"], r"--ep must divide --dp \(3\): expert parallelism borrows its ranks from dp"),
+        (["--ep", "2", "--dp", "2"], "--ep 2 needs a mixture-of-experts model; this qwen2 model has no experts"),
     ],
 )
 def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
@@ -161,6 +163,31 @@ def test_warmup_starts_above_zero_and_reaches_the_peak() -> None:
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # the first step trains at lr / (warmup + 1)
     assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False)) and f[10] == pytest.approx(0.1)
     assert lr_factor(0, warmup=0, total=10, min_ratio=0.1) == 1.0
+
+
+def test_resume_keeps_this_runs_schedule_length() -> None:
+    # Resumed with a larger --max-steps: the saved position, this run's decay (not the first run's end).
+    import torch
+
+    from hf_tp.train.config import TrainConfig
+    from hf_tp.train.setup import build_scheduler, restore_schedule_position
+
+    def schedule(steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return build_scheduler(opt, TrainConfig(max_steps=steps, warmup_steps=1, min_lr_ratio=0.1))
+
+    short, long = schedule(3), schedule(10)
+    for _ in range(3):
+        short.optimizer.step()
+        short.step()
+        long.optimizer.step()
+        long.step()
+    resumed = schedule(10)
+    restore_schedule_position(resumed, short.state_dict())
+    assert resumed.get_last_lr() == pytest.approx(long.get_last_lr())
+    resumed.step()
+    long.step()
+    assert resumed.get_last_lr() == pytest.approx(long.get_last_lr()) and long.get_last_lr()[0] > 0.1
 
 
 def test_unreachable_hub_fails_at_once_with_one_line(monkeypatch) -> None:
