@@ -71,7 +71,7 @@ def train_step(
     b, s = batch["input_ids"].shape
     with train_loss.loss_context(True):  # model_from_config parallelizes with loss_parallel=True
         fused = fusable(model)
-        loss = train_loss.training_loss(model, batch, dp * b * (s - 1), fused)
+        loss, _ = train_loss.training_loss(model, batch, dp * b * (s - 1), fused)
         (loss * dp).backward()
     norm = clip_grad_norm(model.parameters(), 0.0)  # measure only: the norm's collectives
     coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)

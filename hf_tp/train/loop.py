@@ -35,11 +35,11 @@ from hf_tp.train.setup import (
     build_optimizer,
     build_parallel_model,
     build_scheduler,
-    restore_schedule_position,
     compute_dtype,
     init_distributed,
     rank0_first,
     resolve_device,
+    restore_schedule_position,
     shutdown,
 )
 from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint
@@ -173,16 +173,25 @@ class _StepDone:
     grad_norm: float  # before clipping
     lr: float  # the rate this step used
     upcoming: StepBatches | None  # the next step's batches, collated while the backward ran
+    aux_loss: float | None = None  # a MoE's router load-balancing loss (included in loss, times its coef)
 
 
 def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
     """Forward/backward over this rank's micro-batches, then clip and step."""
     cfg, model = run.cfg, run.model
     local_loss = torch.zeros((), device=run.device)
+    aux_sum = torch.zeros((), device=run.device)  # the router aux loss (MoE), summed over micro-batches
+    has_aux = False
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == len(batches.micro_batches) - 1)
         with loss_context(cfg.loss_parallel):
-            loss = training_loss(model, batch, batches.num_targets, run.fused)
+            # A MoE's aux loss is over each micro-step's rows of every dp rank; the micro-steps
+            # weigh equally (1/grad_accum), as their tokens do in the LM loss.
+            micro = len(batches.micro_batches)
+            loss, aux = training_loss(model, batch, batches.num_targets, run.fused, run.dp_group, aux_weight=1 / micro)
+            if aux is not None:
+                aux_sum += aux.float() / micro
+                has_aux = True
             # The loss is already divided by the global token count, so the dp ranks' gradients
             # must be summed; FSDP2 averages them, hence the factor dp. (FSDP2's
             # set_gradient_divide_factor(1) needs PREMUL_SUM, which gloo lacks.)
@@ -192,6 +201,8 @@ def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
     # check below waits for it).
     upcoming = run.batches(step + 1) if step + 1 < cfg.max_steps else None
     dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.dp_group)
+    if has_aux:  # the ranks' terms add up to the global batch's aux loss
+        dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.dp_group)
     grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
@@ -204,7 +215,7 @@ def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
     run.opt.step()
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
-    return _StepDone(loss_value, norm_value, lr, upcoming)
+    return _StepDone(loss_value, norm_value, lr, upcoming, aux_sum.item() if has_aux else None)
 
 
 def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone, dt: float) -> dict:
@@ -214,6 +225,7 @@ def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone,
         "loss": done.loss,
         "grad_norm": done.grad_norm,
         "lr": done.lr,
+        **({"aux_loss": done.aux_loss} if done.aux_loss is not None else {}),
         "tokens": batches.tokens,
         "tokens_per_sec": batches.tokens / dt,
         "step_time_s": dt,

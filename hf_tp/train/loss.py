@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from hf_tp.parallel.aux_loss import EXPERT_COUNT_FIELDS, load_balancing_loss, standard_aux_loss
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
 
@@ -18,13 +20,32 @@ def loss_context(vocab_sharded_logits: bool) -> contextlib.AbstractContextManage
 
 
 def training_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: int, fused: bool
-) -> torch.Tensor:
-    """HF's ``labels=`` loss of one micro-batch divided by the global target count (so summing the
-    micro-batches of every rank gives the token mean of the global batch), fused with the lm_head
-    when ``fused`` (see :func:`hf_tp.parallel.linear_ce.fusable`)."""
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    num_items_in_batch: int,
+    fused: bool,
+    dp_group: dist.ProcessGroup | None = None,
+    aux_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, aux): HF's ``labels=`` loss of one micro-batch divided by the global target count (so
+    summing the micro-batches of every rank gives the token mean of the global batch), fused with
+    the lm_head when ``fused`` (see :func:`hf_tp.parallel.linear_ce.fusable`); for a MoE model with
+    ``output_router_logits``, plus ``router_aux_loss_coef`` times this rank's term of the global
+    batch's load-balancing loss (:mod:`hf_tp.parallel.aux_loss`) times ``aux_weight`` (1/grad_accum),
+    the unweighted term returned as ``aux``."""
+    if standard_aux_loss(model):
+        config = model.config
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = model(**inputs, output_router_logits=True, use_cache=False)
+        lm = model.loss_function(out.logits, batch["labels"], config.vocab_size, num_items_in_batch=num_items_in_batch)
+        experts = next(getattr(config, f) for f in EXPERT_COUNT_FIELDS if hasattr(config, f))
+        aux = load_balancing_loss(
+            out.router_logits, experts, config.num_experts_per_tok, batch.get("attention_mask"), dp_group
+        )
+        return lm + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
-        return causal_lm_loss(
+        loss = causal_lm_loss(
             model, batch["input_ids"], batch.get("attention_mask"), batch["labels"], num_items_in_batch
         )
-    return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+        return loss, None
+    return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss, None

@@ -20,7 +20,7 @@ from tests.reference_loop import reference_losses
 pytestmark = pytest.mark.e2e
 
 
-def _family_model(model_type: str, tmp_path):
+def _family_model(model_type: str, tmp_path, **overrides):
     """A tiny random model of the family, saved with the embedded default's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,7 +28,9 @@ def _family_model(model_type: str, tmp_path):
 
     assets = ensure_default_assets(tmp_path / "assets")
     tok = AutoTokenizer.from_pretrained(assets.model_dir)
-    config = grid_config(model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    config = grid_config(
+        model_type, vocab_size=len(tok), pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **overrides
+    )
     torch.manual_seed(0)
     model_dir = tmp_path / model_type
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
@@ -55,7 +57,8 @@ def test_generic_family_trains_like_plain_hf(model_type: str, tmp_path) -> None:
 def test_moe_expert_parallel_resumes_with_another_ep_and_exports(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model_dir, assets = _family_model("qwen3_moe", tmp_path)
+    # The router's aux loss on (weight 0.5): plain HF's loss on the whole global batch includes it.
+    model_dir, assets = _family_model("qwen3_moe", tmp_path, output_router_logits=True)
     out = tmp_path / "run"
     flags = ["--model", str(model_dir), "--dataset", str(assets.data_file), "--output-dir", str(out), *COMMON]
     mesh = ["--tp", "2", "--dp", "2", "--batch-size", "2"]
@@ -68,11 +71,12 @@ def test_moe_expert_parallel_resumes_with_another_ep_and_exports(tmp_path) -> No
     assert first.returncode != 0 and latest_checkpoint(out).name == "step-3"
     second = hf_tp_train(*flags, *mesh, "--ep", "1", "--resume", "--export-on-finish")
     assert second.returncode == 0, second.stderr[-4000:]
-    got = [r["loss"] for r in metrics(out)]
+    records = metrics(out)
+    got = [r["loss"] for r in records]
     want, _ = reference_losses(
         str(model_dir), str(assets.data_file), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
     )
-    assert len(got) == STEPS
+    assert len(got) == STEPS and all(r["aux_loss"] > 0 for r in records)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w) <= 1e-5 * abs(w), f"step {step + 1}: loss {g} vs plain HF {w}"
     # The export loads with plain transformers, experts back in HF's [experts, 2 x intermediate, hidden].

@@ -157,7 +157,7 @@ def test_fused_loss_replaces_loss_parallel_all_reduces_with_one_small_all_gather
     assert fusable(model)
     fwd, bwd = Collectives(), Collectives()
     with fwd:
-        loss = training_loss(model, data, B * (S - 1), fused=True)
+        loss, _ = training_loss(model, data, B * (S - 1), fused=True)
     with bwd:
         loss.backward()
     layers = config.num_hidden_layers

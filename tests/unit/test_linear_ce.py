@@ -57,7 +57,7 @@ def test_causal_lm_loss_matches_hf_loss_and_every_gradient(family: str, tied: bo
     want = ref(**data, num_items_in_batch=50, use_cache=False).loss
     want.backward()
     assert fusable(model)
-    got = training_loss(model, data, 50, fused=True)
+    got, _ = training_loss(model, data, 50, fused=True)
     got.backward()
     torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
     assert_close_dict(
@@ -161,7 +161,7 @@ def test_tp_fused_loss_matches_hf_loss_and_every_gradient(family: str, tied: boo
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=tp, device_type="cpu"), sequence_parallel=sp)
         assert fusable(model)
-        got = training_loss(model, data, 50, fused=True)
+        got, _ = training_loss(model, data, 50, fused=True)
         got.backward()
         torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
         assert_close_dict(full_grads(model), want_grads, "grad")
