@@ -127,7 +127,7 @@ gradient shows; 4 experts, 2 per token). Every MoE block runs as one expert-tens
 up halves alike), routers and gates are replicated with their gradients summed over tp, shared
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
-parallelism (`--ep`) is not built yet.
+parallelism (`--ep`, README) is tested on Qwen3-MoE and Mixtral.
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|
