@@ -137,6 +137,8 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
         rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
         self.hf_tp_tokens_per_expert = torch.bincount(ids, minlength=local)  # this rank's experts' load
+        me = dist.get_rank(group)  # rows that crossed the network, out and in (benchmarks read it)
+        self.hf_tp_a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
         total = self.num_experts if hasattr(self, "num_experts") else None
         if total is not None:
             self.num_experts = local  # transformers' kernels size their per-expert counts by it
