@@ -96,7 +96,9 @@ def main() -> None:
             f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts (top-2, intermediate {args.hidden}), "
             f"{args.layers} layers, {args.batch} x {args.seq_len} tokens per dp rank, world {dist.get_world_size()}"
         )
-        print(f"{'tp':>3} {'dp':>3} {'ep':>3} {'step ms':>9} {'all-to-all sent MiB/rank':>25} {'tp AG+RS sent MiB/rank':>23}")
+        print(
+            f"{'tp':>3} {'dp':>3} {'ep':>3} {'step ms':>9} {'all-to-all sent MiB/rank':>25} {'tp AG+RS sent MiB/rank':>23}"
+        )
     for tp, ep in layouts(dist.get_world_size()):
         step, a2a, tp_mib = run(config, tp, ep, args, device)
         if dist.get_rank() == 0:

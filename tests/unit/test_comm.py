@@ -146,6 +146,34 @@ def test_under_fsdp2_the_partial_grads_are_one_all_reduce_per_backward(family: s
         dist.destroy_process_group()
 
 
+def test_a_moe_layer_is_the_megatron_sp_minimum_too(fake_world) -> None:
+    # Qwen3-MoE: attention plus a MoE block run as one region (router, 4 experts split over tp):
+    # one all-gather and one reduce-scatter per block, forward and backward, like a dense MLP.
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_grid import grid_config
+
+    torch.manual_seed(0)
+    config = grid_config("qwen3_moe", hidden_size=H, num_attention_heads=4, num_key_value_heads=2)
+    model = hf_tp.parallelize(
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32), hf_tp.build_mesh(tp=TP, device_type="cpu")
+    )
+    mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh
+    x = DTensor.from_local(
+        torch.randn(B, S // TP, H, requires_grad=True), mesh, [Shard(1)], shape=(B, S, H), stride=(S * H, H, 1)
+    )
+    pos = torch.arange(S)[None].expand(B, S)
+    emb = model.model.rotary_emb(x.to_local(), pos)
+    fwd, bwd = Collectives(), Collectives()
+    with fwd:
+        out = model.model.layers[0](x, position_embeddings=emb, position_ids=pos, attention_mask=None)
+    with bwd:
+        out.to_local().sum().backward()
+    for mode in (fwd, bwd):
+        assert mode.counts() == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, mode.calls
+        assert all(numel == B * S * H for name, numel in mode.calls if name in COLLECTIVES)
+
+
 def _names(mode: CommDebugMode) -> dict[str, int]:
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
