@@ -37,6 +37,12 @@ class StepBatchSource:
         num_targets = sum(
             count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
         )
+        if num_targets == 0:
+            raise ValueError(
+                f"every label of step {step + 1}'s global batch is masked (no assistant or completion tokens in "
+                "its rows, e.g. prompts longer than --seq-len); raise --seq-len, drop such rows, or pass "
+                "--no-assistant-only-loss"
+            )
         rows = self.order.local_indices(
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )

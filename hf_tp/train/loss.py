@@ -25,6 +25,11 @@ def training_loss(
     when ``fused`` (see :func:`hf_tp.parallel.linear_ce.fusable`)."""
     if fused:
         return causal_lm_loss(
-            model, batch["input_ids"], batch.get("attention_mask"), batch["labels"], num_items_in_batch
+            model,
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            batch["labels"],
+            num_items_in_batch,
+            position_ids=batch.get("position_ids"),
         )
     return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss

@@ -188,13 +188,24 @@ def test_packing_is_exact_over_the_whole_stream() -> None:
     stream = [t for doc in DOCS * 50 if doc.strip() for t in ids_of(doc) + [EOS]]
     for seq_len in (1, 4, 7):
         out = tokenize_dataset(ds, word_tokenizer(), seq_len=seq_len)  # 300 rows: several map batches
-        assert out.column_names == ["input_ids"]
+        assert out.column_names == ["input_ids", "labels", "position_ids"]
         assert len(out) == len(stream) // seq_len
         blocks = out["input_ids"]
         assert all(len(b) == seq_len for b in blocks)
         assert [t for b in blocks for t in b] == stream[: len(out) * seq_len]
+        plain = tokenize_dataset(ds, word_tokenizer(), seq_len=seq_len, document_masking=False)
+        assert plain.column_names == ["input_ids", "labels"] and plain["labels"] == blocks
     no_eos = tokenize_dataset(ds, word_tokenizer(eos=False), seq_len=3)
     assert [t for b in no_eos["input_ids"] for t in b][:6] == ids_of("a b c d e a")
+
+
+def test_packed_rows_restart_positions_per_document_and_mask_their_first_labels() -> None:
+    ds = datasets.Dataset.from_dict({"text": ["a b c", "d e", "a a a a b"]})
+    out = tokenize_dataset(ds, word_tokenizer(), seq_len=5)
+    # stream: a b c </s> | d e </s> | a a a a b </s>; rows of 5 cut the third document
+    assert out["input_ids"] == [ids_of("a b c") + [EOS, 5], [6, EOS] + ids_of("a a a")]
+    assert out["position_ids"] == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2]]
+    assert out["labels"] == [[-100, 3, 4, EOS, -100], [-100, EOS, -100, 2, 2]]
 
 
 def test_packing_across_map_batches() -> None:
