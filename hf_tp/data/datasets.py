@@ -27,6 +27,7 @@ SUPPORTED_EXTENSIONS: dict[str, str] = {
     ".jsonl": "json",
     ".parquet": "parquet",
     ".csv": "csv",
+    ".arrow": "arrow",
 }
 _SUPPORTED = ", ".join(SUPPORTED_EXTENSIONS)
 # "name" or "org/name": anything else (more slashes, spaces, a leading dot) cannot be on the Hub.

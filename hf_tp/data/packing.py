@@ -25,20 +25,22 @@ def flat_column(docs: datasets.Dataset, name: str) -> np.ndarray:
     return pc.list_flatten(docs.data.column(name)).to_numpy().astype(np.int64)
 
 
-def pack_documents(docs: datasets.Dataset, seq_len: int, *, document_masking: bool, label: str) -> datasets.Dataset:
+def pack_documents(
+    docs: datasets.Dataset, seq_len: int, *, document_masking: bool, label: str, keep_tail: bool = False
+) -> datasets.Dataset:
     """Concatenate the documents of ``docs`` (``input_ids``, optional ``labels``) in order and cut
     the stream into consecutive rows of exactly ``seq_len`` tokens (the tail that does not fill a
-    row is dropped). With ``document_masking`` the rows get ``position_ids`` restarting per
+    row is dropped, or with ``keep_tail`` kept as a shorter last row). With ``document_masking`` the rows get ``position_ids`` restarting per
     document and the first token of every document piece is no target."""
     ids = flat_column(docs, "input_ids")
     labels = flat_column(docs, "labels") if "labels" in docs.column_names else ids.copy()
     rows = len(ids) // seq_len
-    if rows == 0:
+    n = len(ids) if keep_tail else rows * seq_len
+    if n == 0 or (rows == 0 and not keep_tail):
         raise ValueError(
             f"dataset {label} has only {len(ids)} tokens, fewer than one block of seq_len={seq_len}; "
             "lower --seq-len or add data"
         )
-    n = rows * seq_len
     columns = {"input_ids": ids[:n], "labels": labels[:n]}
     if document_masking:
         lengths = pc.list_value_length(docs.data.column("input_ids")).to_numpy()
@@ -49,9 +51,15 @@ def pack_documents(docs: datasets.Dataset, seq_len: int, *, document_masking: bo
         index = np.arange(n)
         columns["position_ids"] = index - np.maximum.accumulate(np.where(starts, index, 0))
         columns["labels"] = np.where(starts, IGNORE_INDEX, columns["labels"])
-    table = pa.table(
-        {k: pa.FixedSizeListArray.from_arrays(pa.array(v.astype(np.int32)), seq_len) for k, v in columns.items()}
-    )
+    if n % seq_len == 0:
+        table = pa.table(
+            {k: pa.FixedSizeListArray.from_arrays(pa.array(v.astype(np.int32)), seq_len) for k, v in columns.items()}
+        )
+    else:
+        offsets = pa.array(list(range(0, n, seq_len)) + [n], type=pa.int32())
+        table = pa.table(
+            {k: pa.ListArray.from_arrays(offsets, pa.array(v.astype(np.int32))) for k, v in columns.items()}
+        )
     packed = datasets.Dataset(InMemoryTable(table))
     packed.info.dataset_name = docs.info.dataset_name
     return packed

@@ -24,6 +24,7 @@ def tokenize_dataset(
     pack: bool = True,
     fmt: DataFormat | None = None,
     document_masking: bool = True,
+    keep_tail: bool = False,
 ) -> datasets.Dataset:
     """Tokenize ``ds`` into rows of ``input_ids`` (with ``labels`` where some tokens are no
     targets, and ``position_ids`` restarting per document when packed with ``document_masking``).
@@ -31,7 +32,8 @@ def tokenize_dataset(
     The format (text, chat, prompt/completion) is ``fmt``, or detected from the columns
     (``text_column`` forces text). Each document ends with the tokenizer's eos where its format
     adds one. ``pack=True`` concatenates the documents in order into rows of exactly ``seq_len``
-    tokens (:func:`hf_tp.data.packing.pack_documents`); ``pack=False`` keeps one row per
+    tokens (:func:`hf_tp.data.packing.pack_documents`; ``keep_tail`` keeps the last, shorter row:
+    evaluation sets lose no token); ``pack=False`` keeps one row per
     document, truncated to ``seq_len`` (a truncated document loses its eos).
     """
     if seq_len < 1:
@@ -53,7 +55,7 @@ def tokenize_dataset(
     )
     docs.info.dataset_name = ds.info.dataset_name
     if pack:
-        return pack_documents(docs, seq_len, document_masking=document_masking, label=label)
+        return pack_documents(docs, seq_len, document_masking=document_masking, label=label, keep_tail=keep_tail)
     if len(docs) == 0:
         column = fmt.column or "prompt/completion"
         raise ValueError(f"dataset {label} has no tokens: every row of text column '{column}' is empty")

@@ -27,6 +27,7 @@ from hf_tp.parallel import build_mesh
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.evaluation import EvalSet, eval_record
 from hf_tp.train.loss import loss_context, training_loss
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
@@ -40,6 +41,7 @@ from hf_tp.train.setup import (
     rank0_first,
     resolve_device,
     shutdown,
+    with_document_masking_checked,
 )
 from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint
 
@@ -50,6 +52,7 @@ __all__ = ["TrainResult", "shutdown", "train"]
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)  # optimizer step -> held-out loss
     output_dir: Path | None = None
     checkpoint: Path | None = None  # the newest checkpoint this run wrote (None if it wrote none)
     export: Path | None = None
@@ -67,6 +70,7 @@ class _Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatchSource
+    eval_set: EvalSet | None
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
@@ -88,7 +92,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     run = _set_up(with_embedded_default(cfg))
     result = TrainResult(output_dir=run.out)
     logger = MetricsLogger(
-        run.out, run.cfg.max_steps, enabled=run.is_main, tensorboard=run.cfg.tensorboard, start_step=run.start_step
+        run.out,
+        run.cfg.max_steps,
+        enabled=run.is_main,
+        report_to=run.cfg.reporters,
+        start_step=run.start_step,
+        run_config=run.cfg.to_dict(),
     )
     profiler = StepProfiler(
         parse_profile_steps(run.cfg.profile_steps), run.out / "profile", dist.get_rank(), run.device, run.start_step + 1
@@ -107,6 +116,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             profiler.step()
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
+            if _eval_due(run, step + 1):
+                t_eval = time.perf_counter()
+                held_out = run.eval_set.run(run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                result.eval_losses[step + 1] = held_out.loss
+                logger.log_eval(eval_record(step + 1, held_out, time.perf_counter() - t_eval))
             if _checkpoint_due(run.cfg, step + 1):
                 result.checkpoint = _save(run, step + 1)
     finally:
@@ -129,19 +143,20 @@ def _set_up(cfg: TrainConfig) -> _Run:
 
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model))
     model = build_parallel_model(cfg, mesh, device)
-    data = build_data(cfg, tokenizer)
+    cfg = with_document_masking_checked(cfg, model)
+    data, eval_data = build_data(cfg, tokenizer)
     order = GlobalBatchOrder(num_examples=len(data), global_batch=cfg.global_batch, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
+    dp_rank = mesh.get_local_rank("dp")
     batches = StepBatchSource(
-        data,
-        order,
-        PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp),
-        mesh.get_local_rank("dp"),
-        cfg.dp,
-        micro_batch=cfg.batch_size,
-        grad_accum=cfg.grad_accum,
-        device=device,
+        data, order, collate, dp_rank, cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum, device=device
     )
+    eval_set = None
+    if eval_data is not None:
+        eval_set = EvalSet(
+            eval_data, collate, dp_rank, cfg.dp, cfg.batch_size, cfg.global_batch, cfg.eval_batches, device
+        )
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = _Run(
         cfg=cfg,
@@ -152,6 +167,7 @@ def _set_up(cfg: TrainConfig) -> _Run:
         opt=opt,
         sched=build_scheduler(opt, cfg),
         batches=batches,
+        eval_set=eval_set,
         dp_group=mesh["dp"].get_group(),
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),
@@ -214,6 +230,7 @@ def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone,
         "grad_norm": done.grad_norm,
         "lr": done.lr,
         "tokens": batches.tokens,
+        "target_tokens": batches.num_targets,
         "tokens_per_sec": batches.tokens / dt,
         "step_time_s": dt,
     }
@@ -221,6 +238,12 @@ def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone,
         record["mfu"] = run.flops_per_token * batches.tokens / dt / (run.peak_flops * dist.get_world_size())
     record.update(peak_memory_mib(run.device))
     return record
+
+
+def _eval_due(run: _Run, done: int) -> bool:
+    """Every ``eval_every`` steps and at the end, when there is an eval set."""
+    every = run.cfg.eval_every
+    return run.eval_set is not None and (done == run.cfg.max_steps or bool(every and done % every == 0))
 
 
 def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:

@@ -129,11 +129,44 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_output_dir(Path(cfg.output_dir), cfg)
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
 
-    check_text_dataset(cfg.dataset, text_column=cfg.text_column)
+    columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
+    formats = [check_text_dataset(cfg.dataset, split=cfg.split, **columns)]
+    if cfg.eval_dataset:
+        check_dataset_source(cfg.eval_dataset)
+        formats.append(check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns))
+    check_reporters(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
+    if any(f is not None and f.kind != "text" for f in formats):
+        check_tokenizer_for(cfg.model, formats)
     return kind
+
+
+def check_reporters(cfg: TrainConfig) -> None:
+    """``--report-to wandb`` needs the wandb package (an optional extra)."""
+    import importlib.util
+
+    if "wandb" in cfg.reporters and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "--report-to wandb needs the wandb package: pip install wandb (or use --report-to tensorboard)"
+        )
+
+
+def check_tokenizer_for(model: str, formats: list) -> None:
+    """Chat data needs a chat template, prompt/completion and chat data a fast tokenizer (offsets)."""
+    from transformers import AutoTokenizer
+
+    from hf_tp.data.formats.chat import check_chat_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if any(f is not None and f.kind == "chat" for f in formats):
+        check_chat_tokenizer(tokenizer)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"chat and prompt/completion data need a fast tokenizer (character offsets); '{model}' loads "
+            f"{type(tokenizer).__name__}; add its tokenizer.json"
+        )
 
 
 FINGERPRINT_MODEL_FIELDS = (
@@ -153,8 +186,14 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
     fp = {k: getattr(config, k, None) for k in FINGERPRINT_MODEL_FIELDS}
     fp.update(
         dataset=cfg.dataset,
+        dataset_config=cfg.dataset_config,
+        split=cfg.split,
         text_column=cfg.text_column,
+        messages_column=cfg.messages_column,
+        assistant_only_loss=cfg.assistant_only_loss,
+        eval_split=cfg.eval_split,
         pack=cfg.pack,
+        document_masking=cfg.document_masking,
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,

@@ -24,9 +24,7 @@ def packed_and_pieces(vocab: int) -> tuple[dict[str, torch.Tensor], list[list[in
     """A packed batch (padded to a multiple of tp=2) and the document pieces it holds, in order."""
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-    rows = pack_documents(
-        datasets.Dataset.from_dict({"input_ids": docs}), SEQ_LEN, document_masking=True, label="test"
-    )
+    rows = pack_documents(datasets.Dataset.from_dict({"input_ids": docs}), SEQ_LEN, document_masking=True, label="test")
     pieces = []
     for row in rows:
         for k, (tok, pos) in enumerate(zip(row["input_ids"], row["position_ids"], strict=True)):
