@@ -53,7 +53,7 @@ def load_text_dataset(
     """
     path = Path(source).expanduser()
     if path.exists():
-        _no_config_for_local(source, config_name)
+        _no_config_for_local(source, config_name, split)
         ds = _load_local(source, path, split)
     else:
         ds = _load_hub(source, split, config_name)
@@ -71,9 +71,10 @@ def check_text_dataset(
     messages_column: str | None = None,
     split: str = "train",
     config_name: str | None = None,
-) -> DataFormat:
+) -> tuple[DataFormat, dict] | None:
     """Before any rank starts: what :func:`load_text_dataset` would reject, decided from as little
-    as possible; returns the data format. Raises its one-line ``ValueError``s (not found,
+    as possible; returns the data format and the first row (None where a Hub dataset does not
+    stream: the ranks check it). Raises its one-line ``ValueError``s (not found,
     unreadable, empty, no column of a known format, a first row not in that format).
 
     ``.txt`` files need only their sizes (their one column is "text"; an empty file has no rows);
@@ -83,14 +84,14 @@ def check_text_dataset(
     path = Path(source).expanduser()
     if not path.exists():
         return _check_hub_first_row(source, text_column, messages_column, split, config_name)
-    _no_config_for_local(source, config_name)
+    _no_config_for_local(source, config_name, split)
     builder, files = _data_files(source, path)
     files = [f for f in files if not _has_no_rows(f, builder)]
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     if builder == "text":
         text = datasets.Features({"text": datasets.Value("string")})
-        return check_format(["text"], text, {"text": ""}, source, text_column, messages_column)
+        return check_format(["text"], text, {"text": ""}, source, text_column, messages_column), {"text": ""}
     try:
         with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
@@ -100,7 +101,13 @@ def check_text_dataset(
     return _check_first_row(stream, first, source, text_column, messages_column)
 
 
-def _no_config_for_local(source: str, config_name: str | None) -> None:
+def _no_config_for_local(source: str, config_name: str | None, split: str = "train") -> None:
+    """Local files: no Hub configuration, and one split, "train" (slices of it are fine)."""
+    names = {part.split("[")[0].strip() for part in split.split("+")}
+    if names != {"train"}:
+        raise ValueError(
+            f"local data files form one split, 'train'; got --split {split} (use train or a slice such as train[:5%])"
+        )
     if config_name:
         raise ValueError(
             f"--dataset-config {config_name} names a configuration of a Hub dataset, but '{source}' is a local "
@@ -137,7 +144,7 @@ def check_format(
 
 def _check_hub_first_row(
     source: str, text_column: str | None, messages_column: str | None, split: str, config_name: str | None
-) -> DataFormat | None:
+) -> tuple[DataFormat, dict] | None:
     from hf_tp.checkpoint.hub import hub_unreachable
 
     not_found = f"dataset not found: '{source}' is neither a local file/directory nor a dataset on the Hub"
@@ -178,12 +185,12 @@ def _check_first_row(
     source: str,
     text_column: str | None,
     messages_column: str | None,
-) -> DataFormat:
+) -> tuple[DataFormat, dict]:
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
     features = stream.features
     columns = list(features) if features is not None else list(first)
-    return check_format(columns, features, first, source, text_column, messages_column)
+    return check_format(columns, features, first, source, text_column, messages_column), first
 
 
 def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:

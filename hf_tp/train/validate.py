@@ -130,16 +130,17 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
 
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
-    formats = [check_text_dataset(cfg.dataset, split=cfg.split, **columns)]
+    first_rows = {cfg.dataset: check_text_dataset(cfg.dataset, split=cfg.split, **columns)}
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
-        formats.append(check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns))
+        first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
     check_reporters(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len)
-    if any(f is not None and f.kind != "text" for f in formats):
-        check_tokenizer_for(cfg.model, formats)
+    rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
+    if rendered:
+        check_first_rows(cfg, rendered)
     return kind
 
 
@@ -153,20 +154,23 @@ def check_reporters(cfg: TrainConfig) -> None:
         )
 
 
-def check_tokenizer_for(model: str, formats: list) -> None:
-    """Chat data needs a chat template, prompt/completion and chat data a fast tokenizer (offsets)."""
+def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
+    """Chat and prompt/completion data: the tokenizer can render and label the first row of each
+    dataset (``{source: (format, row)}``): a chat template where needed, a fast tokenizer (character
+    offsets), role/content messages, an assistant turn."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
+    from hf_tp.data.formats import CHAT, encode_batch
     from hf_tp.data.formats.chat import check_chat_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    if any(f is not None and f.kind == "chat" for f in formats):
-        check_chat_tokenizer(tokenizer)
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
-            f"chat and prompt/completion data need a fast tokenizer (character offsets); '{model}' loads "
-            f"{type(tokenizer).__name__}; add its tokenizer.json"
-        )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    for source, (fmt, row) in first_rows.items():
+        if fmt.kind == CHAT:
+            check_chat_tokenizer(tokenizer)
+        fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
+        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'")
 
 
 FINGERPRINT_MODEL_FIELDS = (

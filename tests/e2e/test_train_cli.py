@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_config, tiny_model
-from tests.reference_loop import reference_losses
+from tests.reference_loop import reference_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -73,20 +73,39 @@ def test_mesh_shapes_and_plain_hf_give_one_loss_curve(setup, tmp_path) -> None:
         "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
         "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
     }
-    curves = {}
+    # A held-out 10% of the documents, its first 3 global batches evaluated after steps 3 and 6: the
+    # same eval loss on every mesh (the token mean over those rows).
+    held_out = ["--eval-split", "0.1", "--eval-every", "3", "--eval-batches", "3"]
+    curves, evals = {}, {}
     for name, flags in runs.items():
         out = tmp_path / name
-        proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *flags)
+        proc = hf_tp_train(
+            "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *held_out, *flags
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        rows = metrics(out)
+        evals[name] = {r["step"]: r["eval_loss"] for r in metrics(out) if r.get("split") == "eval"}
+        rows = [r for r in metrics(out) if r.get("split") != "eval"]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_sec"} <= rows[0].keys()
         assert (out / "config.yaml").exists()
         curves[name] = rows
-    want_loss, want_norm = reference_losses(
-        str(model_dir), str(data), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
+    want_loss, want_norm, want_eval = reference_run(
+        str(model_dir),
+        str(data),
+        seq_len=15,
+        global_batch=4,
+        steps=STEPS,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_split=0.1,
+        eval_steps=(3, STEPS),
+        eval_rows=12,
     )
     assert want_loss[-1] < want_loss[0]
+    for name, got_eval in evals.items():
+        assert got_eval.keys() == want_eval.keys(), name
+        for step, w in want_eval.items():
+            assert abs(got_eval[step] - w) <= 1e-5 * abs(w), f"{name} eval after step {step}: {got_eval[step]} vs {w}"
     for name, rows in curves.items():
         got = [r["loss"] for r in rows]
         for step, (g, w) in enumerate(zip(got, want_loss, strict=True)):

@@ -83,6 +83,16 @@ def corpus(tmp_path_factory) -> Path:
         (["--profile-steps", "1-2"], r"--profile-steps 1-2: need 2 <= first <= last"),
         (["--profile-steps", "x"], "--profile-steps must look like 10-12"),
         (["--profile-steps", "4-9", "--max-steps", "5"], "--profile-steps 4-9 goes past --max-steps 5"),
+        (["--eval-split", "1.5"], r"--eval-split must be a fraction in \[0, 1\) of the training documents, got 1.5"),
+        (
+            ["--eval-every", "5"],
+            "--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split",
+        ),
+        (["--eval-split", "0.1", "--eval-dataset", "x.jsonl"], "pass either --eval-dataset or --eval-split"),
+        (["--eval-dataset", "/no/eval.jsonl"], "dataset not found: no file or directory at '/no/eval.jsonl'"),
+        (["--report-to", "mlflow"], "--report-to takes tensorboard, wandb, none"),
+        (["--text-column", "a", "--messages-column", "b"], "pass either --text-column or --messages-column"),
+        (["--split", "test[:5%]"], r"local data files form one split, 'train'; got --split test\[:5%\]"),
     ],
 )
 def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
