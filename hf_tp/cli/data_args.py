@@ -52,6 +52,14 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         "--seq-len blocks with EOS between them (default: pack)",
     )
     p.add_argument(
+        "--streaming",
+        action="store_const",
+        const=True,
+        help="read the dataset as a stream (datasets' IterableDataset), tokenizing and packing as it goes, in "
+        "the dataset's order; checkpoints store the position, so --resume continues with the same batches "
+        "(default: load, tokenize and shuffle the whole dataset first)",
+    )
+    p.add_argument(
         "--no-document-masking",
         dest="document_masking",
         action="store_const",

@@ -64,6 +64,26 @@ def load_text_dataset(
     return ds
 
 
+def load_stream(source: str, *, split: str = "train", config_name: str | None = None) -> datasets.IterableDataset:
+    """``source`` as a ``datasets.IterableDataset`` (``--streaming``): nothing is downloaded or
+    prepared up front; local files are read as they are iterated."""
+    path = Path(source).expanduser()
+    try:
+        if path.exists():
+            _no_config_for_local(source, config_name, split)
+            builder, files = _data_files(source, path)
+            names = [str(f) for f in files if not _has_no_rows(f, builder)]
+            if not names:
+                raise ValueError(f"dataset '{source}' is empty")
+            stream = datasets.load_dataset(builder, data_files=names, split=split, streaming=True)
+        else:
+            stream = datasets.load_dataset(source, name=config_name, split=split, streaming=True)
+    except (DatasetsError, OSError) as exc:
+        raise ValueError(f"cannot stream dataset '{source}' ({_reason(exc)})") from None
+    stream.info.dataset_name = source
+    return stream
+
+
 def check_text_dataset(
     source: str,
     *,

@@ -49,6 +49,7 @@ class TrainConfig:
     seq_len: int | None = None
     pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
     document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
+    streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
     # held-out evaluation
     eval_dataset: str | None = None  # Hub id, local file or dir, read like the training data
     eval_dataset_split: str = "train"
@@ -162,6 +163,11 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.eval_every or self.eval_batches) and not self.has_eval:
             raise ValueError("--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split")
+        if self.streaming and (self.eval_split or not self.pack):
+            raise ValueError(
+                "--streaming packs documents as it reads them: it takes neither --no-pack nor --eval-split "
+                "(use --eval-dataset)"
+            )
         if self.text_column and self.messages_column:
             raise ValueError("pass either --text-column or --messages-column, not both")
         names = [n.strip() for n in str(self.report_to).split(",")]

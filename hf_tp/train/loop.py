@@ -21,18 +21,19 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
-from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator
+from hf_tp.data import PadToMultipleCollator
 from hf_tp.data.steps import StepBatches, StepBatchSource
+from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.data import batch_source, build_data
 from hf_tp.train.evaluation import EvalSet, eval_record
 from hf_tp.train.loss import loss_context, training_loss
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import (
-    build_data,
     build_optimizer,
     build_parallel_model,
     build_scheduler,
@@ -69,7 +70,7 @@ class _Run:
     tokenizer: object
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
-    batches: StepBatchSource
+    batches: StepBatchSource | StreamingBatchSource
     eval_set: EvalSet | None
     dp_group: dist.ProcessGroup
     fingerprint: dict
@@ -145,13 +146,10 @@ def _set_up(cfg: TrainConfig) -> _Run:
     model = build_parallel_model(cfg, mesh, device)
     cfg = with_document_masking_checked(cfg, model)
     data, eval_data = build_data(cfg, tokenizer)
-    order = GlobalBatchOrder(num_examples=len(data), global_batch=cfg.global_batch, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
     dp_rank = mesh.get_local_rank("dp")
-    batches = StepBatchSource(
-        data, order, collate, dp_rank, cfg.dp, micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum, device=device
-    )
+    batches = batch_source(cfg, data, collate, dp_rank, device)
     eval_set = None
     if eval_data is not None:
         eval_set = EvalSet(
@@ -256,6 +254,8 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
 
 def _save(run: _Run, done: int) -> Path:
     state = {"scheduler": run.sched.state_dict(), "fingerprint": run.fingerprint, "config": run.cfg.to_dict()}
+    if isinstance(run.batches, StreamingBatchSource):
+        state["data_position"] = run.batches.state_for(done)  # where the stream continues after step `done`
     files = [run.model.config, run.model.generation_config, run.tokenizer]
     return save_checkpoint(run.out, done, run.model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
 
@@ -299,6 +299,8 @@ def _resume(run: _Run) -> int:
     check_resume_compatible(saved["fingerprint"], run.fingerprint, ckpt)
     load_checkpoint(ckpt, run.model, run.opt)
     run.sched.load_state_dict(saved["scheduler"])
+    if isinstance(run.batches, StreamingBatchSource):
+        run.batches.resume_at(int(saved["step"]), saved["data_position"])
     if run.is_main:
         print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
     return int(saved["step"])

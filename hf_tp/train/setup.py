@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-import datasets
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +23,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys
-from hf_tp.data import detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.parallel import parallelize
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.launch import free_port
@@ -134,42 +132,6 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     if sharded:
         materialize_and_load(model, model_dir, device)
     return model
-
-
-def build_data(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """The tokenized (packed or padded) training set and the evaluation set (None without one),
-    built on rank 0 first (the cache is shared). ``--eval-split`` holds out a seeded fraction of
-    the training documents before tokenization, so no document is in both."""
-    columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column)
-    raw = rank0_first(
-        lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **columns)
-    )
-    raw_eval = None
-    if cfg.eval_split:
-        parts = raw.train_test_split(test_size=cfg.eval_split, seed=cfg.seed, shuffle=True)
-        raw, raw_eval = parts["train"], parts["test"]
-        raw.info.dataset_name = raw_eval.info.dataset_name = cfg.dataset
-    elif cfg.eval_dataset:
-        raw_eval = rank0_first(
-            lambda: load_text_dataset(
-                cfg.eval_dataset, split=cfg.eval_dataset_split, config_name=cfg.dataset_config, **columns
-            )
-        )
-
-    def tokenize(ds: datasets.Dataset, keep_tail: bool) -> datasets.Dataset:
-        fmt = detect_format(ds.column_names, assistant_only=cfg.assistant_only_loss, **columns)
-        return tokenize_dataset(
-            ds,
-            tokenizer,
-            seq_len=cfg.seq_len,
-            pack=cfg.pack,
-            fmt=fmt,
-            document_masking=cfg.document_masking,
-            keep_tail=keep_tail,
-        )
-
-    train = rank0_first(lambda: tokenize(raw, keep_tail=False))
-    return train, None if raw_eval is None else rank0_first(lambda: tokenize(raw_eval, keep_tail=True))
 
 
 def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> TrainConfig:

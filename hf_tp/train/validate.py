@@ -198,6 +198,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         eval_split=cfg.eval_split,
         pack=cfg.pack,
         document_masking=cfg.document_masking,
+        streaming=cfg.streaming,
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,
