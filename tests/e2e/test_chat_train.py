@@ -71,3 +71,29 @@ def test_chat_with_eval_at_tp2_dp2_gives_plain_hf_curves(chat_setup, tmp_path) -
         for step, w in want_eval.items():
             got = evals[step]["eval_loss"]
             assert abs(got - w) <= 1e-5 * abs(w), f"{name} eval after step {step}: {got} vs plain HF {w}"
+
+
+def test_streaming_resume_on_another_mesh_equals_the_uninterrupted_run(chat_setup, tmp_path) -> None:
+    """--streaming: 6 steps in one process (checkpoints after steps 3 and 6); then the step-3 checkpoint
+    resumed at tp1 x dp2 (the global batch split over two dp ranks) reads exactly the batches the uninterrupted run read: the same losses."""
+    import shutil
+
+    model_dir, data = chat_setup
+    flags = ["--model", str(model_dir), "--dataset", str(data), "--streaming", "--report-to", "none", *RUN]
+    flags += ["--max-steps", "6", "--save-every", "3", "--keep-checkpoints", "0"]
+    whole = tmp_path / "whole"
+    proc = hf_tp_train(*flags, "--batch-size", "4", "--output-dir", str(whole))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = [r["loss"] for r in metrics(whole)]
+    assert len(want) == 6
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-6")
+    proc = hf_tp_train(*flags, "--tp", "2", "--dp", "2", "--batch-size", "2", "--output-dir", str(resumed), "--resume")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout and "step-3" in proc.stdout
+    rows = metrics(resumed)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for step, (row, w) in enumerate(zip(rows, want, strict=True), 1):
+        assert abs(row["loss"] - w) <= 1e-5 * abs(w), f"step {step}: resumed loss {row['loss']} vs uninterrupted {w}"
