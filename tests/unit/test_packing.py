@@ -35,10 +35,11 @@ def packed_and_pieces(vocab: int) -> tuple[dict[str, torch.Tensor], list[list[in
     return PadToMultipleCollator(pad_token_id=0, multiple_of=2)(list(rows)), pieces
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # mistral: a sliding window (5) on top of the documents
-def test_packed_documents_match_unpacked_ones_at_tp2_with_sp(family: str) -> None:
+# mistral: a sliding window (5) on top of the documents; eager: the mask as a tensor, not sdpa's path
+@pytest.mark.parametrize(("family", "attn"), [("qwen2", "sdpa"), ("mistral", "sdpa"), ("qwen2", "eager")])
+def test_packed_documents_match_unpacked_ones_at_tp2_with_sp(family: str, attn: str) -> None:
     config = tiny_config(family, tied=family == "qwen2")
-    ref = tiny_model(config)
+    ref = tiny_model(config, attn=attn)
     packed, pieces = packed_and_pieces(config.vocab_size)
     assert "attention_mask" not in packed and packed["input_ids"].shape == (2, 14)
     unpacked = PadToMultipleCollator(pad_token_id=0)([{"input_ids": p} for p in pieces])
@@ -64,9 +65,9 @@ def test_packed_documents_match_unpacked_ones_at_tp2_with_sp(family: str) -> Non
     starts = sorted(set(segment.flatten().tolist()))
     real = [s for s in starts if (packed["labels"][segment == s] != IGNORE_INDEX).any()]
     assert len(real) == len(pieces)
-    models = [copy.deepcopy(tiny_model(config)) for _ in range(2)]
+    models = [copy.deepcopy(ref) for _ in range(2)]
     for m in models:
-        m.load_state_dict(ref.state_dict())
+        m.zero_grad(set_to_none=True)
 
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=2, device_type="cpu"), sequence_parallel=True)
