@@ -140,8 +140,10 @@ def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> T
     ``position_ids`` into per-document masks): there packed documents would see each other."""
     if not (cfg.pack and cfg.document_masking):
         return cfg
-    module = inspect.getmodule(type(model.get_decoder()))
-    if any(hasattr(module, name) for name in ("create_causal_mask", "create_sliding_window_causal_mask")):
+    # The MRO: FSDP2 subclasses the model's class (FSDPLlamaModel) in a module of its own.
+    modules = [inspect.getmodule(cls) for cls in type(model.get_decoder()).__mro__]
+    names = ("create_causal_mask", "create_sliding_window_causal_mask")
+    if any(hasattr(module, name) for module in modules for name in names):
         return cfg
     if dist.get_rank() == 0:
         print(

@@ -207,7 +207,8 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
 
 
 def check_resume_compatible(saved: dict, current: dict, where: Path) -> None:
-    for key in sorted(set(saved) | set(current)):
+    # A key the saved run did not record (a setting added since) is not compared.
+    for key in sorted(set(saved)):
         if saved.get(key) != current.get(key):
             raise ValueError(
                 f"cannot resume from {where}: it was saved with {key}={saved.get(key)!r} but this run has "

@@ -136,6 +136,14 @@ def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="hidden_size=64 but this run has hidden_size=128"):
         check_resume_compatible(saved, bigger, tmp_path)
+    streamed = run_fingerprint(
+        TrainConfig(model="m", dataset="d", seq_len=64, tp=2, dp=2, batch_size=2, streaming=True), model_config
+    )
+    with pytest.raises(ValueError, match="saved with streaming=False but this run has streaming=True"):
+        check_resume_compatible(saved, streamed, tmp_path)
+    # A checkpoint from before a setting existed resumes (the setting is not compared).
+    older = {k: v for k, v in saved.items() if k not in ("streaming", "document_masking")}
+    check_resume_compatible(older, streamed, tmp_path)
 
 
 def test_more_processes_than_visible_gpus(monkeypatch) -> None:
