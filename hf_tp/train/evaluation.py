@@ -10,6 +10,7 @@ number on every mesh shape.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,20 @@ class EvalSet:
             self._batches = [to_device(b, self.device) for b in batches]
         return self._batches
 
+    @staticmethod
+    def due(done: int, every: int, max_steps: int) -> bool:
+        """Every ``every`` optimizer steps (0: never) and after the last one."""
+        return done == max_steps or bool(every and done % every == 0)
+
     def run(self, model: torch.nn.Module, *, loss_parallel: bool, fused: bool) -> EvalResult:
         """The token-mean loss of the model over the evaluated rows (call on every rank)."""
         return evaluate(model, self.local_batches(), loss_parallel=loss_parallel, fused=fused)
+
+    def record(self, step: int, model: torch.nn.Module, *, loss_parallel: bool, fused: bool) -> dict:
+        """Evaluate after optimizer step ``step`` (1-based): its metrics.jsonl record."""
+        start = time.perf_counter()
+        result = self.run(model, loss_parallel=loss_parallel, fused=fused)
+        return eval_record(step, result, time.perf_counter() - start)
 
 
 def eval_record(step: int, result: EvalResult, seconds: float) -> dict:

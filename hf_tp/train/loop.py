@@ -7,9 +7,7 @@ grad_accum) split of the same global batch gives single-device training's loss c
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +27,9 @@ from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import batch_source, build_data
-from hf_tp.train.evaluation import EvalSet, eval_record
+from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.loss import loss_context, training_loss
-from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
+from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib, truncate_metrics
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import (
     build_optimizer,
@@ -117,11 +115,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             profiler.step()
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
-            if _eval_due(run, step + 1):
-                t_eval = time.perf_counter()
-                held_out = run.eval_set.run(run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
-                result.eval_losses[step + 1] = held_out.loss
-                logger.log_eval(eval_record(step + 1, held_out, time.perf_counter() - t_eval))
+            if run.eval_set is not None and run.eval_set.due(step + 1, run.cfg.eval_every, run.cfg.max_steps):
+                record = run.eval_set.record(step + 1, run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                result.eval_losses[step + 1] = record["eval_loss"]
+                logger.log_eval(record)
             if _checkpoint_due(run.cfg, step + 1):
                 result.checkpoint = _save(run, step + 1)
     finally:
@@ -238,12 +235,6 @@ def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone,
     return record
 
 
-def _eval_due(run: _Run, done: int) -> bool:
-    """Every ``eval_every`` steps and at the end, when there is an eval set."""
-    every = run.cfg.eval_every
-    return run.eval_set is not None and (done == run.cfg.max_steps or bool(every and done % every == 0))
-
-
 def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
     """Every ``save_every`` steps, and at the end when checkpoints or an export are asked for."""
     final = done == cfg.max_steps
@@ -304,16 +295,6 @@ def _resume(run: _Run) -> int:
     if run.is_main:
         print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
     return int(saved["step"])
-
-
-def truncate_metrics(path: Path, keep_steps: int) -> None:
-    """Drop records after the resumed step (written by the run that crashed), atomically."""
-    if keep_steps == 0 or not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    os.replace(tmp, path)
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

@@ -124,3 +124,13 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def truncate_metrics(path: Path, keep_steps: int) -> None:
+    """Drop records after the resumed step (written by the run that crashed), atomically."""
+    if keep_steps == 0 or not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    os.replace(tmp, path)
