@@ -1,8 +1,7 @@
 """`hf-tp train` on multi-turn chat data (system, user, assistant and tool turns) with assistant-only
-labels, packed with document masking, and a held-out evaluation: tp2 x dp2 gives the loss curve and
-eval losses of plain single-process HF (tp1 x dp1) on the same data. One launch: the other mesh
-shapes' equality with plain HF is checked on text data (test_train_cli), where the data path is the
-only difference."""
+labels, packed with document masking, and a held-out evaluation: tp2 x dp2 (one launch of 4 ranks)
+and tp1 x dp1 (one process, no launcher) give the loss curve and eval losses of plain
+single-process HF on the same data."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ def chat_setup(tmp_path_factory) -> tuple[Path, Path]:
     return root / "model", data
 
 
-def test_chat_with_eval_at_tp2_dp2_gives_plain_hf_curves(chat_setup, tmp_path) -> None:
+def test_chat_with_eval_gives_plain_hf_curves_at_tp2_dp2_and_tp1_dp1(chat_setup, tmp_path) -> None:
     model_dir, data = chat_setup
     want_loss, want_norm, want_eval = reference_run(
         str(model_dir),
