@@ -72,9 +72,11 @@ def test_chat_with_eval_gives_plain_hf_curves_at_tp2_dp2_and_tp1_dp1(chat_setup,
             assert abs(got - w) <= 1e-5 * abs(w), f"{name} eval after step {step}: {got} vs plain HF {w}"
 
 
-def test_streaming_resume_on_another_mesh_equals_the_uninterrupted_run(chat_setup, tmp_path) -> None:
-    """--streaming: 6 steps in one process (checkpoints after steps 3 and 6); then the step-3 checkpoint
-    resumed at tp1 x dp2 (the global batch split over two dp ranks) reads exactly the batches the uninterrupted run read: the same losses."""
+def test_streaming_resume_equals_the_uninterrupted_run(chat_setup, tmp_path) -> None:
+    """--streaming: 6 steps (checkpoints after steps 3 and 6); then the step-3 checkpoint resumed with
+    the global batch split another way (2 micro-steps of 2) reads exactly the batches the uninterrupted
+    run read: the same losses. Both in one process each (the split over dp ranks is the batch plan's,
+    tested in tests/unit/test_streaming.py and on every mesh by test_train_cli)."""
     import shutil
 
     model_dir, data = chat_setup
