@@ -65,17 +65,37 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, assets.data_file
 
 
-def test_mesh_shapes_and_plain_hf_give_one_loss_curve(setup, tmp_path) -> None:
-    model_dir, data = setup
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny tied Llama with a ChatML tokenizer, and a jsonl of multi-turn conversations (system,
+    user, assistant and tool turns) in a `messages` column."""
+    from tests.chat_data import chat_tokenizer, conversations
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = chat_tokenizer()
+    config = tiny_config(
+        "llama", tied=True, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
+    tiny_model(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()))
+    return root / "model", data
+
+
+def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> None:
+    """Chat data (assistant-only labels, documents packed with their own masks), four mesh shapes and
+    plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss."""
+    model_dir, data = chat_setup
     runs = {
         "tp2_dp2_b2": ["--tp", "2", "--dp", "2", "--batch-size", "2"],
         "tp1_dp1_b4": ["--tp", "1", "--dp", "1", "--batch-size", "4"],
         "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
         "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
     }
-    # A held-out 10% of the documents, its first 3 global batches evaluated after steps 3 and 6: the
-    # same eval loss on every mesh (the token mean over those rows).
-    held_out = ["--eval-split", "0.1", "--eval-every", "3", "--eval-batches", "3"]
+    # A held-out 25% of the conversations, its first 3 global batches evaluated after steps 3 and 6:
+    # the same eval loss on every mesh (the token mean over those rows).
+    held_out = ["--eval-split", "0.25", "--eval-every", "3", "--eval-batches", "3", "--seq-len", "31"]
     curves, evals = {}, {}
     for name, flags in runs.items():
         out = tmp_path / name
@@ -87,17 +107,18 @@ def test_mesh_shapes_and_plain_hf_give_one_loss_curve(setup, tmp_path) -> None:
         rows = [r for r in metrics(out) if r.get("split") != "eval"]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_sec"} <= rows[0].keys()
+        assert all(r["target_tokens"] < r["tokens"] for r in rows)  # assistant-only: prompts are no targets
         assert (out / "config.yaml").exists()
         curves[name] = rows
     want_loss, want_norm, want_eval = reference_run(
         str(model_dir),
         str(data),
-        seq_len=15,
+        seq_len=31,
         global_batch=4,
         steps=STEPS,
         lr=3e-3,
         warmup_steps=2,
-        eval_split=0.1,
+        eval_split=0.25,
         eval_steps=(3, STEPS),
         eval_rows=12,
     )
