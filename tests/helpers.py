@@ -201,3 +201,14 @@ def assert_close_dict(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 def clone(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+def offline_datasets(tmp_path, monkeypatch) -> None:
+    """No Hub requests (a missing id fails at once instead of retrying) and no writes to ~/.cache."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+    datasets.disable_progress_bars()

@@ -1,7 +1,8 @@
 """Plain single-process HF training on the global batches: the reference for ``hf-tp train``.
 
 No hf_tp model code runs here: the model is a plain ``from_pretrained`` model, the loss is HF's
-``labels=`` token mean over the whole global batch, and clipping is torch's own.
+``labels=`` token mean over the whole global batch, and clipping is torch's own. The data (rows,
+labels, position_ids) come from hf_tp.data, as the CLI reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 
 
-def reference_losses(
+def reference_losses(model_dir: str, dataset: str, **kwargs) -> tuple[list[float], list[float]]:
+    """Loss and grad-norm curves of :func:`reference_run`."""
+    losses, norms, _ = reference_run(model_dir, dataset, **kwargs)
+    return losses, norms
+
+
+def reference_run(
     model_dir: str,
     dataset: str,
     *,
@@ -27,9 +34,21 @@ def reference_losses(
     weight_decay: float = 0.1,
     max_grad_norm: float = 1.0,
     seed: int = 0,
-) -> tuple[list[float], list[float]]:
+    eval_split: float = 0.0,
+    eval_steps: tuple[int, ...] = (),
+    eval_rows: int | None = None,
+) -> tuple[list[float], list[float], dict[int, float]]:
+    """Losses, grad norms and, after each step of ``eval_steps``, the loss over the held-out
+    ``eval_split`` of the documents (split as hf-tp does: ``train_test_split`` seeded with ``seed``),
+    over its first ``eval_rows`` rows (all by default)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    data = tokenize_dataset(load_text_dataset(dataset), tok, seq_len=seq_len)
+    raw = load_text_dataset(dataset)
+    held_out = None
+    if eval_split:
+        parts = raw.train_test_split(test_size=eval_split, seed=seed, shuffle=True)
+        raw, held_out = parts["train"], tokenize_dataset(parts["test"], tok, seq_len=seq_len, keep_tail=True)
+        held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
+    data = tokenize_dataset(raw, tok, seq_len=seq_len)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)
@@ -45,7 +64,7 @@ def reference_losses(
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)) * (1 - min_lr_ratio) + min_lr_ratio)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    losses, norms = [], []
+    losses, norms, evals = [], [], {}
     for step in range(steps):
         batch = collate([data[i] for i in plan.step_indices(step)])
         loss = model(**batch, use_cache=False).loss
@@ -55,4 +74,9 @@ def reference_losses(
         opt.step()
         sched.step()
         opt.zero_grad()
-    return losses, norms
+        if step + 1 in eval_steps:
+            model.eval()
+            with torch.no_grad():  # one batch of every held-out row: HF's loss is their token mean
+                evals[step + 1] = model(**collate(list(held_out)), use_cache=False).loss.item()
+            model.train()
+    return losses, norms, evals

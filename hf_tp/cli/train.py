@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.train.config import EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
 
@@ -19,6 +20,7 @@ EPILOG = """examples:
   hf-tp train          # the embedded tiny Llama and toy corpus, tp=2 x dp=2 on CPU (~1 min)
   hf-tp train --model Qwen/Qwen2-0.5B --dataset corpus.jsonl --tp 2 --dp 4 --seq-len 2048 --batch-size 4
   hf-tp train --config configs/qwen2-0.5b-tp2-dp4.yaml --dataset corpus.jsonl --save-every 100 --resume
+  hf-tp train --model Qwen/Qwen2-0.5B-Instruct --dataset chats.jsonl --eval-split 0.05 --eval-every 50
 
 Settings: defaults < --config YAML < flags. "embedded default" means without --model."""
 
@@ -38,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags default to None so that only what the user typed overrides the YAML file; the help
     texts state the real defaults (TrainConfig and its two profiles)."""
     _model_and_data(p.add_argument_group("model and data"))
+    add_eval_arguments(p.add_argument_group("held-out evaluation"), _default)
     _sizes_and_optimizer(p.add_argument_group("sizes and optimizer"))
     _output_and_checkpoints(p.add_argument_group("output and checkpoints"))
     _speed_and_parallelism(p.add_argument_group("speed, precision and parallelism"))
@@ -45,7 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model_and_data(p) -> None:
-    d = _default
     p.add_argument(
         "--config", metavar="FILE", help="YAML file of settings, keys as these flags; flags override it (default: none)"
     )
@@ -56,24 +58,7 @@ def _model_and_data(p) -> None:
         "(default: the embedded tiny Llama, ~150k random-init parameters built locally under ~/.cache/hf_tp "
         "or $HF_TP_CACHE)",
     )
-    p.add_argument(
-        "--dataset",
-        metavar="ID_OR_PATH",
-        help="Hub dataset id, or a local .txt/.json/.jsonl/.parquet/.csv file or directory of them "
-        "(default: the embedded generated toy corpus, one document per line)",
-    )
-    p.add_argument(
-        "--text-column", metavar="NAME", help=f"the dataset column holding the documents ({d('text_column')})"
-    )
-    p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per sequence ({d('seq_len')})")
-    p.add_argument(
-        "--no-pack",
-        dest="pack",
-        action="store_const",
-        const=False,
-        help="one padded document per row (truncated to --seq-len) instead of documents packed into "
-        "--seq-len blocks with EOS between them (default: pack)",
-    )
+    add_data_arguments(p, _default)
 
 
 def _sizes_and_optimizer(p) -> None:
@@ -191,11 +176,18 @@ def _speed_and_parallelism(p) -> None:
         "(default: off)",
     )
     p.add_argument(
+        "--report-to",
+        metavar="WHERE",
+        help="where metrics go besides metrics.jsonl and the progress bar: tensorboard (OUTPUT_DIR/tensorboard), "
+        "wandb (pip install wandb; WANDB_MODE=offline works without an account), tensorboard,wandb, or none "
+        f"({_default('report_to')})",
+    )
+    p.add_argument(
         "--no-tensorboard",
-        dest="tensorboard",
+        dest="report_to",
         action="store_const",
-        const=False,
-        help="do not write TensorBoard logs (default: write them to OUTPUT_DIR)",
+        const="none",
+        help="the same as --report-to none (default: off)",
     )
 
 

@@ -28,6 +28,11 @@ class PadToMultipleCollator:
     Examples hold ``input_ids`` and optionally ``labels`` and ``attention_mask`` of the same
     length. Labels default to a copy of ``input_ids`` (HF causal LMs shift them themselves) and are
     -100 on padding, so padding never counts in the loss.
+
+    Packed examples with ``position_ids`` (restarting per document) give a batch with
+    ``position_ids`` and no ``attention_mask``: transformers builds the per-document causal mask
+    from ``position_ids`` only when no attention mask is passed. The padding then gets positions
+    0, 1, ... of its own, a segment that no real token attends to (it comes after them).
     """
 
     pad_token_id: int
@@ -47,6 +52,11 @@ class PadToMultipleCollator:
         rows = [_as_row(ex, i) for i, ex in enumerate(examples)]
         longest = max(len(ids) for ids, _, _ in rows)
         length = -(-longest // self.multiple_of) * self.multiple_of  # round up
+        packed = [ex.get("position_ids") is not None for ex in examples]
+        if any(packed):
+            if not all(packed):
+                raise ValueError("either every example of a batch has position_ids or none has")
+            return self._packed(examples, rows, length)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
         labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
@@ -56,6 +66,21 @@ class PadToMultipleCollator:
             attention_mask[i, :n] = 1 if mask is None else mask
             labels[i, :n] = ids if lab is None else lab
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def _packed(self, examples, rows, length: int) -> dict[str, torch.Tensor]:
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.arange(length, dtype=torch.long).repeat(len(rows), 1)
+        for i, ((ids, _, lab), ex) in enumerate(zip(rows, examples, strict=True)):
+            n = len(ids)
+            positions = torch.as_tensor(ex["position_ids"], dtype=torch.long).reshape(-1)
+            if len(positions) != n:
+                raise ValueError(f"example {i} has {len(positions)} position_ids but {n} input_ids")
+            input_ids[i, :n] = ids
+            labels[i, :n] = ids if lab is None else lab
+            position_ids[i, :n] = positions
+            position_ids[i, n:] -= n  # the padding: a segment of its own, starting at 0
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def _as_row(example: Mapping[str, Sequence[int]], i: int) -> tuple[torch.Tensor, _Maybe, _Maybe]:

@@ -1,4 +1,4 @@
-"""Loading a text dataset (local files or a Hub id) and tokenizing it into training examples.
+"""Loading a dataset (local files or a Hub id) and checking that its columns fit a data format.
 
 Every check raises a one-line ``ValueError`` that names the dataset and the fix, and the output
 depends only on the data, the tokenizer and ``seq_len``, so every rank builds the same examples.
@@ -10,15 +10,15 @@ import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import datasets
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError, DatasetsError
-from datasets.table import InMemoryTable
+
+from hf_tp.data.formats import CHAT, TEXT, DataFormat, detect_format
+from hf_tp.data.formats.chat import normalize_messages
+from hf_tp.data.tokenize import check_string_column
 
 # File extension -> the `datasets` builder that reads it.
 SUPPORTED_EXTENSIONS: dict[str, str] = {
@@ -27,32 +27,75 @@ SUPPORTED_EXTENSIONS: dict[str, str] = {
     ".jsonl": "json",
     ".parquet": "parquet",
     ".csv": "csv",
+    ".arrow": "arrow",
 }
 _SUPPORTED = ", ".join(SUPPORTED_EXTENSIONS)
 # "name" or "org/name": anything else (more slashes, spaces, a leading dot) cannot be on the Hub.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-def load_text_dataset(source: str, *, text_column: str = "text", split: str = "train") -> datasets.Dataset:
-    """Load ``source``: a local file, a local directory of files of one type, or a Hub dataset id.
+def load_text_dataset(
+    source: str,
+    *,
+    text_column: str | None = None,
+    messages_column: str | None = None,
+    split: str = "train",
+    config_name: str | None = None,
+) -> datasets.Dataset:
+    """Load ``source``: a local file, a local directory of files of one type, or a Hub dataset id
+    (with its configuration ``config_name``, ``--dataset-config``).
 
     Local files are read with the builder of their extension (``.txt``: the "text" builder, one
     row per line, column "text") and form the "train" split; ``split`` names the Hub split (both
-    take slices such as ``"train[:1000]"``). The dataset's name in later messages is ``source``.
+    take slices such as ``"train[:5%]"``, passed to ``datasets`` as is). The columns must fit a
+    data format (:func:`hf_tp.data.formats.detect_format`). The dataset's name in later messages
+    is ``source``.
     """
     path = Path(source).expanduser()
-    ds = _load_local(source, path, split) if path.exists() else _load_hub(source, split)
+    if path.exists():
+        _no_config_for_local(source, config_name, split)
+        ds = _load_local(source, path, split)
+    else:
+        ds = _load_hub(source, split, config_name)
     if len(ds) == 0:
         raise ValueError(f"dataset '{source}' is empty")
-    _check_text_column(ds, text_column, f"'{source}'")
+    check_format(ds.column_names, ds.features, ds[0], source, text_column, messages_column)
     ds.info.dataset_name = source
     return ds
 
 
-def check_text_dataset(source: str, *, text_column: str = "text", split: str = "train") -> None:
+def load_stream(source: str, *, split: str = "train", config_name: str | None = None) -> datasets.IterableDataset:
+    """``source`` as a ``datasets.IterableDataset`` (``--streaming``): nothing is downloaded or
+    prepared up front; local files are read as they are iterated."""
+    path = Path(source).expanduser()
+    try:
+        if path.exists():
+            _no_config_for_local(source, config_name, split)
+            builder, files = _data_files(source, path)
+            names = [str(f) for f in files if not _has_no_rows(f, builder)]
+            if not names:
+                raise ValueError(f"dataset '{source}' is empty")
+            stream = datasets.load_dataset(builder, data_files=names, split=split, streaming=True)
+        else:
+            stream = datasets.load_dataset(source, name=config_name, split=split, streaming=True)
+    except (DatasetsError, OSError) as exc:
+        raise ValueError(f"cannot stream dataset '{source}' ({_reason(exc)})") from None
+    stream.info.dataset_name = source
+    return stream
+
+
+def check_text_dataset(
+    source: str,
+    *,
+    text_column: str | None = None,
+    messages_column: str | None = None,
+    split: str = "train",
+    config_name: str | None = None,
+) -> tuple[DataFormat, dict] | None:
     """Before any rank starts: what :func:`load_text_dataset` would reject, decided from as little
-    as possible. Raises its one-line ``ValueError``s (not found, unreadable, empty, no such text
-    column or not strings).
+    as possible; returns the data format and the first row (None where a Hub dataset does not
+    stream: the ranks check it). Raises its one-line ``ValueError``s (not found,
+    unreadable, empty, no column of a known format, a first row not in that format).
 
     ``.txt`` files need only their sizes (their one column is "text"; an empty file has no rows);
     other local files and Hub ids stream just their first row. What the first row cannot decide
@@ -60,25 +103,68 @@ def check_text_dataset(source: str, *, text_column: str = "text", split: str = "
     """
     path = Path(source).expanduser()
     if not path.exists():
-        _check_hub_first_row(source, text_column, split)
-        return
+        return _check_hub_first_row(source, text_column, messages_column, split, config_name)
+    _no_config_for_local(source, config_name, split)
     builder, files = _data_files(source, path)
     files = [f for f in files if not _has_no_rows(f, builder)]
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     if builder == "text":
-        _check_columns(["text"], datasets.Value("string"), text_column, f"'{source}'")
-        return
+        text = datasets.Features({"text": datasets.Value("string")})
+        return check_format(["text"], text, {"text": ""}, source, text_column, messages_column), {"text": ""}
     try:
         with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
     except (DatasetsError, ValueError, OSError) as exc:
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
-    _check_first_row(stream, first, source, text_column)
+    return _check_first_row(stream, first, source, text_column, messages_column)
 
 
-def _check_hub_first_row(source: str, text_column: str, split: str) -> None:
+def _no_config_for_local(source: str, config_name: str | None, split: str = "train") -> None:
+    """Local files: no Hub configuration, and one split, "train" (slices of it are fine)."""
+    names = {part.split("[")[0].strip() for part in split.split("+")}
+    if names != {"train"}:
+        raise ValueError(
+            f"local data files form one split, 'train'; got --split {split} (use train or a slice such as train[:5%])"
+        )
+    if config_name:
+        raise ValueError(
+            f"--dataset-config {config_name} names a configuration of a Hub dataset, but '{source}' is a local "
+            "path; drop --dataset-config"
+        )
+
+
+def check_format(
+    columns: list[str],
+    features: datasets.Features | None,
+    first: dict,
+    source: str,
+    text_column: str | None,
+    messages_column: str | None,
+) -> DataFormat:
+    """The data format of a dataset with ``columns``, checked against its schema and first row."""
+    fmt = detect_format(columns, text_column=text_column, messages_column=messages_column, label=f"'{source}'")
+    where = f"row 0 of dataset '{source}'"
+    if fmt.kind == TEXT:
+        feature = features.get(fmt.column) if features is not None else None
+        value = first.get(fmt.column)
+        if feature is None and value is not None and not isinstance(value, str):
+            feature = type(value).__name__  # the first row's value, when the stream has no schema
+        check_string_column(feature, fmt.column, f"'{source}'")
+    elif fmt.kind == CHAT:
+        normalize_messages(first.get(fmt.column), where)
+    else:
+        prompt, completion = first.get("prompt"), first.get("completion")
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            for part in (prompt, completion):
+                normalize_messages(part, where)
+    return fmt
+
+
+def _check_hub_first_row(
+    source: str, text_column: str | None, messages_column: str | None, split: str, config_name: str | None
+) -> tuple[DataFormat, dict] | None:
     from hf_tp.checkpoint.hub import hub_unreachable
 
     not_found = f"dataset not found: '{source}' is neither a local file/directory nor a dataset on the Hub"
@@ -87,21 +173,20 @@ def _check_hub_first_row(source: str, text_column: str, split: str) -> None:
     unreachable = hub_unreachable()
     if unreachable is not None:
         if datasets.config.HF_HUB_OFFLINE:  # from the cache: memory-mapped, so reading it costs little
-            ds = _load_hub(source, split)
-            _check_first_row(ds, ds[0] if len(ds) else None, source, text_column)
-            return
+            ds = _load_hub(source, split, config_name)
+            return _check_first_row(ds, ds[0] if len(ds) else None, source, text_column, messages_column)
         raise ValueError(
             f"the Hub cannot be reached ({unreachable}) to load dataset '{source}'; if it is in the "
             "cache, set HF_HUB_OFFLINE=1"
         )
     try:
-        stream = datasets.load_dataset(source, split=split, streaming=True)
+        stream = datasets.load_dataset(source, name=config_name, split=split, streaming=True)
         first = next(iter(stream), None)
     except datasets.exceptions.DatasetNotFoundError as exc:
         raise ValueError(f"{not_found} ({_reason(exc)})") from None
     except Exception:  # noqa: BLE001 - a dataset that does not stream: the ranks load it in full
-        return
-    _check_first_row(stream, first, source, text_column)
+        return None
+    return _check_first_row(stream, first, source, text_column, messages_column)
 
 
 @contextlib.contextmanager
@@ -115,91 +200,17 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def _check_first_row(
-    stream: datasets.IterableDataset | datasets.Dataset, first: dict | None, source: str, text_column: str
-) -> None:
+    stream: datasets.IterableDataset | datasets.Dataset,
+    first: dict | None,
+    source: str,
+    text_column: str | None,
+    messages_column: str | None,
+) -> tuple[DataFormat, dict]:
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
     features = stream.features
-    feature = features.get(text_column) if features is not None else None
-    if feature is None and first.get(text_column) is not None and not isinstance(first[text_column], str):
-        feature = type(first[text_column]).__name__  # the first row's value, when the stream has no schema
-    _check_columns(list(features) if features is not None else list(first), feature, text_column, f"'{source}'")
-
-
-def tokenize_dataset(
-    ds: datasets.Dataset, tokenizer: Any, *, text_column: str = "text", seq_len: int, pack: bool = True
-) -> datasets.Dataset:
-    """Tokenize ``ds`` into a Dataset with the single column ``input_ids``.
-
-    Documents are tokenized without added special tokens and each gets the tokenizer's eos (when
-    it has one) appended; empty and whitespace-only documents are skipped. ``pack=True`` concatenates them all, in
-    order, and cuts the stream into consecutive blocks of exactly ``seq_len`` tokens (the tail
-    that does not fill a block is dropped). ``pack=False`` keeps one row per document, truncated to
-    ``seq_len`` (a truncated document loses its eos).
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got seq_len={seq_len}")
-    label = _label(ds)
-    _check_text_column(ds, text_column, label)
-    eos = tokenizer.eos_token_id
-
-    def encode(batch: dict[str, list]) -> dict[str, list[list[int]]]:
-        texts = [text for text in batch[text_column] if text and not text.isspace()]
-        if not texts:
-            return {"input_ids": []}
-        # verbose=False: documents longer than the model's context are expected before packing.
-        ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-        docs = [doc + [eos] if eos is not None else doc for doc in ids if doc]
-        return {"input_ids": docs if pack else [doc[:seq_len] for doc in docs]}
-
-    tokens = ds.map(encode, batched=True, remove_columns=ds.column_names, desc="Tokenizing")
-    if not pack:
-        if len(tokens) == 0:
-            raise ValueError(f"dataset {label} has no tokens: every row of text column '{text_column}' is empty")
-        return tokens
-    # Packing runs once over the whole token stream (not per map batch), so blocks are exact.
-    flat = _flat_ids(tokens)
-    num_blocks = len(flat) // seq_len
-    if num_blocks == 0:
-        raise ValueError(
-            f"dataset {label} has only {len(flat)} tokens, fewer than one block of seq_len={seq_len}; "
-            "lower --seq-len or add data"
-        )
-    blocks = pa.FixedSizeListArray.from_arrays(pa.array(flat[: num_blocks * seq_len]), seq_len)
-    packed = datasets.Dataset(InMemoryTable(pa.table({"input_ids": blocks})))
-    packed.info.dataset_name = ds.info.dataset_name
-    return packed
-
-
-def _flat_ids(tokens: datasets.Dataset) -> np.ndarray:
-    """All token ids of ``tokens`` (a fresh ``map`` output, so its table is in row order), as one array."""
-    if len(tokens) == 0:  # a map that returns no rows keeps the input's schema: there is no input_ids column
-        return np.zeros(0, dtype=np.int32)
-    return pc.list_flatten(tokens.data.column("input_ids")).to_numpy()
-
-
-def _label(ds: datasets.Dataset) -> str:
-    """How messages name ``ds``: its source when it came from ``load_text_dataset``."""
-    return f"'{ds.info.dataset_name}'" if ds.info.dataset_name else "(in memory)"
-
-
-def _check_text_column(ds: datasets.Dataset, text_column: str, label: str) -> None:
-    _check_columns(ds.column_names, ds.features.get(text_column), text_column, label)
-
-
-def _check_columns(columns: list[str], feature: Any, text_column: str, label: str) -> None:
-    """``text_column`` is one of ``columns`` and its ``feature`` (None: unknown) holds strings."""
-    if text_column not in columns:
-        raise ValueError(
-            f"text column '{text_column}' not in dataset {label}; its columns are: {', '.join(columns)}; "
-            "pass --text-column"
-        )
-    if feature is None:
-        return
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise ValueError(
-            f"text column '{text_column}' of dataset {label} holds {feature}, not strings; pass --text-column"
-        )
+    columns = list(features) if features is not None else list(first)
+    return check_format(columns, features, first, source, text_column, messages_column), first
 
 
 def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
@@ -263,12 +274,12 @@ def _has_no_rows(file: Path, builder: str) -> bool:
     return False
 
 
-def _load_hub(source: str, split: str) -> datasets.Dataset:
+def _load_hub(source: str, split: str, config_name: str | None = None) -> datasets.Dataset:
     not_found = f"dataset not found: '{source}' is neither a local file/directory nor a dataset on the Hub"
     if not _HUB_ID.match(source) or Path(source).suffix.lower() in SUPPORTED_EXTENSIONS:
         raise ValueError(f"{not_found} (no such file or directory, and not a Hub id)")
     try:
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, name=config_name, split=split)
     except OSError as exc:  # DatasetNotFoundError, ConnectionError when offline, Hub HTTP errors
         raise ValueError(f"{not_found} ({_reason(exc)})") from None
     except ValueError as exc:  # e.g. an unknown split or a missing config name

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=4)  # a step reads at most a few epochs, and consecutive steps the same ones
@@ -70,6 +73,12 @@ class GlobalBatchOrder:
             )
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank must be in [0, {dp}), got dp_rank={dp_rank}")
-        indices = self.step_indices(step)
-        slots = [m * dp + dp_rank for m in range(grad_accum)]
-        return [indices[slot * micro_batch : (slot + 1) * micro_batch] for slot in slots]
+        return split_global_batch(
+            self.step_indices(step), dp_rank=dp_rank, dp=dp, micro_batch=micro_batch, grad_accum=grad_accum
+        )
+
+
+def split_global_batch(items: list[T], *, dp_rank: int, dp: int, micro_batch: int, grad_accum: int) -> list[list[T]]:
+    """Rank ``dp_rank``'s micro-batches of a global batch: micro-step ``m`` takes slot ``m * dp + dp_rank``."""
+    slots = [m * dp + dp_rank for m in range(grad_accum)]
+    return [items[slot * micro_batch : (slot + 1) * micro_batch] for slot in slots]

@@ -33,15 +33,27 @@ class StepBatchSource:
 
     def __call__(self, step: int) -> StepBatches:
         examples = [self.data[i] for i in self.order.step_indices(step)]
-        # Counted from the labels (a copy of input_ids unless the data masks some), as the loss takes them.
-        num_targets = sum(
-            count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
-        )
+        num_targets = count_batch_targets(examples, step)
         rows = self.order.local_indices(
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
         batches = [to_device(self.collate([self.data[i] for i in r]), self.device) for r in rows]
         return StepBatches(num_targets, sum(len(ex["input_ids"]) for ex in examples), batches)
+
+
+def count_batch_targets(examples: list, step: int) -> int:
+    """Targets of a global batch, counted from the labels (a copy of input_ids unless the data masks
+    some) as the loss takes them; a batch without any is an error naming the step."""
+    num_targets = sum(
+        count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
+    )
+    if num_targets == 0:
+        raise ValueError(
+            f"every label of step {step + 1}'s global batch is masked (no assistant or completion tokens in "
+            "its rows, e.g. prompts longer than --seq-len); raise --seq-len, drop such rows, or pass "
+            "--no-assistant-only-loss"
+        )
+    return num_targets
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

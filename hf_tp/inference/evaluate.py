@@ -20,7 +20,7 @@ from hf_tp.parallel.loss import loss_parallel as _loss_parallel
 
 __all__ = ["EvalResult", "count_targets", "evaluate"]
 
-_FUSED_KEYS = {"input_ids", "attention_mask", "labels"}
+_FUSED_KEYS = {"input_ids", "attention_mask", "labels", "position_ids"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ def evaluate(
     with torch.no_grad(), eval_mode(model), ctx:
         for b in batches:
             if fused and can_fuse and set(b) <= _FUSED_KEYS:
-                loss = causal_lm_loss(model, b["input_ids"], b.get("attention_mask"), b["labels"], tokens)
+                loss = causal_lm_loss(
+                    model, b["input_ids"], b.get("attention_mask"), b["labels"], tokens, b.get("position_ids")
+                )
             else:
                 loss = model(**b, num_items_in_batch=tokens, use_cache=False).loss
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()

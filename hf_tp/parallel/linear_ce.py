@@ -271,8 +271,9 @@ def causal_lm_loss(
     attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     num_items_in_batch: int | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``model(input_ids, attention_mask=..., labels=labels).loss`` without the logits: HF's causal-LM
+    """``model(input_ids, attention_mask=..., labels=labels, position_ids=...).loss`` without the logits: HF's causal-LM
     loss (labels shifted by one inside, -100 ignored, sum / ``num_items_in_batch`` or the target
     count) through the fused lm_head + loss, on a plain or an ``hf_tp.parallelize``-d model.
     Inside a ``loss_parallel`` context or not; call ``backward()`` on the result as usual.
@@ -289,8 +290,12 @@ def causal_lm_loss(
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, position_ids=None
+    ) -> torch.Tensor:
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # HF: position i predicts token i+1
         return linear_cross_entropy(hidden, head.weight, shifted, num_items_in_batch)
 
@@ -298,6 +303,6 @@ def causal_lm_loss(
     # the call (FSDP2's root hook moves its inputs to the device and expects at least one).
     model.forward = forward
     try:
-        return model(input_ids, attention_mask, labels)
+        return model(input_ids, attention_mask, labels, position_ids)
     finally:
         del model.forward

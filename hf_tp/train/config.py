@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("auto", "bf16", "fp32")
+REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -40,9 +41,21 @@ class TrainConfig:
     # model and data
     model: str | None = None  # Hub id or local dir; None: the embedded tiny Llama
     dataset: str | None = None  # Hub id, local file or dir; None: the embedded generated corpus
-    text_column: str = "text"
+    dataset_config: str | None = None  # the Hub dataset's configuration (load_dataset's name)
+    split: str = "train"  # split of the dataset, slices included ("train[:5%]")
+    text_column: str | None = None  # None: detected ("text", else "messages" chat, else prompt/completion)
+    messages_column: str | None = None  # a column of role/content conversations (chat data)
+    assistant_only_loss: bool = True  # chat / prompt-completion: targets only in assistant turns / completion
     seq_len: int | None = None
     pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
+    document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
+    streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
+    # held-out evaluation
+    eval_dataset: str | None = None  # Hub id, local file or dir, read like the training data
+    eval_dataset_split: str = "train"
+    eval_split: float = 0.0  # hold out this fraction of the training documents (seeded) instead
+    eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
+    eval_batches: int = 0  # global batches per evaluation; 0: the whole eval set
     # parallelism
     tp: int | None = None
     dp: int | None = None
@@ -72,7 +85,7 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     overwrite: bool = False
     log_every: int = 1
-    tensorboard: bool = True
+    report_to: str = "tensorboard"  # tensorboard, wandb, both comma-separated, or none
     profile_steps: str | None = None  # "A-B": torch.profiler trace of optimizer steps A..B in output_dir/profile
     # launch (multi-node flags pass through to accelerate's launcher)
     nnodes: int = 1
@@ -128,6 +141,7 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        self._validate_data()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -141,6 +155,38 @@ class TrainConfig:
             raise ValueError(
                 f"tp*dp ({self.tp * self.dp}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def _validate_data(self) -> None:
+        if not 0 <= self.eval_split < 1:
+            raise ValueError(
+                f"--eval-split must be a fraction in [0, 1) of the training documents, got {self.eval_split}"
+            )
+        if self.eval_split and self.eval_dataset:
+            raise ValueError("pass either --eval-dataset or --eval-split (a held-out fraction), not both")
+        for name in ("eval_every", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if (self.eval_every or self.eval_batches) and not self.has_eval:
+            raise ValueError("--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split")
+        if self.streaming and (self.eval_split or not self.pack):
+            raise ValueError(
+                "--streaming packs documents as it reads them: it takes neither --no-pack nor --eval-split "
+                "(use --eval-dataset)"
+            )
+        if self.text_column and self.messages_column:
+            raise ValueError("pass either --text-column or --messages-column, not both")
+        names = [n.strip() for n in str(self.report_to).split(",")]
+        if set(names) - set(REPORTERS) or ("none" in names and len(names) > 1):
+            raise ValueError(f"--report-to takes {', '.join(REPORTERS)} (or tensorboard,wandb), got {self.report_to!r}")
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_dataset or self.eval_split)
+
+    @property
+    def reporters(self) -> tuple[str, ...]:
+        """``report_to`` as names, without "none"."""
+        return tuple(n.strip() for n in str(self.report_to).split(",") if n.strip() not in ("", "none"))
 
     def compute_dtype_name(self, device_type: str) -> str:
         """ "bf16" on GPUs unless ``--dtype fp32``; "fp32" on CPU unless ``--dtype bf16``."""

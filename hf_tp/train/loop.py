@@ -7,9 +7,7 @@ grad_accum) split of the same global batch gives single-device training's loss c
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,17 +19,19 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
-from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator
+from hf_tp.data import PadToMultipleCollator
 from hf_tp.data.steps import StepBatches, StepBatchSource
+from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.data import batch_source, build_data
+from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.loss import loss_context, training_loss
-from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib
+from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib, truncate_metrics
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import (
-    build_data,
     build_optimizer,
     build_parallel_model,
     build_scheduler,
@@ -41,6 +41,7 @@ from hf_tp.train.setup import (
     resolve_device,
     restore_schedule_position,
     shutdown,
+    with_document_masking_checked,
 )
 from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint
 
@@ -51,6 +52,7 @@ __all__ = ["TrainResult", "shutdown", "train"]
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)  # optimizer step -> held-out loss
     output_dir: Path | None = None
     checkpoint: Path | None = None  # the newest checkpoint this run wrote (None if it wrote none)
     export: Path | None = None
@@ -67,7 +69,8 @@ class _Run:
     tokenizer: object
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
-    batches: StepBatchSource
+    batches: StepBatchSource | StreamingBatchSource
+    eval_set: EvalSet | None
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
@@ -89,7 +92,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     run = _set_up(with_embedded_default(cfg))
     result = TrainResult(output_dir=run.out)
     logger = MetricsLogger(
-        run.out, run.cfg.max_steps, enabled=run.is_main, tensorboard=run.cfg.tensorboard, start_step=run.start_step
+        run.out,
+        run.cfg.max_steps,
+        enabled=run.is_main,
+        report_to=run.cfg.reporters,
+        start_step=run.start_step,
+        run_config=run.cfg.to_dict(),
     )
     profiler = StepProfiler(
         parse_profile_steps(run.cfg.profile_steps), run.out / "profile", dist.get_rank(), run.device, run.start_step + 1
@@ -108,6 +116,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             profiler.step()
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
+            if run.eval_set is not None and run.eval_set.due(step + 1, run.cfg.eval_every, run.cfg.max_steps):
+                record = run.eval_set.record(step + 1, run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                result.eval_losses[step + 1] = record["eval_loss"]
+                logger.log_eval(record)
             if _checkpoint_due(run.cfg, step + 1):
                 result.checkpoint = _save(run, step + 1)
     finally:
@@ -130,19 +142,17 @@ def _set_up(cfg: TrainConfig) -> _Run:
 
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model))
     model = build_parallel_model(cfg, mesh, device)
-    data = build_data(cfg, tokenizer)
-    order = GlobalBatchOrder(num_examples=len(data), global_batch=cfg.global_batch, seed=cfg.seed)
+    cfg = with_document_masking_checked(cfg, model)
+    data, eval_data = build_data(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    batches = StepBatchSource(
-        data,
-        order,
-        PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp),
-        mesh.get_local_rank("dp"),
-        cfg.dp,
-        micro_batch=cfg.batch_size,
-        grad_accum=cfg.grad_accum,
-        device=device,
-    )
+    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
+    dp_rank = mesh.get_local_rank("dp")
+    batches = batch_source(cfg, data, collate, dp_rank, device)
+    eval_set = None
+    if eval_data is not None:
+        eval_set = EvalSet(
+            eval_data, collate, dp_rank, cfg.dp, cfg.batch_size, cfg.global_batch, cfg.eval_batches, device
+        )
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = _Run(
         cfg=cfg,
@@ -153,6 +163,7 @@ def _set_up(cfg: TrainConfig) -> _Run:
         opt=opt,
         sched=build_scheduler(opt, cfg),
         batches=batches,
+        eval_set=eval_set,
         dp_group=mesh["dp"].get_group(),
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),
@@ -227,6 +238,7 @@ def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone,
         "lr": done.lr,
         **({"aux_loss": done.aux_loss} if done.aux_loss is not None else {}),
         "tokens": batches.tokens,
+        "target_tokens": batches.num_targets,
         "tokens_per_sec": batches.tokens / dt,
         "step_time_s": dt,
     }
@@ -246,6 +258,8 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
 
 def _save(run: _Run, done: int) -> Path:
     state = {"scheduler": run.sched.state_dict(), "fingerprint": run.fingerprint, "config": run.cfg.to_dict()}
+    if isinstance(run.batches, StreamingBatchSource):
+        state["data_position"] = run.batches.state_for(done)  # where the stream continues after step `done`
     files = [run.model.config, run.model.generation_config, run.tokenizer]
     return save_checkpoint(run.out, done, run.model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
 
@@ -289,19 +303,11 @@ def _resume(run: _Run) -> int:
     check_resume_compatible(saved["fingerprint"], run.fingerprint, ckpt)
     load_checkpoint(ckpt, run.model, run.opt)
     restore_schedule_position(run.sched, saved["scheduler"])
+    if isinstance(run.batches, StreamingBatchSource):
+        run.batches.resume_at(int(saved["step"]), saved["data_position"])
     if run.is_main:
         print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
     return int(saved["step"])
-
-
-def truncate_metrics(path: Path, keep_steps: int) -> None:
-    """Drop records after the resumed step (written by the run that crashed), atomically."""
-    if keep_steps == 0 or not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    os.replace(tmp, path)
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

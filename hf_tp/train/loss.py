@@ -45,7 +45,12 @@ def training_loss(
         return lm + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
-            model, batch["input_ids"], batch.get("attention_mask"), batch["labels"], num_items_in_batch
+            model,
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            batch["labels"],
+            num_items_in_batch,
+            position_ids=batch.get("position_ids"),
         )
         return loss, None
     return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -45,37 +46,74 @@ def peak_memory_mib(device: torch.device) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes one JSON object per optimizer step; only rank 0 writes or draws."""
+    """Writes one JSON object per optimizer step (and per evaluation, marked ``"split": "eval"``)
+    to metrics.jsonl, draws the progress bar, and reports to TensorBoard and/or Weights & Biases
+    (``report_to``); only rank 0 writes or draws."""
 
-    def __init__(self, output_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool, start_step: int = 0):
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        *,
+        enabled: bool,
+        report_to: tuple[str, ...] = ("tensorboard",),
+        start_step: int = 0,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.enabled = enabled
         self.file = None
         self.bar = None
         self.writer = None
+        self.wandb = None
+        self.postfix: dict[str, str] = {}
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(output_dir / "metrics.jsonl", "a" if start_step else "w")  # noqa: SIM115
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if tensorboard:
+        if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("hf-tp: tensorboard is not installed; skipping TensorBoard logs", file=sys.stderr)
             else:
                 self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        if "wandb" in report_to:
+            import wandb  # checked before launch: --report-to wandb needs it installed
+
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "hf_tp"), dir=str(output_dir), config=run_config
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self.postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        self._write(record, "train")
+        self.bar.update(record["step"] - self.bar.n)
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation's record (``eval_loss``, ``eval_perplexity``, ...) after step ``record["step"]``."""
+        if not self.enabled:
+            return
+        self.postfix["eval_loss"] = f"{record['eval_loss']:.4f}"
+        self._write(record, "eval")
+        self.bar.refresh()
+
+    def _write(self, record: dict[str, Any], group: str) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
-        self.bar.update(record["step"] - self.bar.n)
+        self.bar.set_postfix(self.postfix, refresh=False)
+        scalars = {
+            k.removeprefix("eval_"): v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if self.writer is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float):
-                    self.writer.add_scalar(f"train/{k}", v, record["step"])
+            for k, v in scalars.items():
+                self.writer.add_scalar(f"{group}/{k}", v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log({f"{group}/{k}": v for k, v in scalars.items()}, step=record["step"])
 
     def close(self) -> None:
         if self.file is not None:
@@ -84,3 +122,15 @@ class MetricsLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def truncate_metrics(path: Path, keep_steps: int) -> None:
+    """Drop records after the resumed step (written by the run that crashed), atomically."""
+    if keep_steps == 0 or not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    os.replace(tmp, path)

@@ -6,7 +6,9 @@ Each function is one step of :func:`hf_tp.train.loop.train`'s set-up, kept apart
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
 import os
 import sys
@@ -27,7 +29,6 @@ from hf_tp.checkpoint.load import (
     materialize_and_load,
     safetensors_keys,
 )
-from hf_tp.data import load_text_dataset, tokenize_dataset
 from hf_tp.parallel import parallelize
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.launch import free_port
@@ -141,12 +142,24 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     return model
 
 
-def build_data(cfg: TrainConfig, tokenizer):
-    """The tokenized (packed or padded) training set, built on rank 0 first (the cache is shared)."""
-    raw = rank0_first(lambda: load_text_dataset(cfg.dataset, text_column=cfg.text_column))
-    return rank0_first(
-        lambda: tokenize_dataset(raw, tokenizer, text_column=cfg.text_column, seq_len=cfg.seq_len, pack=cfg.pack)
-    )
+def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> TrainConfig:
+    """``cfg``, with document masking turned off (and said so) for a model whose attention mask
+    does not come from transformers' ``masking_utils`` (the code that turns restarting
+    ``position_ids`` into per-document masks): there packed documents would see each other."""
+    if not (cfg.pack and cfg.document_masking):
+        return cfg
+    # The MRO: FSDP2 subclasses the model's class (FSDPLlamaModel) in a module of its own.
+    modules = [inspect.getmodule(cls) for cls in type(model.get_decoder()).__mro__]
+    names = ("create_causal_mask", "create_sliding_window_causal_mask")
+    if any(hasattr(module, name) for module in modules for name in names):
+        return cfg
+    if dist.get_rank() == 0:
+        print(
+            f"hf-tp: {model.config.model_type} does not build its attention mask with transformers' masking_utils; "
+            "packed documents are not masked from each other (--no-document-masking)",
+            file=sys.stderr,
+        )
+    return dataclasses.replace(cfg, document_masking=False)
 
 
 def build_optimizer(

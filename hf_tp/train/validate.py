@@ -147,11 +147,48 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_output_dir(Path(cfg.output_dir), cfg)
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
 
-    check_text_dataset(cfg.dataset, text_column=cfg.text_column)
+    columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
+    first_rows = {cfg.dataset: check_text_dataset(cfg.dataset, split=cfg.split, **columns)}
+    if cfg.eval_dataset:
+        check_dataset_source(cfg.eval_dataset)
+        first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
+    check_reporters(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len, ep=cfg.ep)
+    rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
+    if rendered:
+        check_first_rows(cfg, rendered)
     return kind
+
+
+def check_reporters(cfg: TrainConfig) -> None:
+    """``--report-to wandb`` needs the wandb package (an optional extra)."""
+    import importlib.util
+
+    if "wandb" in cfg.reporters and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "--report-to wandb needs the wandb package: pip install wandb (or use --report-to tensorboard)"
+        )
+
+
+def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
+    """Chat and prompt/completion data: the tokenizer can render and label the first row of each
+    dataset (``{source: (format, row)}``): a chat template where needed, a fast tokenizer (character
+    offsets), role/content messages, an assistant turn."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from hf_tp.data.formats import CHAT, encode_batch
+    from hf_tp.data.formats.chat import check_chat_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    for source, (fmt, row) in first_rows.items():
+        if fmt.kind == CHAT:
+            check_chat_tokenizer(tokenizer)
+        fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
+        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'")
 
 
 FINGERPRINT_MODEL_FIELDS = (
@@ -171,8 +208,15 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
     fp = {k: getattr(config, k, None) for k in FINGERPRINT_MODEL_FIELDS}
     fp.update(
         dataset=cfg.dataset,
+        dataset_config=cfg.dataset_config,
+        split=cfg.split,
         text_column=cfg.text_column,
+        messages_column=cfg.messages_column,
+        assistant_only_loss=cfg.assistant_only_loss,
+        eval_split=cfg.eval_split,
         pack=cfg.pack,
+        document_masking=cfg.document_masking,
+        streaming=cfg.streaming,
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,
@@ -181,7 +225,8 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
 
 
 def check_resume_compatible(saved: dict, current: dict, where: Path) -> None:
-    for key in sorted(set(saved) | set(current)):
+    # A key the saved run did not record (a setting added since) is not compared.
+    for key in sorted(set(saved)):
         if saved.get(key) != current.get(key):
             raise ValueError(
                 f"cannot resume from {where}: it was saved with {key}={saved.get(key)!r} but this run has "

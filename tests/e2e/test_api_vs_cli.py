@@ -24,19 +24,13 @@ SETTINGS = {
     "max_steps": 4,
     "lr": 3e-3,
     "warmup_steps": 1,
-    "tensorboard": False,
+    "report_to": "none",
 }
 COMPARED = ("step", "loss", "grad_norm", "lr", "tokens")  # not timings or peak memory
 
 
 def cli_flags(settings: dict) -> list[str]:
-    flags = []
-    for key, value in settings.items():
-        if key == "tensorboard":
-            flags += [] if value else ["--no-tensorboard"]
-        else:
-            flags += [f"--{key.replace('_', '-')}", str(value)]
-    return flags
+    return [arg for key, value in settings.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def test_cli_and_python_api_give_the_same_run(tmp_path: Path) -> None:

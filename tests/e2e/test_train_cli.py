@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_config, tiny_model
-from tests.reference_loop import reference_losses
+from tests.reference_loop import reference_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -65,28 +65,68 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, assets.data_file
 
 
-def test_mesh_shapes_and_plain_hf_give_one_loss_curve(setup, tmp_path) -> None:
-    model_dir, data = setup
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny tied Llama with a ChatML tokenizer, and a jsonl of multi-turn conversations (system,
+    user, assistant and tool turns) in a `messages` column."""
+    from tests.chat_data import chat_tokenizer, conversations
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = chat_tokenizer()
+    config = tiny_config(
+        "llama", tied=True, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
+    tiny_model(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()))
+    return root / "model", data
+
+
+def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> None:
+    """Chat data (assistant-only labels, documents packed with their own masks), four mesh shapes and
+    plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss."""
+    model_dir, data = chat_setup
     runs = {
         "tp2_dp2_b2": ["--tp", "2", "--dp", "2", "--batch-size", "2"],
         "tp1_dp1_b4": ["--tp", "1", "--dp", "1", "--batch-size", "4"],
         "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
         "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
     }
-    curves = {}
+    # A held-out 25% of the conversations, its first 3 global batches evaluated after steps 3 and 6:
+    # the same eval loss on every mesh (the token mean over those rows).
+    held_out = ["--eval-split", "0.25", "--eval-every", "3", "--eval-batches", "3", "--seq-len", "31"]
+    curves, evals = {}, {}
     for name, flags in runs.items():
         out = tmp_path / name
-        proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *flags)
+        proc = hf_tp_train(
+            "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *held_out, *flags
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        rows = metrics(out)
+        evals[name] = {r["step"]: r["eval_loss"] for r in metrics(out) if r.get("split") == "eval"}
+        rows = [r for r in metrics(out) if r.get("split") != "eval"]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_sec"} <= rows[0].keys()
+        assert all(r["target_tokens"] < r["tokens"] for r in rows)  # assistant-only: prompts are no targets
         assert (out / "config.yaml").exists()
         curves[name] = rows
-    want_loss, want_norm = reference_losses(
-        str(model_dir), str(data), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
+    want_loss, want_norm, want_eval = reference_run(
+        str(model_dir),
+        str(data),
+        seq_len=31,
+        global_batch=4,
+        steps=STEPS,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_split=0.25,
+        eval_steps=(3, STEPS),
+        eval_rows=12,
     )
     assert want_loss[-1] < want_loss[0]
+    for name, got_eval in evals.items():
+        assert got_eval.keys() == want_eval.keys(), name
+        for step, w in want_eval.items():
+            assert abs(got_eval[step] - w) <= 1e-5 * abs(w), f"{name} eval after step {step}: {got_eval[step]} vs {w}"
     for name, rows in curves.items():
         got = [r["loss"] for r in rows]
         for step, (g, w) in enumerate(zip(got, want_loss, strict=True)):
@@ -179,7 +219,7 @@ def test_in_place_under_torchrun_every_rank_reports_an_empty_dataset(setup, tmp_
             "columns.jsonl",
             '{"content": "a b c"}\n',
             r"hf-tp train: error: text column 'text' not in dataset '.*columns\.jsonl'; its columns are: content; "
-            r"pass --text-column",
+            r"pass --text-column \(documents\) or --messages-column \(conversations\), or use prompt/completion columns",
         ),
         ("empty.txt", "", r"hf-tp train: error: dataset '.*empty\.txt' is empty"),
     ],

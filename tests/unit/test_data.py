@@ -7,7 +7,6 @@ from collections import Counter
 from pathlib import Path
 
 import datasets
-import huggingface_hub.constants
 import pandas as pd
 import pytest
 import torch
@@ -15,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+from tests.helpers import offline_datasets
 
 WORDS = ["<unk>", "</s>", "a", "b", "c", "d", "e"]
 EOS = 1
@@ -22,11 +22,7 @@ EOS = 1
 
 @pytest.fixture(autouse=True)
 def _offline_and_private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No Hub requests (a missing id fails at once instead of retrying) and no writes to ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
-    datasets.disable_progress_bars()
+    offline_datasets(tmp_path, monkeypatch)
 
 
 def word_tokenizer(eos: bool = True) -> PreTrainedTokenizerFast:
@@ -134,7 +130,7 @@ def test_load_errors(tmp_path: Path) -> None:
     (tmp_path / "x.xlsx").write_text("a")
     with pytest.raises(
         ValueError,
-        match=r"unsupported file extension '\.xlsx' .*; supported: \.txt, \.json, \.jsonl, \.parquet, \.csv$",
+        match=r"unsupported file extension '\.xlsx' .*; supported: \.txt, \.json, \.jsonl, \.parquet, \.csv, \.arrow$",
     ):
         load_text_dataset(str(tmp_path / "x.xlsx"))
     (tmp_path / "bad.jsonl").write_text('{"text": "a"\n')
@@ -188,13 +184,24 @@ def test_packing_is_exact_over_the_whole_stream() -> None:
     stream = [t for doc in DOCS * 50 if doc.strip() for t in ids_of(doc) + [EOS]]
     for seq_len in (1, 4, 7):
         out = tokenize_dataset(ds, word_tokenizer(), seq_len=seq_len)  # 300 rows: several map batches
-        assert out.column_names == ["input_ids"]
+        assert out.column_names == ["input_ids", "labels", "position_ids"]
         assert len(out) == len(stream) // seq_len
         blocks = out["input_ids"]
         assert all(len(b) == seq_len for b in blocks)
         assert [t for b in blocks for t in b] == stream[: len(out) * seq_len]
+        plain = tokenize_dataset(ds, word_tokenizer(), seq_len=seq_len, document_masking=False)
+        assert plain.column_names == ["input_ids", "labels"] and plain["labels"] == blocks
     no_eos = tokenize_dataset(ds, word_tokenizer(eos=False), seq_len=3)
     assert [t for b in no_eos["input_ids"] for t in b][:6] == ids_of("a b c d e a")
+
+
+def test_packed_rows_restart_positions_per_document_and_mask_their_first_labels() -> None:
+    ds = datasets.Dataset.from_dict({"text": ["a b c", "d e", "a a a a b"]})
+    out = tokenize_dataset(ds, word_tokenizer(), seq_len=5)
+    # stream: a b c </s> | d e </s> | a a a a b </s>; rows of 5 cut the third document
+    assert out["input_ids"] == [ids_of("a b c") + [EOS, 5], [6, EOS] + ids_of("a a a")]
+    assert out["position_ids"] == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2]]
+    assert out["labels"] == [[-100, 3, 4, EOS, -100], [-100, EOS, -100, 2, 2]]
 
 
 def test_packing_across_map_batches() -> None:
@@ -295,3 +302,13 @@ def test_step_batches_count_the_global_batch_and_split_the_local_one() -> None:
         assert all(b["input_ids"].shape[1] % 2 == 0 for b in got.micro_batches)  # padded to tp
     seen = sorted(int(b["attention_mask"].sum()) for got in per_rank for b in got.micro_batches)
     assert seen == sorted(lengths)  # the two ranks' micro-batches are the step's four examples
+
+
+def test_arrow_files_and_split_slices(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    table = pa.table({"text": ["a b", "c", "d e", "a"]})
+    with pa.ipc.new_stream(str(tmp_path / "part.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert load_text_dataset(str(tmp_path / "part.arrow"))["text"] == ["a b", "c", "d e", "a"]
+    assert load_text_dataset(str(tmp_path / "part.arrow"), split="train[:50%]")["text"] == ["a b", "c"]

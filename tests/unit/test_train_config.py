@@ -85,6 +85,16 @@ def corpus(tmp_path_factory) -> Path:
         (["--profile-steps", "4-9", "--max-steps", "5"], "--profile-steps 4-9 goes past --max-steps 5"),
         (["--dp", "3", "--ep", "2"], r"--ep must divide --dp \(3\): expert parallelism borrows its ranks from dp"),
         (["--ep", "2", "--dp", "2"], "--ep 2 needs a mixture-of-experts model; this qwen2 model has no experts"),
+        (["--eval-split", "1.5"], r"--eval-split must be a fraction in \[0, 1\) of the training documents, got 1.5"),
+        (
+            ["--eval-every", "5"],
+            "--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split",
+        ),
+        (["--eval-split", "0.1", "--eval-dataset", "x.jsonl"], "pass either --eval-dataset or --eval-split"),
+        (["--eval-dataset", "/no/eval.jsonl"], "dataset not found: no file or directory at '/no/eval.jsonl'"),
+        (["--report-to", "mlflow"], "--report-to takes tensorboard, wandb, none"),
+        (["--text-column", "a", "--messages-column", "b"], "pass either --text-column or --messages-column"),
+        (["--split", "test[:5%]"], r"local data files form one split, 'train'; got --split test\[:5%\]"),
     ],
 )
 def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
@@ -128,6 +138,14 @@ def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="hidden_size=64 but this run has hidden_size=128"):
         check_resume_compatible(saved, bigger, tmp_path)
+    streamed = run_fingerprint(
+        TrainConfig(model="m", dataset="d", seq_len=64, tp=2, dp=2, batch_size=2, streaming=True), model_config
+    )
+    with pytest.raises(ValueError, match="saved with streaming=False but this run has streaming=True"):
+        check_resume_compatible(saved, streamed, tmp_path)
+    # A checkpoint from before a setting existed resumes (the setting is not compared).
+    older = {k: v for k, v in saved.items() if k not in ("streaming", "document_masking")}
+    check_resume_compatible(older, streamed, tmp_path)
 
 
 def test_more_processes_than_visible_gpus(monkeypatch) -> None:

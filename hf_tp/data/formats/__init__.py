@@ -1,0 +1,89 @@
+"""Data formats behind one interface: :func:`detect_format` picks the format of a dataset from its
+columns (or the column flags), :func:`encode_batch` turns a ``datasets.map`` batch of raw rows
+into documents of ``input_ids`` (and ``labels`` where some tokens are not targets).
+
+One module per format: :mod:`.text` (a string column), :mod:`.chat` (a column of role/content
+conversations, rendered with the chat template), :mod:`.completion` (``prompt``/``completion``).
+Packing, the batch order and the loop never look at the format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TEXT, CHAT, COMPLETION = "text", "chat", "completion"
+DEFAULT_TEXT_COLUMN, DEFAULT_MESSAGES_COLUMN = "text", "messages"
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """How to read a dataset: ``kind`` (text, chat or completion), the column of a text or chat
+    dataset, and whether only the assistant turns / the completion are targets."""
+
+    kind: str
+    column: str | None = None
+    assistant_only: bool = True
+
+    def describe(self) -> str:
+        if self.kind == COMPLETION:
+            return "prompt/completion (columns prompt, completion)"
+        return f"{self.kind} (column '{self.column}')"
+
+
+def detect_format(
+    columns: list[str],
+    *,
+    text_column: str | None = None,
+    messages_column: str | None = None,
+    assistant_only: bool = True,
+    label: str = "",
+) -> DataFormat:
+    """The format of a dataset with ``columns``: an explicit ``--messages-column`` or
+    ``--text-column`` wins; otherwise a ``text`` column means text, ``messages`` chat, and
+    ``prompt`` + ``completion`` prompt/completion. Raises a one-line ``ValueError`` naming the
+    columns and the flags when none fits."""
+    from hf_tp.data.formats.completion import COMPLETION as COMPLETION_COLUMN
+    from hf_tp.data.formats.completion import PROMPT
+
+    shown = ", ".join(columns)
+    if text_column and messages_column:
+        raise ValueError("pass either --text-column or --messages-column, not both")
+    for given, kind, flag in ((messages_column, CHAT, "--messages-column"), (text_column, TEXT, "--text-column")):
+        if given:
+            if given not in columns:
+                what = "text" if kind == TEXT else "messages"
+                raise ValueError(
+                    f"{what} column '{given}' not in dataset {label}; its columns are: {shown}; pass {flag}"
+                )
+            return DataFormat(kind, given, assistant_only)
+    if DEFAULT_TEXT_COLUMN in columns:
+        return DataFormat(TEXT, DEFAULT_TEXT_COLUMN, assistant_only)
+    if DEFAULT_MESSAGES_COLUMN in columns:
+        return DataFormat(CHAT, DEFAULT_MESSAGES_COLUMN, assistant_only)
+    if PROMPT in columns and COMPLETION_COLUMN in columns:
+        return DataFormat(COMPLETION, None, assistant_only)
+    raise ValueError(
+        f"text column 'text' not in dataset {label}; its columns are: {shown}; pass --text-column (documents) "
+        "or --messages-column (conversations), or use prompt/completion columns"
+    )
+
+
+def encode_batch(
+    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str
+) -> dict[str, list[list[int]]]:
+    """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents."""
+    row0 = indices[0] if indices else 0
+    if fmt.kind == TEXT:
+        from hf_tp.data.formats.text import encode_text_batch
+
+        return encode_text_batch(batch, tokenizer, column=fmt.column)
+    if fmt.kind == CHAT:
+        from hf_tp.data.formats.chat import encode_chat_batch
+
+        return encode_chat_batch(
+            batch, tokenizer, column=fmt.column, assistant_only=fmt.assistant_only, row0=row0, label=label
+        )
+    from hf_tp.data.formats.completion import encode_completion_batch
+
+    return encode_completion_batch(batch, tokenizer, completion_only=fmt.assistant_only, row0=row0, label=label)

@@ -1,0 +1,74 @@
+"""Tokenizing a loaded dataset of any format into training rows (packed or one document per row)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+
+from hf_tp.data.formats import CHAT, TEXT, DataFormat, detect_format, encode_batch
+from hf_tp.data.packing import pack_documents
+
+
+def dataset_label(ds: datasets.Dataset) -> str:
+    """How messages name ``ds``: its source when it came from ``load_text_dataset``."""
+    return f"'{ds.info.dataset_name}'" if ds.info.dataset_name else "(in memory)"
+
+
+def tokenize_dataset(
+    ds: datasets.Dataset,
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    text_column: str | None = None,
+    pack: bool = True,
+    fmt: DataFormat | None = None,
+    document_masking: bool = True,
+    keep_tail: bool = False,
+) -> datasets.Dataset:
+    """Tokenize ``ds`` into rows of ``input_ids`` (with ``labels`` where some tokens are no
+    targets, and ``position_ids`` restarting per document when packed with ``document_masking``).
+
+    The format (text, chat, prompt/completion) is ``fmt``, or detected from the columns
+    (``text_column`` forces text). Each document ends with the tokenizer's eos where its format
+    adds one. ``pack=True`` concatenates the documents in order into rows of exactly ``seq_len``
+    tokens (:func:`hf_tp.data.packing.pack_documents`; ``keep_tail`` keeps the last, shorter row:
+    evaluation sets lose no token); ``pack=False`` keeps one row per
+    document, truncated to ``seq_len`` (a truncated document loses its eos).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got seq_len={seq_len}")
+    label = dataset_label(ds)
+    fmt = fmt or detect_format(ds.column_names, text_column=text_column, label=label)
+    if fmt.kind == TEXT:
+        check_string_column(ds.features.get(fmt.column), fmt.column, label)
+    if fmt.kind == CHAT:
+        from hf_tp.data.formats.chat import check_chat_tokenizer
+
+        check_chat_tokenizer(tokenizer)
+    docs = ds.map(
+        lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label),
+        batched=True,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        desc="Tokenizing",
+    )
+    docs.info.dataset_name = ds.info.dataset_name
+    if pack:
+        return pack_documents(docs, seq_len, document_masking=document_masking, label=label, keep_tail=keep_tail)
+    if len(docs) == 0:
+        column = fmt.column or "prompt/completion"
+        raise ValueError(f"dataset {label} has no tokens: every row of text column '{column}' is empty")
+    return docs.map(
+        lambda batch: {k: [v[:seq_len] for v in values] for k, values in batch.items()},
+        batched=True,
+        desc="Truncating",
+    )
+
+
+def check_string_column(feature: Any, column: str, label: str) -> None:
+    """The text column's ``feature`` (None: unknown) holds strings."""
+    if feature is None:
+        return
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise ValueError(f"text column '{column}' of dataset {label} holds {feature}, not strings; pass --text-column")
