@@ -37,6 +37,9 @@ class PadToMultipleCollator:
 
     pad_token_id: int
     multiple_of: int = 1
+    # Also return ``row_lengths`` (tokens before the padding, per row): the training loop's MoE aux
+    # loss leaves the tp padding out, as single-device HF never sees it. Not a model input.
+    row_lengths: bool = False
 
     def __post_init__(self) -> None:
         if self.multiple_of < 1:
@@ -65,7 +68,7 @@ class PadToMultipleCollator:
             input_ids[i, :n] = ids
             attention_mask[i, :n] = 1 if mask is None else mask
             labels[i, :n] = ids if lab is None else lab
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return self._with_lengths({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}, rows)
 
     def _packed(self, examples, rows, length: int) -> dict[str, torch.Tensor]:
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
@@ -80,7 +83,12 @@ class PadToMultipleCollator:
             labels[i, :n] = ids if lab is None else lab
             position_ids[i, :n] = positions
             position_ids[i, n:] -= n  # the padding: a segment of its own, starting at 0
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        return self._with_lengths({"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, rows)
+
+    def _with_lengths(self, batch: dict[str, torch.Tensor], rows) -> dict[str, torch.Tensor]:
+        if self.row_lengths:
+            batch["row_lengths"] = torch.tensor([len(ids) for ids, _, _ in rows], dtype=torch.long)
+        return batch
 
 
 def _as_row(example: Mapping[str, Sequence[int]], i: int) -> tuple[torch.Tensor, _Maybe, _Maybe]:

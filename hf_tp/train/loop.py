@@ -147,7 +147,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
     dp_rank = mesh.get_local_rank("dp")
-    batches = batch_source(cfg, data, collate, dp_rank, device)
+    train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp, row_lengths=True)
+    batches = batch_source(cfg, data, train_collate, dp_rank, device)
     eval_set = None
     if eval_data is not None:
         eval_set = EvalSet(

@@ -32,16 +32,21 @@ def training_loss(
     the lm_head when ``fused`` (see :func:`hf_tp.parallel.linear_ce.fusable`); for a MoE model with
     ``output_router_logits``, plus ``router_aux_loss_coef`` times this rank's term of the global
     batch's load-balancing loss (:mod:`hf_tp.parallel.aux_loss`) times ``aux_weight`` (1/grad_accum),
-    the unweighted term returned as ``aux``."""
+    the unweighted term returned as ``aux``. A ``row_lengths`` entry (the collator's) is no model
+    input: it marks the tp padding, which the aux loss leaves out."""
+    lengths = batch.get("row_lengths")
+    batch = {k: v for k, v in batch.items() if k != "row_lengths"}
     if standard_aux_loss(model):
         config = model.config
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         out = model(**inputs, output_router_logits=True, use_cache=False)
         lm = model.loss_function(out.logits, batch["labels"], config.vocab_size, num_items_in_batch=num_items_in_batch)
         experts = next(getattr(config, f) for f in EXPERT_COUNT_FIELDS if hasattr(config, f))
-        aux = load_balancing_loss(
-            out.router_logits, experts, config.num_experts_per_tok, batch.get("attention_mask"), dp_group
-        )
+        mask = batch.get("attention_mask")
+        if mask is None and lengths is not None:
+            width = batch["input_ids"].shape[1]
+            mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group)
         return lm + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
