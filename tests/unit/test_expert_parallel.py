@@ -1,4 +1,5 @@
-"""Expert parallelism (``parallelize(..., ep=N)``) against plain single-process HF: ep=2 on dp=2
+"""Expert parallelism (``parallelize(..., ep=N)``) against plain single-process HF (Qwen3-MoE,
+Mixtral, Qwen2-MoE with its shared expert, OLMoE): ep=2 on dp=2
 (tp=1), and tp=2 x ep=2 on 4 ranks, with an uneven routing that leaves an expert without tokens
 on a rank. Logits, loss, every gradient (experts and routers), AdamW weights."""
 
@@ -33,9 +34,11 @@ def _case(model_type: str, skewed: bool, experts: int = 8):
     return ref, batch(config.vocab_size, b=4, s=13, pad=None)
 
 
-@pytest.mark.parametrize(("model_type", "tp"), [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2)])
+@pytest.mark.parametrize(
+    ("model_type", "tp"), [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2), ("olmoe", 1)]
+)
 def test_expert_parallel_parity(model_type: str, tp: int) -> None:
-    skewed = model_type == "qwen3_moe"
+    skewed = model_type != "mixtral"  # (Qwen2-MoE with its shared expert, OLMoE: not renormalised either)
     ref, data = _case(model_type, skewed=skewed)
     dp, ep = 2, 2
     want = train_steps(copy.deepcopy(ref), data, steps=2)
