@@ -293,5 +293,14 @@ def derive(config: PretrainedConfig) -> Derivation:
         ) from None
 
 
+def has_submodule(module: nn.Module, path: str) -> bool:
+    """``module.get_submodule(path)`` exists."""
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def is_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear

@@ -14,7 +14,7 @@ import textwrap
 
 from torch import nn
 
-from hf_tp.adapters.generic import Block, Derivation, Region, is_linear, refuse
+from hf_tp.adapters.generic import Block, Derivation, Region, has_submodule, is_linear, refuse
 from hf_tp.adapters.inspect_moe import moe_blocks, region_roles, returns_tuple, router_classes
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
@@ -56,15 +56,6 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
 
 def _split_width(linear: nn.Linear, column: bool) -> int:
     return linear.out_features if column else linear.in_features
-
-
-def has_submodule(module: nn.Module, path: str) -> bool:
-    """``module.get_submodule(path)`` exists."""
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def _merge(mt: str, key: str, values: list):

@@ -27,7 +27,7 @@ import textwrap
 
 from torch import nn
 
-from hf_tp.adapters.generic import is_linear, refuse
+from hf_tp.adapters.generic import has_submodule, is_linear, refuse
 from hf_tp.styles.experts import Role
 
 EXPERT_DIMS = {
@@ -45,7 +45,7 @@ def moe_blocks(layer: nn.Module, layer_styles: dict[str, str]) -> list[str]:
     """Layer-level children of ``layer`` that hold an experts module of the plan."""
     out = []
     for path, style in layer_styles.items():
-        if style == "moe_tp_experts" and "." in path and _has(layer, path):
+        if style == "moe_tp_experts" and "." in path and has_submodule(layer, path):
             out.append(path.split(".", 1)[0])
     return sorted(set(out))
 
@@ -61,7 +61,7 @@ def region_roles(
     ]
     dense_leaf = {p.rsplit(".", 1)[-1]: s for p, s in layer_styles.items() if s in LINEAR_DIMS}
     dense_leaf = {**SHARED_EXPERT_STYLES, **dense_leaf}
-    num_experts = _num_experts(config)
+    experts_count = num_experts(config)
     roles: dict[str, Role] = {}
     routers = [path for path, sub in module.named_modules() if isinstance(sub, router_classes)]
     widths = []
@@ -83,7 +83,7 @@ def region_roles(
             if sub.bias is not None:
                 roles[prefix + "bias"] = Role("shard", 0) if dim == 0 else Role("additive")
             widths.append((full, sub.out_features if dim == 0 else sub.in_features))
-        elif isinstance(sub, router_classes) or _is_gate(sub, own, num_experts, config.hidden_size):
+        elif isinstance(sub, router_classes) or _is_gate(sub, own, experts_count, config.hidden_size):
             roles.update({prefix + n: Role("replicate") for n in own})
         elif any(path.startswith(r + ".") for r in routers):  # a router's own parts (Ernie's moe_statics)
             roles.update({prefix + n: Role("replicate") for n in own})
@@ -131,8 +131,12 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-def _num_experts(config) -> int | None:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def num_experts(config) -> int | None:
+    """The routed-expert count of a MoE config (families name the field differently), else None."""
+    for name in EXPERT_COUNT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
@@ -160,11 +164,3 @@ def returns_tuple(module: nn.Module) -> bool:
         return False
     rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
     return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
-
-
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True

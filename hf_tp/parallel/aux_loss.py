@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+from hf_tp.adapters.inspect_moe import num_experts
 
 
 def standard_aux_loss(model: nn.Module) -> bool:
@@ -32,7 +32,7 @@ def standard_aux_loss(model: nn.Module) -> bool:
         source = inspect.getsource(hf_class.forward) if hf_class is not None else ""
     except (OSError, TypeError):
         return False
-    return "load_balancing_loss_func(" in source and any(hasattr(config, f) for f in EXPERT_COUNT_FIELDS)
+    return "load_balancing_loss_func(" in source and num_experts(config) is not None
 
 
 def load_balancing_loss(

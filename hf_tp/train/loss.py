@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_tp.parallel.aux_loss import EXPERT_COUNT_FIELDS, load_balancing_loss, standard_aux_loss
+from hf_tp.adapters.inspect_moe import num_experts
+from hf_tp.parallel.aux_loss import load_balancing_loss, standard_aux_loss
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
 
@@ -41,7 +42,7 @@ def training_loss(
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         out = model(**inputs, output_router_logits=True, use_cache=False)
         lm = model.loss_function(out.logits, batch["labels"], config.vocab_size, num_items_in_batch=num_items_in_batch)
-        experts = next(getattr(config, f) for f in EXPERT_COUNT_FIELDS if hasattr(config, f))
+        experts = num_experts(config)
         mask = batch.get("attention_mask")
         if mask is None and lengths is not None:
             width = batch["input_ids"].shape[1]

@@ -52,12 +52,9 @@ def fake_world():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kv", [2, 1])  # kv=1 < tp: the KV head replicated on both ranks
-def test_one_decoder_layer_is_the_megatron_sp_minimum(kv: int, fake_world) -> None:
-    model = hf_tp.parallelize(
-        tiny_model(tiny_config("llama", kv_heads=kv, attention_bias=False, mlp_bias=False)),
-        hf_tp.build_mesh(tp=TP, device_type="cpu"),
-    )
+def _assert_first_layer_is_the_sp_minimum(model) -> None:
+    """Layer 0 forward and backward on sequence shards: one all-gather and one reduce-scatter of
+    the full b*s*h activations per block (attention, MLP or MoE), nothing else."""
     mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh
     x = DTensor.from_local(
         torch.randn(B, S // TP, H, requires_grad=True), mesh, [Shard(1)], shape=(B, S, H), stride=(S * H, H, 1)
@@ -72,6 +69,15 @@ def test_one_decoder_layer_is_the_megatron_sp_minimum(kv: int, fake_world) -> No
     for mode in (fwd, bwd):
         assert mode.counts() == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, mode.calls
         assert all(numel == B * S * H for name, numel in mode.calls if name in COLLECTIVES)
+
+
+@pytest.mark.parametrize("kv", [2, 1])  # kv=1 < tp: the KV head replicated on both ranks
+def test_one_decoder_layer_is_the_megatron_sp_minimum(kv: int, fake_world) -> None:
+    model = hf_tp.parallelize(
+        tiny_model(tiny_config("llama", kv_heads=kv, attention_bias=False, mlp_bias=False)),
+        hf_tp.build_mesh(tp=TP, device_type="cpu"),
+    )
+    _assert_first_layer_is_the_sp_minimum(model)
 
 
 def test_a_training_step_reduces_norm_grads_in_one_collective(fake_world) -> None:
@@ -158,20 +164,7 @@ def test_a_moe_layer_is_the_megatron_sp_minimum_too(fake_world) -> None:
     model = hf_tp.parallelize(
         AutoModelForCausalLM.from_config(config, dtype=torch.float32), hf_tp.build_mesh(tp=TP, device_type="cpu")
     )
-    mesh = model.model.layers[0].self_attn.q_proj.weight.device_mesh
-    x = DTensor.from_local(
-        torch.randn(B, S // TP, H, requires_grad=True), mesh, [Shard(1)], shape=(B, S, H), stride=(S * H, H, 1)
-    )
-    pos = torch.arange(S)[None].expand(B, S)
-    emb = model.model.rotary_emb(x.to_local(), pos)
-    fwd, bwd = Collectives(), Collectives()
-    with fwd:
-        out = model.model.layers[0](x, position_embeddings=emb, position_ids=pos, attention_mask=None)
-    with bwd:
-        out.to_local().sum().backward()
-    for mode in (fwd, bwd):
-        assert mode.counts() == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, mode.calls
-        assert all(numel == B * S * H for name, numel in mode.calls if name in COLLECTIVES)
+    _assert_first_layer_is_the_sp_minimum(model)
 
 
 def _names(mode: CommDebugMode) -> dict[str, int]:
