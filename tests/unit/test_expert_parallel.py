@@ -9,6 +9,8 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
 from tests.family_grid import grid_config, grid_model
@@ -60,3 +62,70 @@ def test_expert_parallel_parity(model_type: str, tp: int) -> None:
     run_threaded(tp * dp, rank_fn)
     # The routing is uneven: some expert received no token on some rank (its all-to-all split is 0).
     assert not skewed or all(0 in c for c in counts.values()), counts
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts collectives on local tensors by op name, with the element count of their input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d"):
+            name = func.__name__.split(".")[0]
+            if name not in ("wait_tensor", "barrier", "_wrap_tensor_autograd"):
+                t = args[0][0] if isinstance(args[0], list | tuple) else args[0]
+                self.calls.append((name, t.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_moe_layer_under_tp_and_ep_is_the_sp_minimum_plus_the_all_to_alls(monkeypatch) -> None:
+    # Qwen3-MoE layer 0 at tp2 x ep2 (4 ranks), forward and backward on sequence shards:
+    # forward  = the SP minimum (attention and MoE block: one all-gather + one reduce-scatter of
+    #            b*s*h each) + the count and expert-id exchanges (small) + the rows out (b*s*top_k
+    #            rows of h: every tp rank routes the tp group's gathered tokens) and the rows back
+    #            (as many as the rank received: the routing decides);
+    # backward = the SP minimum + the two row all-to-alls reversed. Nothing else.
+    config = grid_config("qwen3_moe", num_experts=8, vocab_size=300)
+    ref = grid_model(config)
+    tp, dp, b, s = 2, 2, 2, 12
+    h, k = config.hidden_size, config.num_experts_per_tok
+    candidates = [copy.deepcopy(ref) for _ in range(tp * dp)]
+    seen: dict[int, tuple[list, list]] = {}
+    exchanges: dict[int, list[int]] = {}
+    # The threaded group runs c10d's eager all_to_all_single in Python, below the dispatcher: count it here.
+    eager = torch.distributed.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        exchanges.setdefault(torch.distributed.get_rank(), []).append(input.numel())
+        return eager(output, input, *args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", counting)
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        model = hf_tp.parallelize(candidates[rank], mesh, ep=2)
+        torch.manual_seed(rank)
+        local = torch.randn(b, s // tp, h, dtype=ref.dtype, requires_grad=True)
+        x = DTensor.from_local(local, mesh["tp"], [Shard(1)], shape=(b, s, h), stride=(s * h, h, 1))
+        pos = torch.arange(s)[None].expand(b, s)
+        emb = model.model.rotary_emb(x.to_local(), pos)
+        fwd, bwd = _Collectives(), _Collectives()
+        with fwd:
+            out = model.model.layers[0](x, position_embeddings=emb, position_ids=pos, attention_mask=None)
+        with bwd:
+            out.to_local().sum().backward()
+        received = model.model.layers[0].mlp.experts.hf_tp_tokens_per_expert.sum().item()
+        seen[rank] = (fwd.calls, bwd.calls, received)
+
+    run_threaded(tp * dp, rank_fn)
+    sp = [("all_gather_into_tensor", b * s // tp * h), ("reduce_scatter_tensor", b * s * h)] * 2
+    for rank, (fwd, bwd, received) in seen.items():
+        rows = [("all_to_all_single", b * s * k * h), ("all_to_all_single", received * h)]
+        assert sorted(fwd) == sorted(sp + rows), (rank, fwd)
+        assert sorted(bwd) == sorted(sp + rows), (rank, bwd)
+        assert exchanges[rank] == [2, b * s * k], exchanges  # counts per ep rank, then the expert ids
+    # Each ep pair (same tp rank) received what it sent: nothing dropped, nothing duplicated.
+    for tp_rank in range(tp):
+        assert sum(seen[r][2] for r in (tp_rank, tp_rank + tp)) == 2 * b * s * k
