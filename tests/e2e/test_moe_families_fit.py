@@ -1,0 +1,63 @@
+"""Mixtral, Qwen2-MoE (shared expert) and OLMoE train through ``hf_tp.fit`` (the loop ``hf-tp
+train`` runs: tests/e2e/test_api_vs_cli.py) with expert parallelism on three 4-rank meshes, aux
+loss on, and each gives plain HF's loss curve on the global batch. One torchrun launch runs all
+three runs (the file is also the worker: ``torchrun ... test_moe_families_fit.py RUNS_JSON``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.e2e.test_train_cli import ROOT, STEPS, metrics, run_killing_group
+from tests.e2e.test_train_families import _family_model
+from tests.reference_loop import reference_losses
+
+pytestmark = pytest.mark.e2e
+# (family, tp, dp, ep): expert TP inside EP; EP over all of dp; EP over half of dp (two replicas
+# of each expert, their gradients summed across the replicas).
+MESHES = [("mixtral", 2, 2, 2), ("olmoe", 1, 4, 4), ("qwen2_moe", 1, 4, 2)]
+SETTINGS = {"seq_len": 15, "max_steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "report_to": "none"}
+
+
+def test_moe_families_train_with_expert_parallelism_like_plain_hf(tmp_path) -> None:
+    runs, dirs = [], {}
+    for family, tp, dp, ep in MESHES:
+        model_dir, assets = _family_model(
+            family, tmp_path, output_router_logits=True, num_experts=8, num_local_experts=8
+        )
+        dirs[family] = model_dir
+        runs.append(
+            dict(SETTINGS, model=str(model_dir), dataset=str(assets.data_file), output_dir=str(tmp_path / family))
+            | dict(tp=tp, dp=dp, ep=ep, batch_size=4 // dp)
+        )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__]
+    proc = run_killing_group([*cmd, json.dumps(runs)], env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for family, tp, dp, ep in MESHES:
+        records = metrics(tmp_path / family)
+        got = [r["loss"] for r in records]
+        want, _ = reference_losses(
+            str(dirs[family]), str(assets.data_file), seq_len=15, global_batch=4, steps=STEPS, lr=3e-3, warmup_steps=2
+        )
+        assert len(got) == STEPS and all(r["aux_loss"] > 0 for r in records)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert abs(g - w) <= 1e-5 * abs(w), f"{family} tp{tp} dp{dp} ep{ep} step {step + 1}: {g} vs plain HF {w}"
+
+
+def _worker(runs: str) -> None:
+    """One torchrun rank: every run of ``runs`` in turn, in the same process group."""
+    import hf_tp
+    from tests.e2e.rank_exit import end_rank
+
+    for settings in json.loads(runs):
+        hf_tp.fit(hf_tp.TrainConfig(**settings))
+    end_rank()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
