@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments
 from hf_tp.cli.formatting import subcommand_parser
-from hf_tp.train.config import EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
+from hf_tp.train.config import AUX_LOSS_OVER, EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
 
 DESCRIPTION = """Train a Hugging Face causal LM with tensor + sequence parallel x FSDP2: starts tp*dp processes on
 this node (gloo on CPU, nccl on GPUs), or runs in place under torchrun / accelerate launch. Bad input
@@ -94,6 +94,13 @@ def _sizes_and_optimizer(p) -> None:
         type=float,
         metavar="X",
         help=f"clip the global gradient norm to X; 0 disables ({d('max_grad_norm')})",
+    )
+    p.add_argument(
+        "--aux-loss-over",
+        choices=AUX_LOSS_OVER,
+        help="MoE router aux loss under --grad-accum: over the whole step's tokens, as one device computes it "
+        "on the global batch (one extra forward without gradients per micro-batch), or over each micro-batch "
+        f"as the HF Trainer does ({d('aux_loss_over')})",
     )
     p.add_argument("--seed", type=int, help=f"seed of the data order and of random init ({d('seed')})")
 

@@ -35,18 +35,12 @@ def standard_aux_loss(model: nn.Module) -> bool:
     return "load_balancing_loss_func(" in source and num_experts(config) is not None
 
 
-def load_balancing_loss(
-    router_logits: tuple[torch.Tensor, ...],
-    num_experts: int,
-    top_k: int,
-    attention_mask: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """This rank's term of the global batch's aux loss (the terms of a dp group sum to it).
-
-    Written out (not transformers' function) because the counts must be summed over the dp ranks
-    between the reduction and the product; the formula is transformers' own, layer by layer, with
-    padding rows (``attention_mask`` 0) left out."""
+def routing_totals(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-k choices per expert, router probability sums per expert, rows) of one forward's
+    router logits, every layer's rows together as transformers concatenates them, padding rows
+    (``attention_mask`` 0) left out. The counts and rows carry no gradient; the sums do."""
     logits = [layer for layer in router_logits if layer is not None]
     counts = torch.zeros(num_experts, dtype=torch.float32, device=logits[0].device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=logits[0].device)
@@ -59,8 +53,37 @@ def load_balancing_loss(
         counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
         probs = probs + (p * weight[:, None]).sum(dim=0)
         rows = rows + weight.sum()
-    totals = torch.cat([counts, rows[None]]).detach()
+    return counts.detach(), probs, rows.detach()
+
+
+def step_totals(
+    counts_and_rows: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``[counts..., rows]`` summed over micro-batches and the dp ranks (one small all-reduce)."""
+    totals = torch.stack([torch.cat([c, r[None]]) for c, r in counts_and_rows]).sum(dim=0)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
+    return totals
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    totals: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's term of the global batch's aux loss (the terms of a dp group sum to it).
+
+    Written out (not transformers' function) because the counts must be summed over the dp ranks
+    between the reduction and the product; the formula is transformers' own, every layer's rows
+    together, with padding rows left out. ``totals`` (:func:`step_totals`), when given, are the
+    whole step's counts and rows over several micro-batches: then the terms of every micro-batch
+    and rank sum to the aux loss of the whole global batch, as one device computes it in one
+    forward."""
+    counts, probs, rows = routing_totals(router_logits, num_experts, top_k, attention_mask)
+    if totals is None:
+        totals = step_totals([(counts, rows)], group)
     counts, rows = totals[:-1], totals[-1]
     return num_experts * torch.sum((counts / rows) * (probs / rows))

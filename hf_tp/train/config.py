@@ -12,6 +12,7 @@ import yaml
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
+AUX_LOSS_OVER = ("step", "micro-batch")
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -75,6 +76,7 @@ class TrainConfig:
     warmup_steps: int | None = None
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    aux_loss_over: str = "step"  # MoE aux loss with --grad-accum: "step" (exact, one extra forward) or "micro-batch"
     seed: int = 0
     # checkpoints
     save_every: int = 0  # optimizer steps between checkpoints; 0: only a final one if exporting
@@ -130,6 +132,8 @@ class TrainConfig:
             raise ValueError(
                 f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
             )
+        if self.aux_loss_over not in AUX_LOSS_OVER:
+            raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         for name in ("save_every", "keep_checkpoints"):

@@ -28,7 +28,7 @@ from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import batch_source, build_data
 from hf_tp.train.evaluation import EvalSet
-from hf_tp.train.loss import loss_context, training_loss
+from hf_tp.train.loss import loss_context, step_routing, training_loss
 from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib, truncate_metrics
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import (
@@ -194,15 +194,22 @@ def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
     local_loss = torch.zeros((), device=run.device)
     aux_sum = torch.zeros((), device=run.device)  # the router aux loss (MoE), summed over micro-batches
     has_aux = False
+    micro = len(batches.micro_batches)
+    # A MoE's aux loss: over the whole step's rows of every dp rank, the router's counts found
+    # first (each micro-step's term is then its share: weight 1); or, --aux-loss-over micro-batch,
+    # over each micro-step's rows, the micro-steps weighing equally (1/grad_accum).
+    routing = (
+        step_routing(model, batches.micro_batches, run.dp_group) if micro > 1 and cfg.aux_loss_over == "step" else None
+    )
+    weight = 1.0 if routing is not None else 1 / micro
     for m, batch in enumerate(batches.micro_batches):
-        _set_grad_sync(model, m == len(batches.micro_batches) - 1)
+        _set_grad_sync(model, m == micro - 1)
         with loss_context(cfg.loss_parallel):
-            # A MoE's aux loss is over each micro-step's rows of every dp rank; the micro-steps
-            # weigh equally (1/grad_accum), as their tokens do in the LM loss.
-            micro = len(batches.micro_batches)
-            loss, aux = training_loss(model, batch, batches.num_targets, run.fused, run.dp_group, aux_weight=1 / micro)
+            loss, aux = training_loss(
+                model, batch, batches.num_targets, run.fused, run.dp_group, aux_weight=weight, routing=routing
+            )
             if aux is not None:
-                aux_sum += aux.float() / micro
+                aux_sum += aux.float() * weight
                 has_aux = True
             # The loss is already divided by the global token count, so the dp ranks' gradients
             # must be summed; FSDP2 averages them, hence the factor dp. (FSDP2's

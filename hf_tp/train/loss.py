@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_tp.adapters.inspect_moe import num_experts
-from hf_tp.parallel.aux_loss import load_balancing_loss, standard_aux_loss
+from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
 
@@ -27,27 +27,25 @@ def training_loss(
     fused: bool,
     dp_group: dist.ProcessGroup | None = None,
     aux_weight: float = 1.0,
+    routing: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, aux): HF's ``labels=`` loss of one micro-batch divided by the global target count (so
     summing the micro-batches of every rank gives the token mean of the global batch), fused with
     the lm_head when ``fused`` (see :func:`hf_tp.parallel.linear_ce.fusable`); for a MoE model with
     ``output_router_logits``, plus ``router_aux_loss_coef`` times this rank's term of the global
-    batch's load-balancing loss (:mod:`hf_tp.parallel.aux_loss`) times ``aux_weight`` (1/grad_accum),
-    the unweighted term returned as ``aux``. A ``row_lengths`` entry (the collator's) is no model
-    input: it marks the tp padding, which the aux loss leaves out."""
-    lengths = batch.get("row_lengths")
+    batch's load-balancing loss (:mod:`hf_tp.parallel.aux_loss`) times ``aux_weight``, the
+    unweighted term returned as ``aux``. ``routing`` (:func:`step_routing`) makes the term this
+    micro-batch's share of the whole step's aux loss; without it the term is over this micro-step's
+    rows of every dp rank. A ``row_lengths`` entry (the collator's) is no model input: it marks
+    the tp padding, which the aux loss leaves out."""
+    inputs, mask = _aux_inputs(batch)
     batch = {k: v for k, v in batch.items() if k != "row_lengths"}
     if standard_aux_loss(model):
         config = model.config
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
         out = model(**inputs, output_router_logits=True, use_cache=False)
         lm = model.loss_function(out.logits, batch["labels"], config.vocab_size, num_items_in_batch=num_items_in_batch)
         experts = num_experts(config)
-        mask = batch.get("attention_mask")
-        if mask is None and lengths is not None:
-            width = batch["input_ids"].shape[1]
-            mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-        aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group)
+        aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group, routing)
         return lm + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
@@ -60,3 +58,38 @@ def training_loss(
         )
         return loss, None
     return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss, None
+
+
+def step_routing(
+    model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], dp_group: dist.ProcessGroup | None
+) -> torch.Tensor | None:
+    """The router's top-k counts and rows over all of a step's micro-batches and dp ranks, for
+    :func:`training_loss`'s ``routing`` (None for a model without transformers' aux loss).
+
+    The load-balancing loss multiplies per-expert shares of the whole batch, so under gradient
+    accumulation no micro-step knows its factor until every micro-batch is routed. The counts
+    carry no gradient: one forward per micro-batch without autograd finds them (a third more
+    compute; ``--aux-loss-over micro-batch`` skips it). Routers with random jitter route again
+    in the training forward, differently."""
+    if not standard_aux_loss(model):
+        return None
+    config = model.config
+    parts = []
+    with torch.no_grad():
+        for batch in micro_batches:
+            inputs, mask = _aux_inputs(batch)
+            out = model(**inputs, output_router_logits=True, use_cache=False)
+            counts, _, rows = routing_totals(out.router_logits, num_experts(config), config.num_experts_per_tok, mask)
+            parts.append((counts, rows))
+    return step_totals(parts, dp_group)
+
+
+def _aux_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The model inputs (no labels, no ``row_lengths``) and the mask of real (non-padding) rows."""
+    lengths = batch.get("row_lengths")
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths")}
+    mask = batch.get("attention_mask")
+    if mask is None and lengths is not None:
+        width = batch["input_ids"].shape[1]
+        mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    return inputs, mask

@@ -1,6 +1,7 @@
 """Mixtral, Qwen2-MoE (shared expert) and OLMoE train through ``hf_tp.fit`` (the loop ``hf-tp
 train`` runs: tests/e2e/test_api_vs_cli.py) with expert parallelism on three 4-rank meshes, aux
-loss on, and each gives plain HF's loss curve on the global batch. One torchrun launch runs all
+loss on, and each gives plain HF's loss curve on the global batch (also under gradient
+accumulation: the aux loss is the whole step's). One torchrun launch runs all
 three runs (the file is also the worker: ``torchrun ... test_moe_families_fit.py RUNS_JSON``)."""
 
 from __future__ import annotations
@@ -16,29 +17,29 @@ from tests.e2e.test_train_families import _family_model
 from tests.reference_loop import reference_losses
 
 pytestmark = pytest.mark.e2e
-# (family, tp, dp, ep): expert TP inside EP; EP over all of dp; EP over half of dp (two replicas
-# of each expert, their gradients summed across the replicas).
-MESHES = [("mixtral", 2, 2, 2), ("olmoe", 1, 4, 4), ("qwen2_moe", 1, 4, 2)]
+# (family, tp, dp, ep, grad_accum): expert TP inside EP, two micro-steps; EP over all of dp; EP
+# over half of dp (two replicas of each expert, their gradients summed across the replicas).
+MESHES = [("mixtral", 2, 2, 2, 2), ("olmoe", 1, 4, 4, 1), ("qwen2_moe", 1, 4, 2, 1)]
 SETTINGS = {"seq_len": 15, "max_steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "report_to": "none"}
 
 
 def test_moe_families_train_with_expert_parallelism_like_plain_hf(tmp_path) -> None:
     runs, dirs = [], {}
-    for family, tp, dp, ep in MESHES:
+    for family, tp, dp, ep, accum in MESHES:
         model_dir, assets = _family_model(
             family, tmp_path, output_router_logits=True, num_experts=8, num_local_experts=8
         )
         dirs[family] = model_dir
         runs.append(
             dict(SETTINGS, model=str(model_dir), dataset=str(assets.data_file), output_dir=str(tmp_path / family))
-            | dict(tp=tp, dp=dp, ep=ep, batch_size=4 // dp)
+            | dict(tp=tp, dp=dp, ep=ep, grad_accum=accum, batch_size=4 // dp // accum)
         )
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__]
     proc = run_killing_group([*cmd, json.dumps(runs)], env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for family, tp, dp, ep in MESHES:
+    for family, tp, dp, ep, accum in MESHES:
         records = metrics(tmp_path / family)
         got = [r["loss"] for r in records]
         want, _ = reference_losses(
@@ -46,7 +47,9 @@ def test_moe_families_train_with_expert_parallelism_like_plain_hf(tmp_path) -> N
         )
         assert len(got) == STEPS and all(r["aux_loss"] > 0 for r in records)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert abs(g - w) <= 1e-5 * abs(w), f"{family} tp{tp} dp{dp} ep{ep} step {step + 1}: {g} vs plain HF {w}"
+            assert abs(g - w) <= 1e-5 * abs(w), (
+                f"{family} tp{tp} dp{dp} ep{ep} x{accum} step {step + 1}: {g} vs plain HF {w}"
+            )
 
 
 def _worker(runs: str) -> None:

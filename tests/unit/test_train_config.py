@@ -224,3 +224,10 @@ def test_unreachable_hub_fails_at_once_with_one_line(monkeypatch) -> None:
         "model not found: 'some-org/some-model-that-is-not-cached' is not a local directory and not in the Hub "
         "cache, and the Hub cannot be reached (ConnectError: Name or service not known)"
     )
+
+
+def test_aux_loss_over_is_step_or_micro_batch() -> None:
+    # A YAML file bypasses argparse's choices: the config's own check names the valid values.
+    assert TrainConfig().aux_loss_over == "step"
+    with pytest.raises(ValueError, match="--aux-loss-over must be one of step, micro-batch, got 'batch'"):
+        TrainConfig(aux_loss_over="batch").validate()
