@@ -47,7 +47,8 @@ def evaluate(
     model: nn.Module, batches: Iterable[Mapping[str, Any]], *, loss_parallel: bool = True, fused: bool = True
 ) -> EvalResult:
     """Token-mean cross entropy of ``model`` over ``batches`` (dicts of input_ids, attention_mask,
-    labels with -100 where no loss is taken), under ``torch.no_grad`` and eval mode.
+    labels with -100 where no loss is taken), under ``torch.no_grad`` and eval mode; a MoE's
+    router aux loss is not included.
 
     As in training, each batch's HF loss is a sum over its target tokens divided by the total
     count of the whole evaluation (``num_items_in_batch``), so the result is the mean over all
@@ -76,6 +77,10 @@ def evaluate(
     if tokens == 0:
         raise ValueError("the evaluation batches hold no target tokens (every shifted label is -100)")
 
+    # A MoE's router aux loss is a training regulariser over each forward's rows (per dp rank,
+    # per batch): left out, the result is the cross entropy alone, the same on every mesh, and
+    # its perplexity is one.
+    no_aux = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
     can_fuse = fusable(model)
     ctx = _loss_parallel() if loss_parallel else replicated_logits(model)
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -86,7 +91,7 @@ def evaluate(
                     model, b["input_ids"], b.get("attention_mask"), b["labels"], tokens, b.get("position_ids")
                 )
             else:
-                loss = model(**b, num_items_in_batch=tokens, use_cache=False).loss
+                loss = model(**b, num_items_in_batch=tokens, use_cache=False, **no_aux).loss
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
     if dp_mesh is not None and dp_mesh.size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())

@@ -179,3 +179,25 @@ def test_model_generate_without_input_ids_names_hf_tp_generate() -> None:
             model.generate(max_new_tokens=2)
 
     run_threaded(2, rank_fn)
+
+
+def test_evaluate_of_a_moe_is_the_cross_entropy_on_every_mesh() -> None:
+    # Qwen3-MoE with output_router_logits (HF adds its aux loss to `labels=` losses): at tp2 x dp2
+    # each dp rank evaluates its own batch, and the result is the cross entropy of both batches,
+    # without any rank's aux loss.
+    from tests.family_grid import grid_config, grid_model
+
+    config = grid_config("qwen3_moe", output_router_logits=True, vocab_size=300)
+    ref = grid_model(config)
+    batches = [batch(config.vocab_size, b=2, s=12, seed=1), batch(config.vocab_size, b=2, s=12, pad="left", seed=2)]
+    want, count = _reference_loss(ref, batches)
+    assert evaluate(ref, batches).loss == pytest.approx(want, rel=RTOL)  # HF upcasts logits to fp32, not fp64
+    models = [copy.deepcopy(ref) for _ in range(4)]
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, dp=2, device_type="cpu")
+        model = hf_tp.parallelize(models[rank], mesh)
+        got = evaluate(model, [batches[mesh.get_local_rank("dp")]])
+        assert got.tokens == count and got.loss == pytest.approx(want, rel=RTOL)
+
+    run_threaded(4, rank_fn)
