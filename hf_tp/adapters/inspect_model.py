@@ -41,7 +41,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
             (f"{layers_path}.{i}.{p}", _split_width(each.get_submodule(p), p in merged["colwise"])) for p in present
         ]
     widths = [(path, w) for path, w in widths if not any(path.endswith("." + k) for k in merged["kv"])]
-    widths += [(f"{layers_path}.*.{b}.{p}", w) for b, region in merged["regions"].items() for p, w in region.widths]
+    widths += [(f"{layers_path}.*.{p}", w) for region in merged["regions"].values() for p, w in region.widths]
     return Derivation(
         model_type=mt,
         layers_path=layers_path,

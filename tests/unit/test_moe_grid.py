@@ -7,6 +7,8 @@ that counted the aux loss once per tp rank fails the gradient check (checked by 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import hf_tp
@@ -42,3 +44,18 @@ def test_moe_tables() -> None:
 def test_moe_tp4() -> None:
     # tp=4: the 32-wide expert intermediate split 4 ways (8 rows of gate and of up per rank).
     assert run_family("qwen3_moe", tp=4, heads=8, kv=4).status == "parity"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "sizes", "path"),
+    [
+        ("qwen3_moe", dict(moe_intermediate_size=33), "model.layers.*.mlp.experts.gate_up_proj"),
+        ("qwen2_moe", dict(shared_expert_intermediate_size=33), "model.layers.*.mlp.shared_expert.gate_proj"),
+    ],
+)
+def test_expert_widths_not_divisible_by_tp_name_the_parameter(model_type: str, sizes: dict, path: str) -> None:
+    from hf_tp.train.validate import validate_model_config
+
+    config = grid_config(model_type, **sizes)
+    with pytest.raises(ValueError, match=f"tp must divide the 33 features that {re.escape(path)} splits"):
+        validate_model_config(config, tp=2, seq_len=16)
