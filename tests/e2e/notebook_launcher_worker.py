@@ -1,11 +1,9 @@
 """Start tp=2 CPU ranks from inside one Python process twice, as re-running a notebook cell does.
 
-    python tests/e2e/notebook_launcher_worker.py --launcher notebook|debug --out DIR
+    python tests/e2e/notebook_launcher_worker.py --out DIR
 
-``notebook``: ``accelerate.notebook_launcher`` (torch elastic, fork start method; on CPU it starts
+``accelerate.notebook_launcher`` (torch elastic, fork start method; on CPU it starts
 ``num_processes`` real processes, which then join a gloo group from the environment).
-``debug``: ``accelerate.debug_launcher`` (fork, and it initialises a gloo group itself from a
-FileStore before calling the function).
 
 Each run: parallelize the tiny default Llama, greedy-generate, train a few AdamW steps inside
 ``hf_tp.loss_parallel()``, greedy-generate again, leave the process group. Every rank writes
@@ -55,9 +53,7 @@ def fixed_batch(tokenizer, data_file: str) -> torch.Tensor:
 
 def rank_main(model_dir: str, data_file: str, out_file_pattern: str) -> None:
     """The function every launched rank runs."""
-    joined = not dist.is_initialized()  # debug_launcher has made a gloo group already
-    if joined:  # notebook_launcher: join from the environment it set
-        dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # from the environment notebook_launcher set
     rank = dist.get_rank()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -78,10 +74,7 @@ def rank_main(model_dir: str, data_file: str, out_file_pattern: str) -> None:
     after = hf_tp.generate(model, **prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     world = dist.get_world_size()
     dist.barrier()  # nobody leaves while another rank may still be in a collective
-    if joined:
-        # Leave only a group we joined: debug_launcher's FileStore deletes its rendezvous file when
-        # its last user goes away, and debug_launcher then fails to unlink it (FileNotFoundError).
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     record = {
         "rank": rank,
         "world_size": world,
@@ -89,35 +82,28 @@ def rank_main(model_dir: str, data_file: str, out_file_pattern: str) -> None:
         "losses": losses,
         "before": before[0].tolist(),
         "after": after[0].tolist(),
-        "pg_left": not dist.is_initialized() if joined else None,
+        "pg_left": not dist.is_initialized(),
     }
     Path(out_file_pattern.format(rank=rank)).write_text(json.dumps(record))
 
 
 def failing_rank() -> None:
     """Rank 1 raises while rank 0 waits in a barrier: the launch must fail, not hang."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         raise ValueError("rank 1 fails on purpose")
     dist.barrier()
 
 
-def launch(kind: str, fn, args: tuple = ()) -> None:
-    if kind == "notebook":
-        from accelerate import notebook_launcher
+def launch(fn, args: tuple = ()) -> None:
+    from accelerate import notebook_launcher
 
-        # use_port: the default 29500 collides with any other run on the machine.
-        notebook_launcher(fn, args=args, num_processes=TP, use_port=str(free_port()))
-    else:
-        from accelerate.launchers import debug_launcher
-
-        debug_launcher(fn, args=args, num_processes=TP)
+    # use_port: the default 29500 collides with any other run on the machine.
+    notebook_launcher(fn, args=args, num_processes=TP, use_port=str(free_port()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--launcher", choices=["notebook", "debug"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--assets", help="where to build the default assets (default: hf_tp's cache)")
     opts = parser.parse_args()
@@ -130,10 +116,10 @@ def main() -> None:
     for run in range(2):
         if run == 1:  # a cell that fails in between must not break the next launch
             try:
-                launch(opts.launcher, failing_rank)
+                launch(failing_rank)
             except Exception as exc:  # noqa: BLE001 - recorded for the test
                 parent["failure"] = type(exc).__name__
-        launch(opts.launcher, rank_main, (model_dir, data_file, str(out / f"run{run}-rank{{rank}}.json")))
+        launch(rank_main, (model_dir, data_file, str(out / f"run{run}-rank{{rank}}.json")))
         # The notebook's own process after a launch: no group, no children, no launcher env.
         state = {
             "pg_initialized": dist.is_initialized(),

@@ -1,4 +1,4 @@
-"""Ranks started from a notebook: accelerate's launchers on CPU/gloo (run twice in one process), and
+"""Ranks started from a notebook: accelerate's notebook_launcher on CPU/gloo (run twice in one process), and
 examples/notebooks/hf_tp_quickstart.ipynb executed top to bottom with nbclient."""
 
 from __future__ import annotations
@@ -36,13 +36,10 @@ def assets_root(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize(
-    ("launcher", "failure"), [("notebook", "ChildFailedError"), ("debug", "ProcessRaisedException")]
-)
-def test_launcher_twice_in_one_process(launcher: str, failure: str, assets_root: Path, tmp_path: Path) -> None:
-    """notebook_launcher / debug_launcher start 2 real CPU processes; two runs (with a failing
-    launch between them) give the same losses and text, and leave the parent process clean."""
-    cmd = [sys.executable, str(WORKER), "--launcher", launcher, "--out", str(tmp_path), "--assets", str(assets_root)]
+def test_launcher_twice_in_one_process(assets_root: Path, tmp_path: Path) -> None:
+    """notebook_launcher starts 2 real CPU processes; two runs (with a failing launch between
+    them) give the same losses and text, and leave the parent process clean."""
+    cmd = [sys.executable, str(WORKER), "--out", str(tmp_path), "--assets", str(assets_root)]
     proc = run_killing_group(cmd, clean_env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     parent = json.loads((tmp_path / "parent.json").read_text())
@@ -52,13 +49,12 @@ def test_launcher_twice_in_one_process(launcher: str, failure: str, assets_root:
         for rank in (0, 1)
     }
 
-    assert parent["failure"] == failure  # the failing launch raised in the parent instead of hanging
+    assert parent["failure"] == "ChildFailedError"  # the failing launch raised in the parent instead of hanging
     pids = {r["pid"] for r in ranks.values()}
     assert len(pids) == 4 and parent["pid"] not in pids  # 2 fresh processes per run
     for (run, rank), r in ranks.items():
         assert r["world_size"] == 2 and r["rank"] == rank
-        # notebook_launcher: the function joined the group and left it; debug_launcher's is its own.
-        assert r["pg_left"] is (True if launcher == "notebook" else None), (run, rank)
+        assert r["pg_left"] is True, (run, rank)  # the function joined the group and left it
     for state in parent["runs"]:  # the notebook's own process after each launch
         assert not state["pg_initialized"] and state["children"] == 0 and state["changed_env"] == [], state
 

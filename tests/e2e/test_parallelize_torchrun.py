@@ -43,20 +43,25 @@ def test_heads_not_divisible_stop_every_rank_at_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "case",
+    "cases",
     [
-        # Qwen3: the per-head q/k norm weights' Partial gradients under FSDP2 on a 2-D mesh, with
-        # two backward passes per step (FSDP2 reduce-scatters and hf_tp's fused all-reduce adds twice).
-        {"family": "qwen3", "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "micro": 2},
-        # One KV head for tp=2: k_proj/v_proj whole on both tp ranks, sharded over dp by FSDP2.
-        {"family": "qwen2", "tied": True, "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "kv": 1},
+        [
+            # Qwen3: the per-head q/k norm weights' Partial gradients under FSDP2 on a 2-D mesh, with
+            # two backward passes per step (FSDP2 reduce-scatters and hf_tp's fused all-reduce adds twice).
+            {"family": "qwen3", "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "micro": 2},
+            # One KV head for tp=2: k_proj/v_proj whole on both tp ranks, sharded over dp by FSDP2.
+            {"family": "qwen2", "tied": True, "tp": 2, "dp": 2, "b": 4, "pad": None, "s": 9, "kv": 1},
+        ],
         # torch.compile per decoder layer (inductor, CPU): same numbers as eager HF.
-        {"family": "llama", "tp": 2, "dp": 1, "compile": True, "pad": None, "s": 12},
+        [{"family": "llama", "tp": 2, "dp": 1, "compile": True, "pad": None, "s": 12}],
     ],
+    ids=["tp2_dp2", "tp2_compile"],
 )
-def test_parity_with_real_processes(case: dict) -> None:
+def test_parity_with_real_processes(cases: list[dict]) -> None:
     # 2-D meshes run in real processes only: torch's threaded process group mismatches
     # collectives issued on two sub-groups in a row (dp then tp), which real gloo does not.
-    proc = torchrun(case["tp"] * case.get("dp", 1), "tests/e2e/parity_worker.py", json.dumps(case))
+    # The cases of one world size share one launch.
+    world = cases[0]["tp"] * cases[0].get("dp", 1)
+    proc = torchrun(world, "tests/e2e/parity_worker.py", json.dumps(cases))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "PARITY OK" in proc.stdout
+    assert proc.stdout.count("PARITY OK") == len(cases), proc.stdout[-3000:]
