@@ -123,7 +123,11 @@ def format_sweep(result: Sweep) -> str:
         lines.append(row)
     lines.append("(memory columns: GiB per rank at the step's peak; sent: bytes one rank sends per step)")
     if result.ep > 1:
-        lines += [*BALANCED_NOTE_LINES, f"Splits whose dp is not a multiple of ep={result.ep} are left out."]
+        lines += [
+            *BALANCED_NOTE_LINES,
+            f"DP sent includes the expert gradients' all-reduce over dp / ep; splits whose dp is not a multiple "
+            f"of ep={result.ep} are left out.",
+        ]
     lines.append("")
     if gpu is None:
         lines.append("Pass --gpu-memory (e.g. 80GiB) to get a recommendation.")

@@ -50,6 +50,7 @@ def balanced_routing() -> Iterator[None]:
     row each to the first ranks) and every choice counts. The count exchange and the ids
     all-to-all still run, so the collectives are the real program's; the row all-to-alls are
     their size under perfectly even routing (real routing is uneven: a hot rank moves more).
+    The switch is process-wide (every thread), and undone on exit.
     """
     global _balanced
     if _balanced:
