@@ -14,7 +14,11 @@ from hf_tp.cli.formatting import subcommand_parser
 
 EPILOG = """examples:
   hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
-  hf-tp estimate --model llama-3.1-8b --world-size 16 --gpu-memory 80GiB --seq-len 8192 --batch-size 1"""
+  hf-tp estimate --model llama-3.1-8b --world-size 16 --gpu-memory 80GiB --seq-len 8192 --batch-size 1
+  hf-tp estimate --model Qwen/Qwen3-30B-A3B --tp 2 --dp 8 --ep 4 --seq-len 4096 --batch-size 1
+
+--ep simulates expert parallelism with balanced routing (every expert gets the same number of
+rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size for MoE models: ranks borrowed from dp (divides dp)"
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, required=True, help="sequences per dp rank per micro-step")
     p.add_argument(
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             activation_checkpointing=args.activation_checkpointing,
             model_name=name,
+            ep=args.ep,
         )
         if args.gpu_memory is None and args.world_size is None:
             result = estimate(config, args.tp, args.dp, **common)

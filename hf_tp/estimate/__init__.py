@@ -13,6 +13,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "CommStat": "hf_tp.estimate.comm",
     "Estimate": "hf_tp.estimate.api",
     "MemoryBreakdown": "hf_tp.estimate.api",
+    "MoEStats": "hf_tp.estimate.moe",
     "Sweep": "hf_tp.estimate.sweep",
     "bundled_models": "hf_tp.estimate.bundled",
     "estimate": "hf_tp.estimate.api",

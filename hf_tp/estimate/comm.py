@@ -82,13 +82,18 @@ def _nbytes(obj) -> int:
 class CommCounter(TorchDispatchMode):
     """Counts collectives and their bytes by (mesh dim, collective) while active.
 
-    ``groups`` maps a process group name to ``(dim name, group size)``; collectives on groups of
-    size 1 move nothing and are skipped.
+    ``groups`` maps a process group name to ``(dim name, group size)``; ``by_collective`` maps
+    ``(group name, collective)`` to the same and wins over ``groups`` (the ep all-to-alls when the
+    ep ranks are all the dp ranks, one process group); collectives on groups of size 1 move nothing
+    and are skipped.
     """
 
-    def __init__(self, groups: dict[str, tuple[str, int]]) -> None:
+    def __init__(
+        self, groups: dict[str, tuple[str, int]], by_collective: dict[tuple[str, str], tuple[str, int]] | None = None
+    ) -> None:
         super().__init__()
         self.groups = groups
+        self.by_collective = by_collective or {}
         self._stats: dict[tuple[str, str], list[int]] = {}
         self._sizes: dict[str, int] = {}
 
@@ -103,7 +108,7 @@ class CommCounter(TorchDispatchMode):
 
     def _record(self, op: tuple[str, int | str], args, kwargs, result) -> None:
         collective, where = op
-        dim, size = self._group_of(args, kwargs)
+        dim, size = self._group_of(args, kwargs, collective)
         if size <= 1:
             return
         full = result if where == "result" else args[where]
@@ -112,7 +117,7 @@ class CommCounter(TorchDispatchMode):
         entry[1] += _nbytes(full)
         self._sizes[dim] = size
 
-    def _group_of(self, args, kwargs) -> tuple[str, int]:
+    def _group_of(self, args, kwargs, collective: str) -> tuple[str, int]:
         """``(dim name, group size)`` of the process group a collective names (by object or name)."""
         groups: list[ProcessGroup] = []
         names: list[str] = []
@@ -125,6 +130,9 @@ class CommCounter(TorchDispatchMode):
                 names.append(groups[-1].group_name)
             elif isinstance(arg, str):
                 names.append(arg)  # a group name, or a reduce op such as "sum"
+        for name in names:
+            if (name, collective) in self.by_collective:
+                return self.by_collective[(name, collective)]
         for name in names:
             if name in self.groups:
                 return self.groups[name]

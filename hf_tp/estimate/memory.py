@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 MiB = 2**20
@@ -47,12 +49,21 @@ class MemoryBreakdown:
 
 
 class PeakMemTracker(MemTracker):
-    """``MemTracker`` that keeps only the per-device peak, not each module's.
+    """``MemTracker`` that keeps the per-device peak, and per-module peaks only of watched modules.
 
     The per-module bookkeeping walks every tracked module on every op, about half the run time
-    of an estimate, and nothing here reads it. Falls back to torch's version if its private
-    fields change.
+    of an estimate; only the modules given to :meth:`watch` (the MoE experts) get their
+    ``PEAK_FW``/``PEAK_BW`` snapshots. Every module still gets torch's ``PRE_FW``/``POST_FW``
+    snapshots (taken in its hooks). Falls back to torch's version if its private fields change.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watched: tuple[nn.Module, ...] = ()
+
+    def watch(self, modules: Iterable[nn.Module]) -> None:
+        """Keep the forward and backward peaks of ``modules`` too."""
+        self._watched = tuple(modules)
 
     def _update_peak_stats(self, peak_state) -> None:
         current, peak, peak_snap = (getattr(self, n, None) for n in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap"))
@@ -63,3 +74,11 @@ class PeakMemTracker(MemTracker):
             if peak.get(device, 0) < total:
                 peak[device] = total
                 peak_snap[device] = dict(snap)
+        for module in self._watched:  # as torch does for every module, for these only
+            stats = self.memory_tracking.get(module)
+            if stats is None or stats.mod_fqn not in self._mod_tracker.parents or peak_state not in stats.snapshots:
+                continue
+            for device, snap in current.items():
+                if stats.local_peak.get(device, 0) < snap.get("Total", 0):
+                    stats.local_peak[device] = snap["Total"]
+                    stats.snapshots[peak_state][-1][device] = dict(snap)

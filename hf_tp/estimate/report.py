@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate, GiB, MiB
+from hf_tp.estimate.moe import BALANCED_NOTE_LINES
 from hf_tp.estimate.sweep import RULE, Sweep, fits
 
 _CATEGORIES = (
@@ -30,9 +31,10 @@ def describe_model(est: Estimate) -> str:
 def describe(est: Estimate) -> str:
     """One line naming the model and the run shape."""
     ac = "activation checkpointing" if est.activation_checkpointing else "no activation checkpointing"
+    ep = f", ep={est.ep} (of dp's ranks)" if est.ep > 1 else ""
     return (
         f"{describe_model(est)}, tp={est.tp} x dp={est.dp} "
-        f"({est.world_size} ranks), seq {est.seq_len} x batch {est.batch_size} per dp rank, {est.dtype}, {ac}"
+        f"({est.world_size} ranks){ep}, seq {est.seq_len} x batch {est.batch_size} per dp rank, {est.dtype}, {ac}"
     )
 
 
@@ -51,9 +53,10 @@ def format_estimate(est: Estimate) -> str:
             label = f"{c.dim} {c.collective}"
             lines.append(f"  {label:<22}{c.group_size:>6}{c.count:>7}{_mib(c.bytes):>13}{_mib(c.sent_bytes):>15}")
         for dim in sorted({c.dim for c in est.comms}):
-            lines.append(f"  {dim + ' total sent per rank':<22}{'':>26}{_mib(est.sent_bytes(dim)):>15}")
+            lines.append(f"  {dim + ' total sent per rank':<48}{_mib(est.sent_bytes(dim)):>15}")
     else:
         lines.append("collectives per step: none (a single rank)")
+    lines += format_moe(est)
     lines += [
         "",
         "Peak: the largest sum of live tensors on one rank during a step (forward, backward, clipping, AdamW),",
@@ -65,32 +68,66 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def format_moe(est: Estimate) -> list[str]:
+    """The mixture-of-experts section (empty for a dense model), after a blank line."""
+    m = est.moe
+    if m is None:
+        return []
+    rows = "(token, choice) rows per MoE layer and micro-step"
+    if est.ep > 1:
+        rows += f" ({m.a2a_rows_out:,} out, {m.a2a_rows_in:,} in by all-to-all)"
+    lines = [
+        "",
+        f"mixture of experts: {m.layers} MoE layers, {m.experts} experts each, top-{m.top_k}",
+        f"  {'experts per rank':<22}{m.experts_per_rank:>14}   per MoE layer (ep={est.ep})",
+        f"  {'expert weights MiB':<22}{_mib(m.expert_param_bytes):>14}   this rank's fp32 shards, all MoE layers "
+        f"(other weights: {_mib(m.other_param_bytes)} MiB)",
+        f"  {'routed rows':<22}{m.routed_rows:>14,}   {rows}",
+        f"  {'routed activations MiB':<22}{_mib(m.activation_bytes):>14}   kept for backward by the experts' "
+        "forwards, all MoE layers",
+        f"  {'experts forward MiB':<22}{_mib(m.forward_peak_bytes):>14}   the most one experts forward holds "
+        "above its start",
+    ]
+    if m.balanced_routing:
+        lines += [f"  {line}" for line in BALANCED_NOTE_LINES]
+    return lines
+
+
 def format_sweep(result: Sweep) -> str:
     """One row per (tp, dp) split, the recommendation and the rule behind it."""
     first = result.estimates[0]
     gpu = result.gpu_memory
     lines = [f"hf-tp estimate: every (tp, dp) split of {result.world_size} ranks for {describe_model(first)}"]
     lines.append(
-        f"seq {first.seq_len} x batch {first.batch_size} per dp rank, {first.dtype}, "
+        (f"ep={result.ep} (of dp's ranks), " if result.ep > 1 else "")
+        + f"seq {first.seq_len} x batch {first.batch_size} per dp rank, {first.dtype}, "
         f"{'with' if first.activation_checkpointing else 'no'} activation checkpointing"
         + (f"; GPU memory {gpu / GiB:.1f} GiB" if gpu else "")
     )
     lines.append("")
     header = f"{'tp':>4}{'dp':>5}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}"
     header += f"{'TP sent/step GiB':>18}{'DP sent/step GiB':>18}"
+    header += f"{'EP sent/step GiB':>18}" if result.ep > 1 else ""
     header += f"{'fits':>6}" if gpu else ""
     lines.append(header)
     for e in result.estimates:
         p = e.peak
         row = f"{e.tp:>4}{e.dp:>5}{p.total / GiB:>10.2f}{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}"
         row += f"{p.optimizer / GiB:>8.2f}{p.activations / GiB:>8.2f}{(p.temporary + p.other) / GiB:>8.2f}"
-        row += f"{e.sent_bytes('tp') / GiB:>18.2f}{e.sent_bytes('dp') / GiB:>18.2f}"
+        row += f"{e.sent_bytes('tp') / GiB:>18.2f}{(e.sent_bytes('dp') + e.sent_bytes('dp_out')) / GiB:>18.2f}"
+        row += f"{e.sent_bytes('ep') / GiB:>18.2f}" if result.ep > 1 else ""
         if gpu:
             row += f"{'yes' if fits(e, gpu) else 'no':>6}"
         if result.recommended is e:
             row += "  <- recommended"
         lines.append(row)
     lines.append("(memory columns: GiB per rank at the step's peak; sent: bytes one rank sends per step)")
+    if result.ep > 1:
+        lines += [
+            *BALANCED_NOTE_LINES,
+            f"DP sent includes the expert gradients' all-reduce over dp / ep; splits whose dp is not a multiple "
+            f"of ep={result.ep} are left out.",
+        ]
     lines.append("")
     if gpu is None:
         lines.append("Pass --gpu-memory (e.g. 80GiB) to get a recommendation.")

@@ -10,10 +10,14 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed import device_mesh
 from torch.distributed.device_mesh import DeviceMesh
+
+from hf_tp.parallel.expert_parallel import balanced_routing
 
 
 @contextlib.contextmanager
@@ -38,19 +42,35 @@ def real_device_meshes() -> Iterator[None]:
     """Build DeviceMeshes from real tensors even inside FakeTensorMode.
 
     ``fully_shard`` on TP parameters builds a (dp, tp) DeviceMesh, whose ``__init__`` reads its
-    rank tensor (``aten.nonzero``), which fake tensors cannot answer.
+    rank tensor (``aten.nonzero``), which fake tensors cannot answer; expert parallelism reads a
+    mesh's ranks (``DeviceMesh.mesh``, rebuilt with ``as_strided`` on each access) and builds its
+    mesh with ``init_device_mesh`` (whose rank tensor would be fake).
     """
     original = DeviceMesh.__init__
+    mesh_property = DeviceMesh.__dict__["mesh"]  # the rank tensor, rebuilt from the layout on access
 
     def init(self, *args, **kwargs) -> None:
         with unset_fake_temporarily():
             original(self, *args, **kwargs)
 
+    def rank_tensor(self) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return mesh_property.fget(self)
+
+    def init_mesh(*args, **kwargs) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+
+    build = device_mesh.init_device_mesh
     DeviceMesh.__init__ = init
+    DeviceMesh.mesh = property(rank_tensor)
+    device_mesh.init_device_mesh = init_mesh
     try:
         yield
     finally:
         DeviceMesh.__init__ = original
+        DeviceMesh.mesh = mesh_property
+        device_mesh.init_device_mesh = build
 
 
 @contextlib.contextmanager
@@ -113,10 +133,40 @@ def unmasked_causal_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fake_grouped_mm_any_dtype() -> Iterator[None]:
+    """Let transformers' ``grouped_mm`` experts run on fake fp32 tensors.
+
+    torch's meta kernel of ``grouped_mm`` accepts bf16 only, while real CPU and GPU kernels also
+    take fp32. For fake tensors of another dtype, transformers' own fallback op (a loop of
+    matmuls, with a registered fake kernel) runs instead: same output and saved tensors.
+    """
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+
+    def can_use(input, weight, offs) -> bool:
+        if is_fake_tensor(weight) and weight.dtype != torch.bfloat16:
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
 def simulation(world_size: int) -> Iterator[None]:
-    """Everything an estimate needs around its fake-tensor run; all undone on exit."""
+    """Everything an estimate needs around its fake-tensor run; all undone on exit.
+
+    Expert parallelism dispatches as if routing were perfectly balanced
+    (:func:`hf_tp.parallel.expert_parallel.balanced_routing`): fake tensors have no routing.
+    """
     with (
         fake_world(world_size),
+        balanced_routing(),
+        fake_grouped_mm_any_dtype(),
         real_device_meshes(),
         separate_sharding_fake_mode(),
         unmasked_causal_attention(),

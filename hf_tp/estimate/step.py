@@ -20,16 +20,17 @@ DTYPES = ("bf16", "fp32")
 
 
 def model_from_config(
-    config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool
+    config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool, ep: int = 1
 ) -> nn.Module:
-    """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does.
+    """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does
+    (``ep`` ranks of dp splitting the experts).
 
     bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
     """
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     mp = train_setup.mixed_precision(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing)
+    parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep)
     return model
 
 

@@ -66,12 +66,19 @@ def fits(est: Estimate, gpu_memory: int) -> bool:
     return est.peak.total * (1 + FRAGMENTATION) + RESERVED_BYTES <= gpu_memory
 
 
-def candidate_splits(config: PretrainedConfig, world_size: int) -> list[tuple[int, int]]:
-    """Every (tp, dp) with tp * dp = world_size and tp valid for this model, smallest tp first."""
+def candidate_splits(config: PretrainedConfig, world_size: int, ep: int = 1) -> list[tuple[int, int]]:
+    """Every (tp, dp) with tp * dp = world_size, tp valid for this model and dp a multiple of
+    ``ep``, smallest tp first."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got world_size={world_size!r}")
     valid = [tp for tp in get_adapter(config).valid_tp_sizes(config) if world_size % tp == 0]
-    return [(tp, world_size // tp) for tp in valid]
+    splits = [(tp, world_size // tp) for tp in valid if (world_size // tp) % ep == 0]
+    if not splits:
+        raise ValueError(
+            f"no (tp, dp) split of {world_size} ranks has a dp divisible by ep={ep} "
+            f"(valid tp for this model: {', '.join(map(str, valid))})"
+        )
+    return splits
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Sweep:
 
     world_size: int
     gpu_memory: int | None
+    ep: int = 1
     estimates: list[Estimate] = field(default_factory=list)
     recommended: Estimate | None = None
 
@@ -87,6 +95,7 @@ class Sweep:
         return {
             "world_size": self.world_size,
             "gpu_memory": self.gpu_memory,
+            "ep": self.ep,
             "rule": RULE,
             "estimates": [
                 {**e.to_dict(), "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory)}
@@ -106,16 +115,19 @@ def sweep(
     gpu_memory: int | None = None,
     model_name: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    ep: int = 1,
 ) -> Sweep:
-    """Estimate every valid (tp, dp) of ``world_size`` ranks; recommend the smallest tp that fits."""
-    splits = candidate_splits(config, world_size)
-    validate_inputs(config, 1, world_size, seq_len, batch_size, dtype)  # sizes and positions, once
-    result = Sweep(world_size=world_size, gpu_memory=gpu_memory)
+    """Estimate every valid (tp, dp) of ``world_size`` ranks; recommend the smallest tp that fits.
+
+    ``ep`` stays fixed: splits whose dp it does not divide are left out."""
+    validate_inputs(config, 1, ep, seq_len, batch_size, dtype, ep)  # sizes, positions and ep, once
+    splits = candidate_splits(config, world_size, ep)
+    result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=ep)
     for tp, dp in splits:
         if progress is not None:
             progress(tp, dp)
         result.estimates.append(
-            estimate(config, tp, dp, seq_len, batch_size, dtype, activation_checkpointing, model_name=model_name)
+            estimate(config, tp, dp, seq_len, batch_size, dtype, activation_checkpointing, model_name=model_name, ep=ep)
         )
     result.recommended = recommend(result.estimates, gpu_memory)
     return result

@@ -18,18 +18,53 @@ Per MoE layer and micro-batch, after the router (which every rank runs on its ow
    the token (so the router's gradient stays local), and ``index_add_`` sums each token's choices.
 Both all-to-alls are differentiable (``all_to_all_single_autograd``): backward sends the
 gradients the opposite way.
+
+:func:`balanced_routing` replaces the data-dependent counts by an even split, for ``hf-tp
+estimate`` only (fake tensors have no values); every real run takes the path above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import device_mesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+_balanced = False  # set only inside balanced_routing()
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Dispatch as if every expert received the same number of (token, choice) rows: for
+    simulations on fake tensors (``hf-tp estimate``), never for training.
+
+    The real dispatch reads the exchanged counts back to Python, which fake tensors cannot
+    answer. Here each rank sends ``tokens * top_k / ep`` rows to every ep rank (a remainder one
+    row each to the first ranks) and every choice counts. The count exchange and the ids
+    all-to-all still run, so the collectives are the real program's; the row all-to-alls are
+    their size under perfectly even routing (real routing is uneven: a hot rank moves more).
+    The switch is process-wide (every thread), and undone on exit.
+    """
+    global _balanced
+    if _balanced:
+        raise RuntimeError("balanced_routing() is already active")
+    _balanced = True
+    try:
+        yield
+    finally:
+        _balanced = False
+
+
+def _even_split(total: int, parts: int) -> list[int]:
+    """``total`` rows over ``parts`` destinations, the remainder one each to the first ones."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -37,9 +72,11 @@ def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     dp, tp = (mesh["dp"].size(), mesh["tp"].size()) if mesh.ndim == 2 else (1, mesh.size())
     if ep < 1 or dp % ep:
         raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
-    if mesh.mesh.flatten().tolist() != list(range(dist.get_world_size())):
+    ranks = mesh.mesh.tolist()  # (tolist, not tensor ops: also answers inside hf-tp estimate's fake mode)
+    if (ranks if mesh.ndim == 1 else [r for row in ranks for r in row]) != list(range(dist.get_world_size())):
         raise ValueError("expert parallelism needs the mesh hf_tp.build_mesh makes (ranks in order, tp adjacent)")
-    return init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
+    # looked up at call time: hf-tp estimate builds meshes from real rank tensors inside its fake mode
+    return device_mesh.init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
 
 
 def check_experts(model: nn.Module, layers_path: str, paths: tuple[str, ...], ep: int) -> None:
@@ -123,21 +160,30 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         tokens, k = top_k_index.shape
         flat_expert = top_k_index.reshape(-1)
         flat_token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
-        keep = flat_expert < local * ep  # some routers mark unused choices with an id past the last expert
-        flat_expert, flat_token = flat_expert[keep], flat_token[keep]
-        weights = top_k_weights.reshape(-1)[keep]
+        weights = top_k_weights.reshape(-1)
+        if not _balanced:  # (balanced: every choice counts)
+            keep = flat_expert < local * ep  # some routers mark unused choices with an id past the last expert
+            flat_expert, flat_token, weights = flat_expert[keep], flat_token[keep], weights[keep]
         dest = torch.div(flat_expert, local, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         flat_expert, flat_token, weights, dest = flat_expert[order], flat_token[order], weights[order], dest[order]
-        send = torch.bincount(dest, minlength=ep)
+        me = dist.get_rank(group)
+        if _balanced:
+            even = _even_split(flat_expert.shape[0], ep)
+            send = torch.tensor(even, dtype=torch.int64, device=dest.device)
+        else:
+            send = torch.bincount(dest, minlength=ep)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        # balanced: every rank splits its rows alike, so each sends this rank even[me]
+        send_sizes, recv_sizes = (even, [even[me]] * ep) if _balanced else (send.tolist(), recv.tolist())
         ids = torch.empty(sum(recv_sizes), dtype=flat_expert.dtype, device=flat_expert.device)
         dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
         rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
-        self.hf_tp_tokens_per_expert = torch.bincount(ids, minlength=local)  # this rank's experts' load
-        me = dist.get_rank(group)  # rows that crossed the network, out and in (benchmarks read it)
+        self.hf_tp_tokens_per_expert = (  # this rank's experts' load
+            torch.tensor(_even_split(len(ids), local)) if _balanced else torch.bincount(ids, minlength=local)
+        )
+        # rows that crossed the network, out and in (benchmarks and the estimate read it)
         self.hf_tp_a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
         total = self.num_experts if hasattr(self, "num_experts") else None
         if total is not None:

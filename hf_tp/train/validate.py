@@ -61,29 +61,31 @@ def _auto_config(model: str, where: str) -> PretrainedConfig:
 
 
 def validate_model_config(
-    config: PretrainedConfig, tp: int, seq_len: int, seq_len_name: str = "--seq-len", ep: int = 1
+    config: PretrainedConfig,
+    tp: int,
+    seq_len: int,
+    seq_len_name: str = "--seq-len",
+    ep: int = 1,
+    ep_name: str = "--ep",
 ) -> None:
     """tp (and ep) against the architecture, the sequence length against the model's positions
-    (for ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name`` is how the caller names it)."""
+    (for ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name``/``ep_name`` are how the caller
+    names them)."""
     from hf_tp.adapters import get_adapter
+    from hf_tp.adapters.inspect_moe import num_experts
 
     adapter = get_adapter(config)
     adapter.validate(config, tp)
     if ep > 1:
-        experts = next(
-            (
-                getattr(config, n)
-                for n in ("num_experts", "num_local_experts", "n_routed_experts")
-                if hasattr(config, n)
-            ),
-            None,
-        )
-        if not adapter.moe or not isinstance(experts, int):
+        experts = num_experts(config)
+        given = f"{ep_name} {ep}" if ep_name.startswith("-") else f"{ep_name}={ep}"  # a flag or an argument
+        if not adapter.moe or experts is None:
             raise ValueError(
-                f"--ep {ep} needs a mixture-of-experts model; this {config.model_type} model has no experts"
+                f"{given} needs a mixture-of-experts model; this {config.model_type} model has no experts "
+                f"(leave {ep_name} at 1)"
             )
         if experts % ep:
-            raise ValueError(f"--ep must divide the number of experts ({experts}) of this model, got --ep {ep}")
+            raise ValueError(f"{ep_name} must divide the number of experts ({experts}) of this model, got {given}")
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise ValueError(
