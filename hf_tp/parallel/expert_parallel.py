@@ -118,7 +118,7 @@ def apply_expert_parallel(
         for name, param in list(experts.named_parameters(recurse=False)):
             value = param.to_local() if isinstance(param, DTensor) else param.detach()
             tp_placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
-            mine = value[rank * local : (rank + 1) * local]
+            mine = value[rank * local : (rank + 1) * local].clone()  # a copy: a view would keep every expert alive
             dt = DTensor.from_local(mine, ep_mesh, [Replicate(), Shard(0), tp_placement], run_check=False)
             new = nn.Parameter(dt, param.requires_grad)
             new.register_hook(_average_over_dp(dp, out_group))

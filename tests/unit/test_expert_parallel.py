@@ -58,6 +58,10 @@ def test_expert_parallel_parity(model_type: str, tp: int) -> None:
         assert_parity(got, want, rows)
         loads = [m.hf_tp_tokens_per_expert for m in model.modules() if hasattr(m, "hf_tp_tokens_per_expert")]
         counts[rank] = torch.cat(loads).tolist()
+        for name, p in model.named_parameters():  # a rank holds its experts only, not views of all
+            if ".experts." in name:
+                local = p.to_local()
+                assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), name
 
     run_threaded(tp * dp, rank_fn)
     # The routing is uneven: some expert received no token on some rank (its all-to-all split is 0).
