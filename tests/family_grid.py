@@ -55,6 +55,7 @@ MOE_SIZES = dict(
     num_local_experts=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
+    moe_topk=2,  # Hunyuan's name for it
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
     router_aux_loss_coef=0.5,

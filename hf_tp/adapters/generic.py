@@ -97,6 +97,7 @@ class Derivation:
     layers_path: str
     colwise: tuple[str, ...]
     kv: tuple[str, ...]  # colwise K/V projections (replicated when tp > num_key_value_heads)
+    kv_bound: tuple[str, ...]  # sharded projections that split the KV heads (K/V, or packed QKV)
     rowwise: tuple[str, ...]
     # transformers' colwise_gather_output / rowwise_split_input (packed qkv_proj, gate_up_proj):
     # the projection is sharded, its output all-gathered, the region between runs whole on every
@@ -146,7 +147,10 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         if key not in _DERIVED:
             _DERIVED[key] = derive(config)
     d = _DERIVED[key]
-    split = tuple(f for f in ("num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is not None)
+    # tp and the KV heads must fit each other only where the plan splits the KV heads; attention
+    # that runs whole (transformers gathers it, or has no plan for it) leaves them alone.
+    fields = ("num_attention_heads", "num_key_value_heads") if d.kv_bound else ("num_attention_heads",)
+    split = tuple(f for f in fields if getattr(config, f, None) is not None)
     return Adapter(
         model_type=d.model_type,
         layer_plan=lambda opts: layer_plan(d, opts),
@@ -237,6 +241,11 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
 
 def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
     kv = getattr(config, "num_key_value_heads", None)
+    if kv is not None and tp > kv and d.kv_bound and not d.kv:
+        raise ValueError(
+            f"tp must divide num_key_value_heads ({kv}) of this {d.model_type} model, got tp={tp}: its packed "
+            f"{', '.join(d.kv_bound)} cannot give each KV head to several ranks; use tp <= {kv}"
+        )
     if d.width_norms and kv is not None and tp > kv:
         raise ValueError(
             f"tp ({tp}) is over num_key_value_heads ({kv}) of this {d.model_type} model, whose norms over the "

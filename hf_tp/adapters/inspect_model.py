@@ -122,6 +122,14 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
         for p in colwise
         if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
     ]
+    # Projections whose shards follow the KV heads (separate k/v, or q/k/v packed in one): with
+    # none, the attention runs whole (gathered or replicated) and tp needs no relation to them.
+    kv_bound = [
+        p
+        for p in colwise
+        if p not in gathered
+        and layer.get_submodule(p).out_features in (kv_heads * head_dim, (heads + 2 * kv_heads) * head_dim)
+    ]
     blocks = _blocks(mt, layer, colwise, rowwise, gathered, config.hidden_size, skip=set(moe))
     # Blocks that run whole on every rank: replicated ones, and those whose projections are all
     # gathered (the region between them is whole too). Every rank computes their parameters' full
@@ -141,6 +149,7 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
     return dict(
         colwise=colwise,
         kv=kv,
+        kv_bound=kv_bound,
         rowwise=rowwise,
         gathered=gathered,
         head_norms=head_norms,

@@ -46,6 +46,13 @@ def test_moe_tp4() -> None:
     assert run_family("qwen3_moe", tp=4, heads=8, kv=4).status == "parity"
 
 
+@pytest.mark.parametrize("model_type", ["olmoe", "granitemoe"])
+def test_whole_attention_needs_no_kv_split_at_tp4(model_type: str) -> None:
+    # 2 KV heads at tp=4: OLMoE's attention is gathered (transformers' plan), Granite-MoE's has no
+    # plan and runs whole; neither splits KV heads, so tp need not fit them (it was refused).
+    assert run_family(model_type, tp=4, heads=8, kv=2, hidden_size=128).status == "parity"
+
+
 @pytest.mark.parametrize(
     ("model_type", "sizes", "path"),
     [
