@@ -122,12 +122,16 @@ Seed-OSS's default residual dropout is 0.1). Mixture-of-experts families are in 
 
 **{moe_held} of {len(mixtures)} hold parity** at tp=2 under the same checks, trained with the router's
 load-balancing loss in the loss (`output_router_logits=True`, weight 0.5 so that a wrong router
-gradient shows; 4 experts, 2 per token). Every MoE block runs as one expert-tensor-parallel region
+gradient shows; 4 experts, 2 per token: with one per token and renormalised weights, the router's
+gradient is zero in exact arithmetic, and AdamW's first step turns its round-off, which transformers'
+fp32 routers put near 1e-10, into an update of about lr that no two summation orders share; the
+gradients themselves still match). Every MoE block runs as one expert-tensor-parallel region
 (`hf_tp/styles/experts.py`): each rank keeps its slice of every expert's intermediate dim (gate and
 up halves alike), routers and gates are replicated with their gradients summed over tp, shared
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
-parallelism (`--ep`, README) is tested on Qwen3-MoE and Mixtral.
+parallelism (`--ep`, README) is tested against plain HF on Qwen3-MoE, Mixtral, Qwen2-MoE and OLMoE
+(`tests/unit/test_expert_parallel.py`, and through the training loop in `tests/e2e/`).
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|

@@ -122,13 +122,17 @@ def _layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]
         for p in colwise
         if p not in gathered and kv_heads != heads and layer.get_submodule(p).out_features == kv_heads * head_dim
     ]
-    # Projections whose shards follow the KV heads (separate k/v, or q/k/v packed in one): with
-    # none, the attention runs whole (gathered or replicated) and tp needs no relation to them.
-    kv_bound = [
+    # Projections whose shards follow the KV heads: separate k/v, or q/k/v packed in one inside an
+    # attention module (by size alone an MLP's width could pass for it). With none, the attention
+    # runs whole (gathered or replicated) and tp needs no relation to the KV heads.
+    packed = (heads + 2 * kv_heads) * head_dim
+    kv_bound = kv + [
         p
         for p in colwise
         if p not in gathered
-        and layer.get_submodule(p).out_features in (kv_heads * head_dim, (heads + 2 * kv_heads) * head_dim)
+        and kv_heads != heads
+        and layer.get_submodule(p).out_features == packed
+        and "att" in type(layer.get_submodule(p.split(".", 1)[0])).__name__.lower()
     ]
     blocks = _blocks(mt, layer, colwise, rowwise, gathered, config.hidden_size, skip=set(moe))
     # Blocks that run whole on every rank: replicated ones, and those whose projections are all
