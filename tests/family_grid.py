@@ -55,7 +55,9 @@ MOE_SIZES = dict(
     num_local_experts=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
-    moe_topk=2,  # Hunyuan's name for it
+    moe_topk=2,  # Hunyuan's and Aria's name for it
+    moe_num_experts=4,  # Ernie 4.5's and Aria's names
+    moe_k=2,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
     router_aux_loss_coef=0.5,
@@ -76,6 +78,7 @@ FAMILY_EXTRAS.update(
         "bailing_hybrid": dict(**HYBRID, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
         "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
+        "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
     }
 )
 GREEDY_TOKENS = 4
@@ -172,3 +175,26 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
     run_threaded(tp, rank_fn)
     assert torch.get_default_dtype() == default_dtype, f"{model_type} left torch's default dtype changed"
     return GridResult(model_type, "parity")
+
+
+def run_family_ep(model_type: str, ep: int = 2, tp: int = 1, steps: int = 1, **overrides) -> None:
+    """Expert parallelism on ``ep`` dp ranks (times ``tp``) against plain HF on the global batch:
+    logits, loss, every gradient (experts and routers), AdamW weights. Each dp rank trains on its
+    own rows with HF's ``labels=`` loss, so the router's aux loss is off here (its global-batch
+    form is tested in tests/unit/test_aux_loss.py and through the training loop)."""
+    config = grid_config(model_type, vocab_size=300, **overrides)  # 300: even vocab shards
+    ref = grid_model(config)
+    data = batch(config.vocab_size, b=2 * ep, s=12, pad=None)  # equal token counts per dp rank
+    want = train_steps(copy.deepcopy(ref), data, steps=steps)
+    candidates = [copy.deepcopy(ref) for _ in range(tp * ep)]
+
+    def rank_fn(rank: int) -> None:
+        model = candidates[rank]
+        mesh = hf_tp.build_mesh(tp=tp, dp=ep, device_type="cpu")
+        hf_tp.parallelize(model, mesh, ep=ep)
+        rows = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
+        local = {k: v[rows] for k, v in data.items()}
+        got = train_steps(model, local, steps=steps, ctx=hf_tp.loss_parallel, dp_group=mesh["dp"].get_group())
+        assert_parity(got, want, rows)
+
+    run_threaded(tp * ep, rank_fn)

@@ -1,6 +1,7 @@
 """The mixture-of-experts grid: every MoE family of the installed transformers holds parity with
 plain HF at tp=2 (logits, LM + aux loss, every gradient including the routers', AdamW weights,
-``model.generate`` greedy tokens) or is refused with a clear ``ValueError``.
+``model.generate`` greedy tokens) or is refused with a clear ``ValueError``; and every supported
+one holds it with expert parallelism at ep=2.
 
 Each tiny model has 4 experts, 2 per token, and an aux-loss weight of 0.5, so a router gradient
 that counted the aux loss once per tp rank fails the gradient check (checked by mutation)."""
@@ -13,7 +14,7 @@ import pytest
 
 import hf_tp
 from hf_tp.adapters.support import MOE, REFUSED, tensor_parallel_causal_lm_types
-from tests.family_grid import grid_config, run_family
+from tests.family_grid import grid_config, run_family, run_family_ep
 
 MIXTURES = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if moe)
 ISSUE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "phimoe")
@@ -30,6 +31,12 @@ def test_moe_family_tp2(model_type: str) -> None:
         assert result.status == "parity", result.reason
     else:  # a family newer than support.py: parity or a clear refusal
         assert result.status == "parity" or "hf_tp cannot derive" in result.reason, result.reason
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_moe_family_ep2(model_type: str) -> None:
+    # Every supported family's experts placed on 2 dp ranks, tokens moved by all-to-all.
+    run_family_ep(model_type)
 
 
 def test_moe_tables() -> None:
