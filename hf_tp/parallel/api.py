@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
-from hf_tp.parallel.fsdp import apply_fsdp
+from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
@@ -87,11 +87,13 @@ def parallelize(
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
     if tp_mesh.size() > 1:
         apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    whole = odd_dtype_params(model, adapter) if fsdp else set()  # kept whole on every dp rank
+    if tp_mesh.size() > 1:
         if adapter.moe:
             model.loss_function = local_loss_function(model.loss_function)
         if fuse_partial_grads:
             units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
-            install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp)
+            install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
     # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
     # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
     if compile:
@@ -105,7 +107,9 @@ def parallelize(
             dp_mesh,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
-            ignored_params=set(expert_params) or None,
+            ignored_params=(set(expert_params) | whole) or None,
+            averaged=whole,
+            fused=fuse_partial_grads and tp_mesh.size() > 1,
         )
     model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.

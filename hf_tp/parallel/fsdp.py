@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
 
@@ -20,26 +22,22 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
+    averaged: set[nn.Parameter] | None = None,
+    fused: bool = False,
 ) -> None:
     """Shard parameters over ``dp_mesh``: one FSDP unit per decoder layer, the rest in the root.
 
     Run after tensor parallelism; FSDP2 then builds 2-D (dp, tp) parameters from the TP DTensors.
-    ``ignored_params`` (expert-parallel weights) stay as they are.
+    ``ignored_params`` (expert-parallel weights, :func:`odd_dtype_params`) stay as they are;
+    those of them in ``averaged`` get their gradients averaged over dp here, as FSDP2 averages
+    the others (``fused``: tp-``Partial`` ones are left to :mod:`hf_tp.parallel.partial_grads`,
+    which reduces them over dp and tp at once).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    # A module kept in another dtype (a router transformers builds in fp32 inside a bf16 or fp64
-    # model) runs in its own dtype, as in the model.
-    own_dtype = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
     layers = model.get_submodule(adapter.layers_path)
+    for p in averaged or set():
+        p.register_hook(_mean_over(dp_mesh, fused))
     for layer in layers:
-        for module in odd_dtype_modules(layer, ignored_params or set()):
-            fully_shard(
-                module,
-                mesh=dp_mesh,
-                mp_policy=own_dtype,
-                reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored_params,
-            )
         fully_shard(
             layer,
             mesh=dp_mesh,
@@ -51,21 +49,38 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=ignored_params)
 
 
-def odd_dtype_modules(layer: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
-    """The submodules whose own trainable parameters have another dtype than most of the layer's.
+def odd_dtype_params(model: nn.Module, adapter: Adapter) -> set[nn.Parameter]:
+    """Trainable parameters of modules kept in another dtype than most of their decoder layer's
+    (a router transformers builds in fp32 in a bf16 or fp64 model).
 
     FSDP2 needs one parameter dtype per unit ("FSDP expects uniform original parameter dtype"),
-    so each of these becomes a unit of its own inside the layer's."""
-    owned = [
-        (module, p)
-        for module in layer.modules()
-        for p in module.parameters(recurse=False)
-        if p.requires_grad and p not in ignored
-    ]
-    sizes: Counter[torch.dtype] = Counter()
-    for _, p in owned:
-        sizes[p.dtype] += p.numel()
-    if len(sizes) < 2:
-        return []
-    main = sizes.most_common(1)[0][0]
-    return list({id(m): m for m, p in owned if p.dtype != main}.values())
+    and these modules must keep theirs. They are small: they stay whole on every dp rank, outside
+    FSDP2. (A unit of their own would unshard them only at their own forward, after a MoE
+    region has read their weights.)"""
+    out: set[nn.Parameter] = set()
+    for layer in model.get_submodule(adapter.layers_path):
+        owned = [(m, p) for m in layer.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+        sizes: Counter[torch.dtype] = Counter()
+        for _, p in owned:
+            sizes[p.dtype] += p.numel()
+        if len(sizes) > 1:
+            main = sizes.most_common(1)[0][0]
+            odd = {id(m) for m, p in owned if p.dtype != main}
+            out |= {p for m, p in owned if id(m) in odd}
+    return out
+
+
+def _mean_over(dp_mesh: DeviceMesh, fused: bool):
+    """Gradient hook: the mean over the dp ranks (FSDP2's reduction, for a parameter outside it)."""
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if fused and isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            return grad  # the fused reduction sums it over tp and averages it over dp
+        local = (grad.to_local() if isinstance(grad, DTensor) else grad) / size
+        dist.all_reduce(local, group=group)
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return local
+
+    return hook

@@ -50,6 +50,7 @@ class PartialGradReducer:
         self._pending: list[tuple[_Weight, torch.Tensor]] = []
         self._queued = False
         self.flushes = 0  # backward passes that reduced something (the parity tests check it)
+        self.outside: set[int] = set()  # ids of parameters outside FSDP2 (whole on every dp rank)
 
     def hook_current_tensors(self, weights: list[_Weight]) -> None:
         """Hook the tensors the modules hold right now: FSDP2's unsharded parameters while it
@@ -93,7 +94,7 @@ class PartialGradReducer:
             offset += g.numel()
             # After backward FSDP2 has put its sharded parameter (the optimizer's) back in place.
             param = weight.module._parameters[weight.name]
-            if self.fsdp and any(param is h for h in weight.hooked):
+            if self.fsdp and id(param) not in self.outside and any(param is h for h in weight.hooked):
                 raise RuntimeError(
                     f"hf_tp: FSDP2 left {weight.name} unsharded after backward, so its fused gradient has "
                     "nowhere to go; keep reshard_after_backward on, or pass fuse_partial_grads=False to parallelize"
@@ -131,12 +132,18 @@ def replicated_weights(model: nn.Module) -> list[_Weight]:
 
 
 def install(
-    model: nn.Module, units: list[nn.Module], tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, fsdp: bool
+    model: nn.Module,
+    units: list[nn.Module],
+    tp_mesh: DeviceMesh,
+    dp_mesh: DeviceMesh | None,
+    fsdp: bool,
+    outside: set[nn.Parameter] | None = None,
 ) -> PartialGradReducer | None:
     """Set up the fused reduction on a tensor-parallel ``model``, after TP and before FSDP2.
 
     ``units`` are the modules FSDP2 will shard on their own (the decoder layers; the root
-    ``model`` holds the rest). Without FSDP2 pass ``[]``.
+    ``model`` holds the rest). Without FSDP2 pass ``[]``. ``outside``: parameters FSDP2 will
+    leave whole on every dp rank (their reduced gradient goes to the parameter itself).
     """
     weights = replicated_weights(model)
     if not weights:
@@ -149,6 +156,7 @@ def install(
         else:
             groups.append(dp_mesh.get_group())
     reducer = PartialGradReducer(groups, dp, fsdp)
+    reducer.outside = {id(p) for p in outside or ()}
 
     # The tensors to hook exist only at forward time: FSDP2 creates a unit's unsharded parameters
     # at its first all-gather (and swaps them in in its pre-forward, which runs before any other
