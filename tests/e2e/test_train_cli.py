@@ -84,12 +84,12 @@ def chat_setup(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> None:
-    """Chat data (assistant-only labels, documents packed with their own masks), four mesh shapes and
-    plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss."""
+    """Chat data (assistant-only labels, documents packed with their own masks), three mesh shapes
+    and plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss. (A
+    single-rank launch: the reference run of tests/e2e/test_checkpoint.py.)"""
     model_dir, data = chat_setup
     runs = {
         "tp2_dp2_b2": ["--tp", "2", "--dp", "2", "--batch-size", "2"],
-        "tp1_dp1_b4": ["--tp", "1", "--dp", "1", "--batch-size", "4"],
         "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
         "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
     }
