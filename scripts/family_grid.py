@@ -131,9 +131,9 @@ up halves alike), routers and gates are replicated with their gradients summed o
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
 parallelism (`--ep`, README) holds the same parity for every family marked parity here, at ep=2
-(`test_moe_family_ep2`; tp2 x ep2 and uneven routing with empty experts on Qwen3-MoE, Mixtral,
-Qwen2-MoE and Ernie in `tests/unit/test_expert_parallel.py` and `test_moe_grid.py`, and through the
-training loop in `tests/e2e/`).
+(`test_moe_family_ep2`; tp2 x ep2 on Qwen3-MoE, Mixtral, Qwen2-MoE and Ernie, routing that leaves
+experts empty on Qwen3-MoE, Qwen2-MoE and OLMoE, in `tests/unit/test_expert_parallel.py` and
+`test_moe_grid.py`; and through the training loop in `tests/e2e/`).
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|
