@@ -76,7 +76,10 @@ FAMILY_EXTRAS.update(
         "qwen3_5_moe_text": HYBRID,
         "kimi_linear": dict(**HYBRID, mlp_layer_types=["dense", "sparse"]),
         "bailing_hybrid": dict(**HYBRID, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
-        "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+        # Mamba sizes scaled to the grid (its defaults, 128 heads and state 256, took ~10 s a run)
+        "granitemoehybrid": dict(
+            layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16
+        ),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
     }
