@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import hf_tp
+from hf_tp.adapters.generic import base_tp_plan
 from tests.helpers import batch, clone, run_threaded
 from tests.parity import assert_parity, train_steps
 
@@ -90,7 +91,7 @@ GREEDY_TOKENS = 4
 def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> PretrainedConfig:
     sizes = {**GRID_SIZES, "num_attention_heads": heads, "num_key_value_heads": kv}
     fields = AutoConfig.for_model(model_type).to_dict()
-    if any("expert" in key for key in AutoConfig.for_model(model_type).base_model_tp_plan or {}):
+    if is_moe(AutoConfig.for_model(model_type)):
         sizes.update({k: v for k, v in MOE_SIZES.items() if k in fields})
         if "first_k_dense_replace" in fields:
             sizes["first_k_dense_replace"] = 1  # a dense layer, then a MoE layer
@@ -118,11 +119,13 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            elif name.endswith("_bias"):  # experts' biases [experts, features] (GPT-OSS), zero at init
+                p.normal_(0.0, 0.1)
     return model
 
 
 def is_moe(config: PretrainedConfig) -> bool:
-    return any("expert" in key for key in getattr(config, "base_model_tp_plan", None) or {})
+    return any("expert" in key for key in base_tp_plan(config))
 
 
 @dataclass

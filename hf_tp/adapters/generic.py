@@ -134,6 +134,11 @@ def register_plan_overrides(model_types: tuple[str, ...], overrides: dict[str, s
         PLAN_OVERRIDES[model_type] = dict(overrides)
 
 
+def base_tp_plan(config: PretrainedConfig) -> dict[str, str]:
+    """transformers' ``base_model_tp_plan`` for ``config`` with hf_tp's corrections applied."""
+    return {**(getattr(config, "base_model_tp_plan", None) or {}), **PLAN_OVERRIDES.get(config.model_type, {})}
+
+
 _DERIVED: dict[str, Derivation] = {}  # config JSON -> derivation (building the meta model costs ~0.1-2 s)
 _DERIVING = threading.Lock()
 
@@ -274,8 +279,7 @@ def derive(config: PretrainedConfig) -> Derivation:
     from hf_tp.adapters.inspect_model import inspect_model  # the reading of modules and sources
 
     mt = config.model_type
-    tp_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    tp_plan.update(PLAN_OVERRIDES.get(mt, {}))
+    tp_plan = base_tp_plan(config)
     if not tp_plan:
         from hf_tp.adapters.registry import supported_model_types
 

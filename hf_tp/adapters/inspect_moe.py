@@ -6,8 +6,8 @@ parameter under it a role:
 
 - the experts' 3-D weights: sharded on the intermediate dim their plan style names
   (``packed_colwise``/``colwise``: dim -2, ``packed_rowwise``/``rowwise``: dim -1; packed ones as
-  gate and up halves), an expert bias following its weight (sharded with a column split, added
-  once with a row split);
+  gate and up halves), an expert bias following its weight (sharded when the weight is split on
+  its output dim, -1 for experts stored transposed, else added once);
 - Linear layers the plan shards (DeepSeek's ``shared_experts.gate_proj``) or whose name the
   plan shards in a dense MLP of the same layer (Qwen2-MoE's ``shared_expert.gate_proj`` from
   ``mlp.gate_proj``): column- or row-parallel, a row-parallel bias added once;
@@ -73,7 +73,8 @@ def region_roles(
         prefix = f"{path}." if path else ""
         if path in experts:
             for name, param in own.items():
-                roles[prefix + name] = _expert_role(mt, full, name, param, layer_styles, own)
+                transposed = bool(getattr(sub, "is_transposed", False))
+                roles[prefix + name] = _expert_role(mt, full, name, param, layer_styles, own, transposed)
                 if roles[prefix + name].kind == "shard":
                     size = param.shape[roles[prefix + name].dim] // (2 if roles[prefix + name].packed else 1)
                     widths.append((f"{full}.{name}", size))
@@ -107,7 +108,11 @@ def _is_gate(module: nn.Module, own: dict, num_experts: int | None, hidden: int)
     return len(weights) == 1 and tuple(weights[0].shape) == (num_experts, hidden)
 
 
-def _expert_role(mt: str, experts: str, name: str, param, layer_styles: dict[str, str], own: dict) -> Role:
+def _expert_role(
+    mt: str, experts: str, name: str, param, layer_styles: dict[str, str], own: dict, transposed: bool
+) -> Role:
+    """The role of one experts parameter; ``transposed``: weights stored ``[experts, in, out]``
+    (transformers' ``is_transposed``), so the output dim is -1, not -2."""
     style = layer_styles.get(f"{experts}.{name}")
     if style is None:
         weight = name[: -len("_bias")] if name.endswith("_bias") else None
@@ -116,7 +121,7 @@ def _expert_role(mt: str, experts: str, name: str, param, layer_styles: dict[str
             raise refuse(mt, f"the experts parameter {experts}.{name} {tuple(param.shape)} has no split in its tp plan")
         dim, packed = EXPERT_DIMS[wstyle]
         # a bias [experts, out]: split with an output (column) split, added once with an input split
-        return Role("shard", 1, packed) if dim == -2 else Role("additive")
+        return Role("shard", 1, packed) if dim == (-1 if transposed else -2) else Role("additive")
     if style not in EXPERT_DIMS or param.dim() != 3:
         raise refuse(mt, f"the experts parameter {experts}.{name} {tuple(param.shape)} has the style '{style}'")
     dim, packed = EXPERT_DIMS[style]

@@ -66,6 +66,7 @@ MOE: dict[str, str] = {
     "glm4_moe": "shared experts; dense first layer",
     "glm4_moe_lite": "shared experts; latent attention runs whole on every rank",
     "glm_moe_dsa": "shared experts; latent attention with its indexer runs whole on every rank",
+    "gpt_oss": "tp plan written by hf_tp (adapters/gpt_oss.py: transformers has none); per-head attention sinks; experts stored transposed with interleaved gate/up columns and biases; router with a bias",
     "granitemoe": "attention (not in its tp plan) runs whole on every rank; multipliers",
     "granitemoe_swa": "per-head attention sinks; sliding-window layers",
     "granitemoehybrid": "Mamba layers run whole on every rank",
@@ -97,7 +98,6 @@ REFUSED: dict[str, str] = {
     "llama4": "a multimodal model (its tp plan shards the vision projector); train llama4_text MoE under issue 14",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
-    "gpt_oss": "transformers gives it no tensor-parallel plan (only an expert-parallel one); its experts' biases and attention sinks are not derived yet",
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
     "axk2": "its first (dense) layer's post-attention norm is left without a placement by the generic plan",
     "bailing_hybrid": "not verified: its tiny test config fails inside transformers, so hf_tp's grid cannot check parity",
