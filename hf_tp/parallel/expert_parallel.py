@@ -112,6 +112,7 @@ def apply_expert_parallel(
     rank = ep_mesh["ep"].get_local_rank()
     dp = ep_mesh["dp_out"].size() * ep
     out_group = ep_mesh["dp_out"].get_group() if ep_mesh["dp_out"].size() > 1 else None
+    tp_group = ep_mesh["tp"].get_group() if ep_mesh["tp"].size() > 1 else None
     params = []
     for _, experts in experts_modules(model, layers_path, paths):
         local = _num_experts(experts) // ep
@@ -121,7 +122,7 @@ def apply_expert_parallel(
             mine = value[rank * local : (rank + 1) * local].clone()  # a copy: a view would keep every expert alive
             dt = DTensor.from_local(mine, ep_mesh, [Replicate(), Shard(0), tp_placement], run_check=False)
             new = nn.Parameter(dt, param.requires_grad)
-            new.register_hook(_average_over_dp(dp, out_group))
+            new.register_hook(_average_over_dp(dp, out_group, tp_group))
             experts.register_parameter(name, new)
             params.append(new)
         experts.hf_tp_local_experts = (rank * local, local)
@@ -129,15 +130,23 @@ def apply_expert_parallel(
     return params
 
 
-def _average_over_dp(dp: int, out_group):
+def _average_over_dp(dp: int, out_group, tp_group):
     """Gradient hook: the sum over every rank that sent tokens to these experts, divided by dp
-    (FSDP2's average for the other weights); summed over the replicas first when dp_out > 1."""
+    (FSDP2's average for the other weights); summed over the replicas first when dp_out > 1.
+    An expert bias added once to a tp-partial output (GPT-OSS's ``down_proj_bias``: each tp rank
+    adds ``1/tp`` of it) has a gradient that is a partial sum over tp: summed here too (the fused
+    reduction of :mod:`hf_tp.parallel.partial_grads` sums over dp as well, which ep-sharded
+    experts must not be; it lets the now replicated gradient pass)."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         local = grad.to_local() / dp
+        placements = list(grad.placements)
+        if placements[-1].is_partial():
+            dist.all_reduce(local, group=tp_group)
+            placements[-1] = Replicate()
         if out_group is not None:
             dist.all_reduce(local, group=out_group)
-        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return DTensor.from_local(local, grad.device_mesh, placements, run_check=False)
 
     return hook
 

@@ -146,7 +146,9 @@ def _view(param: DTensor, role: Role, tp: int) -> torch.Tensor:
     if role.kind == "shard":
         local = param.to_local()
         return local.flatten(role.dim, role.dim + 1) if role.packed else local
-    local = param.to_local(grad_placements=[Partial()])
+    # Partial on the tp dim, the last one (expert parallelism puts expert weights on a
+    # (dp_out, ep, tp) mesh: their other placements stay as they are)
+    local = param.to_local(grad_placements=[*param.placements[:-1], Partial()])
     return local / tp if role.kind == "additive" else local
 
 
