@@ -86,7 +86,11 @@ class Adapter:
         return tp // kv if kv is not None and tp > kv else 1
 
     def validate(self, config: PretrainedConfig, tp: int) -> None:
-        """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model."""
+        """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model, or
+        naming the fix if the checkpoint is quantized (:mod:`hf_tp.adapters.quantized`)."""
+        from hf_tp.adapters.quantized import check_not_quantized
+
+        check_not_quantized(config)
         if tp < 1:
             raise ValueError(f"tp must be a positive integer, got tp={tp}")
         valid = ", ".join(str(v) for v in self.valid_tp_sizes(config))

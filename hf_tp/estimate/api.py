@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import PretrainedConfig
 
+from hf_tp.adapters.quantized import full_precision
 from hf_tp.estimate.comm import CommCounter, CommStat
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
 from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
@@ -77,7 +78,9 @@ class Estimate:
 def validate_inputs(
     config: PretrainedConfig, tp: int, dp: int, seq_len: int, batch_size: int, dtype: str, ep: int = 1
 ) -> None:
-    """One-line ``ValueError``s for sizes that cannot be trained, before anything is built."""
+    """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
+    quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
+    config = full_precision(config)
     for name, value in (("tp", tp), ("dp", dp), ("ep", ep), ("seq_len", seq_len), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
@@ -107,6 +110,7 @@ def estimate(
     per decoder layer (Qwen2-0.5B ~8 s, Llama-3.1-70B ~30 s); needs no GPU, weights or network.
     """
     validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep)
+    config = full_precision(config)  # (a quantized checkpoint: hf_tp trains its dequantized copy)
     start = time.perf_counter()
     with simulation(tp * dp):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -150,3 +150,17 @@ def test_cli_ep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         err = capsys.readouterr().err.strip()
         assert err.startswith("hf-tp estimate: error: ") and message in err and "\n" not in err
     assert not dist.is_initialized() and not expert_parallel._balanced
+
+
+def test_gpt_oss_quantized_checkpoint_is_sized_as_its_dequantized_copy() -> None:
+    # GPT-OSS ships its experts in MXFP4: hf-tp estimate sizes the full-precision model hf_tp
+    # would train (training it refuses with the dequantizing command). Experts carry biases.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+    config = AutoConfig.for_model("gpt_oss", **sizes, quantization_config={"quant_method": "mxfp4"})
+    est = estimate(config, 2, 2, SEQ, BATCH, "bf16", ep=2)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **sizes))
+    assert est.num_params == sum(p.numel() for p in plain.parameters())
+    assert est.moe.experts_per_rank == 2 and config.quantization_config == {"quant_method": "mxfp4"}

@@ -103,3 +103,32 @@ def test_mesh_and_model_errors_on_every_rank() -> None:
         expect(rank, lambda: hf_tp.parallelize(twice[rank], mesh), "already parallelized")
 
     run_threaded(2, rank_fn2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "quantization", "message"),
+    [
+        ("gpt_oss", {"quant_method": "mxfp4"}, r"quant_method 'mxfp4'.*Mxfp4Config\(dequantize=True\)"),
+        ("qwen2", {"quant_method": "fp8", "weight_block_size": [128, 128]}, r"FineGrainedFP8Config\(dequantize=True\)"),
+        ("qwen2", {"quant_method": "bitsandbytes", "load_in_4bit": True}, r"'bitsandbytes'.*unquantized base model"),
+    ],
+)
+def test_quantized_checkpoints_are_refused_with_the_fix(model_type: str, quantization: dict, message: str) -> None:
+    # A quantized checkpoint's files hold codes and scales, not weights: refused before loading
+    # (hf-tp train's launcher and every rank) and in parallelize, never trained as raw codes.
+    from transformers import AutoConfig
+
+    from hf_tp.train.validate import validate_model_config
+
+    config = AutoConfig.for_model(model_type, quantization_config=quantization)
+    with pytest.raises(ValueError, match=message):
+        validate_model_config(config, tp=1, seq_len=16)
+
+    def rank_fn(rank: int) -> None:
+        model = tiny_model(tiny_config("qwen2"))
+        model.config.quantization_config = quantization
+        with pytest.raises(ValueError, match=r"hf_tp trains full-precision weights"):
+            hf_tp.parallelize(model, hf_tp.build_mesh(tp=2, device_type="cpu"))
+
+    if quantization["quant_method"] == "bitsandbytes":  # (parallelize's check is the same for all)
+        run_threaded(2, rank_fn)

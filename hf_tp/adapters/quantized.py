@@ -1,0 +1,55 @@
+"""Refusing quantized checkpoints with the command that dequantizes them.
+
+Published MoE checkpoints often store their weights quantized (GPT-OSS's experts in MXFP4,
+DeepSeek-V3's in block FP8 with scales). hf_tp trains full-precision weights: reading such files
+as if they were plain tensors would train on the raw codes, and transformers' quantized modules
+are not the modules a plan is derived from. Both are refused before anything is loaded, with the
+one-time conversion that transformers itself offers where it has one.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from transformers import PretrainedConfig
+
+# quant_method -> transformers' config class that loads it dequantized (``dequantize=True``)
+DEQUANTIZING = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
+
+
+def quant_method(config: PretrainedConfig) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (a dict in config.json, an object
+    once transformers has read it), or None for full-precision weights."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def check_not_quantized(config: PretrainedConfig) -> None:
+    """Raise a ``ValueError`` naming the quantization and the fix for a quantized checkpoint."""
+    method = quant_method(config)
+    if method is None:
+        return
+    what = f"this {config.model_type} checkpoint is quantized (quant_method '{method}'); hf_tp trains full-precision weights"
+    if method in DEQUANTIZING:
+        cls = DEQUANTIZING[method]
+        name = getattr(config, "_name_or_path", "") or "MODEL"
+        copy = name.rstrip("/").rsplit("/", 1)[-1] + "-bf16"
+        raise ValueError(
+            f'{what}. Dequantize it once and train the copy: python -c "import torch; from transformers import '
+            f"AutoModelForCausalLM, {cls}; AutoModelForCausalLM.from_pretrained('{name}', "
+            f"quantization_config={cls}(dequantize=True), dtype=torch.bfloat16).save_pretrained('{copy}')\""
+        )
+    raise ValueError(f"{what}: train its unquantized base model instead")
+
+
+def full_precision(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` without its quantization (a copy): the model its dequantized copy is, which is
+    what hf_tp would train (``hf-tp estimate`` sizes that for a quantized Hub checkpoint)."""
+    if quant_method(config) is None:
+        return config
+    out = copy.deepcopy(config)
+    del out.quantization_config
+    return out
