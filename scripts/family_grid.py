@@ -89,6 +89,12 @@ def main() -> int:
             reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
             moe_rows.append(f"| `{mt}` | refused | | {reason} |")
         print(f"{mt:22s} {result.status:8s} {time.perf_counter() - t0:5.1f}s", file=sys.stderr, flush=True)
+    # MoE families transformers has no tp plan for, whose plan an hf_tp family file writes (GPT-OSS)
+    own_plan = sorted(set(MOE) - set(mixtures))
+    for mt in own_plan:
+        result = run_family(mt)
+        status = "hf_tp's plan: parity" if result.status == "parity" else f"hf_tp's plan: {result.status}"
+        moe_rows.append(f"| `{mt}` | {status} | {valid_tp(mt)} | {MOE[mt]} |")
 
     text = (
         f"""# Architectures
@@ -131,9 +137,11 @@ up halves alike), routers and gates are replicated with their gradients summed o
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
 parallelism (`--ep`, README) holds the same parity for every family marked parity here, at ep=2
-(`test_moe_family_ep2`; tp2 x ep2 on Qwen3-MoE, Mixtral, Qwen2-MoE and Ernie, routing that leaves
+(`test_moe_family_ep2`; tp2 x ep2 on Qwen3-MoE, Mixtral, Qwen2-MoE, Ernie and GPT-OSS, routing that leaves
 experts empty on Qwen3-MoE, Qwen2-MoE and OLMoE, in `tests/unit/test_expert_parallel.py` and
-`test_moe_grid.py`; and through the training loop in `tests/e2e/`).
+`test_moe_grid.py`; and through the training loop in `tests/e2e/`). Below the families of
+transformers' plans, {", ".join(own_plan)}: transformers has no tp plan for it, hf_tp writes one
+(`hf_tp/adapters/<family>.py`) and holds it to the same checks.
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|

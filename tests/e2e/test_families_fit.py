@@ -8,6 +8,8 @@ One torchrun launch (4 ranks) runs them all; the file is also the worker
   layout, at tp2 x dp2.
 - Mixtral, OLMoE and Qwen2-MoE (shared expert) with expert parallelism on three meshes, the
   router's aux loss on (also under gradient accumulation: the aux loss is the whole step's).
+- GPT-OSS (hf_tp's own tp plan: attention sinks, transposed experts with biases, a router
+  with a bias) at tp2 x ep2.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from tests.reference_loop import reference_losses
 
 pytestmark = pytest.mark.e2e
 # (family, tp, dp, ep, grad_accum). MoE: expert TP inside EP, two micro-steps; EP over all of dp;
-# EP over half of dp (two replicas of each expert, their gradients summed across the replicas).
+# EP over half of dp (two replicas of each expert, their gradients summed across the replicas);
+# GPT-OSS's experts' biases under expert TP inside EP.
 MESHES = [
     ("gpt_neox", 2, 2, 1, 1),
     ("mixtral", 2, 2, 2, 2),
     ("olmoe", 1, 4, 4, 1),
     ("qwen2_moe", 1, 4, 2, 1),
+    ("gpt_oss", 2, 2, 2, 1),
 ]
 MOE = dict(output_router_logits=True, num_experts=8, num_local_experts=8)
 SETTINGS = {"seq_len": 15, "max_steps": STEPS, "lr": 3e-3, "warmup_steps": 2, "report_to": "none"}
