@@ -40,7 +40,10 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         widths += [
             (f"{layers_path}.{i}.{p}", _split_width(each.get_submodule(p), p in merged["colwise"])) for p in present
         ]
-    widths = [(path, w) for path, w in widths if not any(path.endswith("." + k) for k in merged["kv"])]
+    # K/V projections may be replicated (tp > KV heads); gathered ones may be split unevenly (their
+    # output is all-gathered whole, as the vocab-sharded lm_head's: DTensor pads uneven shards)
+    loose = merged["kv"] + merged["gathered"]
+    widths = [(path, w) for path, w in widths if not any(path.endswith("." + k) for k in loose)]
     widths += [(f"{layers_path}.*.{p}", w) for region in merged["regions"].values() for p, w in region.widths]
     return Derivation(
         model_type=mt,

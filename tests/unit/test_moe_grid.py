@@ -72,6 +72,13 @@ def test_whole_attention_needs_no_kv_split_at_tp4(model_type: str) -> None:
     assert run_family(model_type, tp=4, heads=8, kv=2, hidden_size=128).status == "parity"
 
 
+def test_linear_attention_heads_need_not_divide_tp() -> None:
+    # Qwen3-Next's gated delta-net projections are gathered (colwise_gather_output) and the layer
+    # runs whole: 6 value / 3 key heads split 4 ways unevenly, tp=4 (it was refused).
+    sizes = dict(hidden_size=96, linear_num_value_heads=6, linear_num_key_heads=3)
+    assert run_family("qwen3_next", tp=4, heads=8, kv=4, **sizes).status == "parity"
+
+
 @pytest.mark.parametrize(
     ("model_type", "sizes", "path"),
     [
