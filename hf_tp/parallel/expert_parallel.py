@@ -205,6 +205,8 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
             self.__dict__[name] = view.to(rows.dtype)
         try:
             out = original(self, rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype, device=rows.device))
+            if torch.is_grad_enabled() and not out.requires_grad and rows.requires_grad:
+                out = _join_backward(out, rows, [self.__dict__[n] for n in self._parameters])
         finally:
             if total is not None:
                 self.num_experts = total
@@ -218,3 +220,16 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         return final.index_add(0, flat_token, (back * weights[:, None]).to(final.dtype))
 
     return forward
+
+
+def _join_backward(out: torch.Tensor, rows: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` tied to ``rows`` and the local expert weights with a zero: for a rank whose
+    experts received no row, so transformers' kernels never touched them.
+
+    Without it that rank's backward would skip both all-to-alls and its experts' gradient hooks
+    (the collectives every other rank runs: a hang under NCCL), and its experts would get no
+    gradient, where single-device HF gives them zeros (AdamW still decays the weights and moments).
+    Adding ``0 * sum`` gives exactly those zeros: autograd keeps the node, and both are empty or zero.
+    """
+    touch = rows.sum() + sum(w.sum() for w in weights if w.requires_grad)
+    return out + 0 * touch.to(out.dtype)
