@@ -95,6 +95,8 @@ def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> Pr
         sizes.update({k: v for k, v in MOE_SIZES.items() if k in fields})
         if "first_k_dense_replace" in fields:
             sizes["first_k_dense_replace"] = 1  # a dense layer, then a MoE layer
+    if (fields.get("rotary_dim") or 0) > GRID_SIZES["head_dim"]:  # GPT-J, CodeGen: 64 rotary dims by default
+        sizes["rotary_dim"] = GRID_SIZES["head_dim"] // 2
     if "kv_lora_rank" in fields:
         sizes.update({k: v for k, v in MLA_SIZES.items() if k in fields}, num_key_value_heads=heads)
     return AutoConfig.for_model(model_type, **{**sizes, **FAMILY_EXTRAS.get(model_type, {}), **overrides})

@@ -134,6 +134,17 @@ def register_plan_overrides(model_types: tuple[str, ...], overrides: dict[str, s
         PLAN_OVERRIDES[model_type] = dict(overrides)
 
 
+# model_type -> (what, n): a count fixed in the family's code that tp must divide, beyond the
+# config's sizes (CodeGen packs qkv_proj into 4 groups whatever its heads). Registered by family files.
+TP_DIVISORS: dict[str, tuple[str, int]] = {}
+
+
+def register_tp_divisor(model_types: tuple[str, ...], what: str, n: int) -> None:
+    """Require tp to divide ``n`` (``what`` names it in the error) for these ``model_type``s."""
+    for model_type in model_types:
+        TP_DIVISORS[model_type] = (what, n)
+
+
 def base_tp_plan(config: PretrainedConfig) -> dict[str, str]:
     """transformers' ``base_model_tp_plan`` for ``config`` with hf_tp's corrections applied."""
     return {**(getattr(config, "base_model_tp_plan", None) or {}), **PLAN_OVERRIDES.get(config.model_type, {})}
@@ -265,6 +276,10 @@ def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
             f"this {d.model_type} model's router returns the logits it routes with, so hf_tp cannot give its "
             "load-balancing loss the right gradient under tp > 1: set config.output_router_logits=False"
         )
+    if d.model_type in TP_DIVISORS and TP_DIVISORS[d.model_type][1] % tp:
+        what, n = TP_DIVISORS[d.model_type]
+        valid = ", ".join(str(t) for t in range(1, n + 1) if n % t == 0)
+        raise ValueError(f"tp must divide {n}, the {what} in {d.model_type} models, got tp={tp}; use tp in {valid}")
     for path, width in d.widths:
         if width % tp:
             valid = ", ".join(str(t) for t in range(1, width + 1) if width % t == 0 and t <= 64)

@@ -215,10 +215,17 @@ def _head_dim(layer: nn.Module, config) -> int:
 def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The layers' ModuleList path and the plan relative to one layer."""
     mt = model.config.model_type
-    outside = sorted(k for k in tp_plan if ".*." not in k)
+    # transformers >= 5.24 names the input embedding in some plans (vocab-sharded or replicated):
+    # hf_tp's top plan shards it over the vocab anyway, handing sequence shards to the layers
+    embed = model.get_input_embeddings()
+    base = model.get_submodule(model.base_model_prefix) if has_submodule(model, model.base_model_prefix) else model
+    embed_path = next((n for n, m in base.named_modules() if m is embed), None)
+    outside = sorted(k for k in tp_plan if ".*." not in k and k != embed_path)
     if outside:
         raise refuse(mt, f"its tp plan shards modules outside the decoder layers ({', '.join(outside)})")
-    lists = {k.split(".*.", 1)[0] for k in tp_plan}
+    lists = {k.split(".*.", 1)[0] for k in tp_plan if ".*." in k}
+    if not lists:
+        raise refuse(mt, "its tp plan shards only the embedding (transformers leaves its decoder layers whole)")
     if len(lists) != 1:
         raise refuse(mt, f"its tp plan covers several layer lists ({', '.join(sorted(lists))})")
     layers_path = f"{model.base_model_prefix}.{lists.pop()}"
@@ -228,7 +235,7 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
         layers = None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise refuse(mt, f"no decoder layers at '{layers_path}'")
-    return layers_path, {k.split(".*.", 1)[1]: v for k, v in tp_plan.items()}
+    return layers_path, {k.split(".*.", 1)[1]: v for k, v in tp_plan.items() if ".*." in k}
 
 
 def _blocks(

@@ -5,6 +5,7 @@ refused with a clear ``ValueError``; nothing crashes inside torch or diverges si
 from __future__ import annotations
 
 import pytest
+from transformers import CONFIG_MAPPING
 
 import hf_tp
 from hf_tp.adapters import registry
@@ -74,3 +75,26 @@ def test_olmo2_width_norms_refuse_replicated_kv_heads() -> None:
     config = grid_config("olmo2", heads=8, kv=2)
     with pytest.raises(ValueError, match=r"tp \(4\) is over num_key_value_heads \(2\).*use tp <= 2"):
         hf_tp.get_adapter(config).validate(config, 4)
+
+
+def test_plan_naming_the_input_embedding() -> None:
+    # transformers >= 5.24 puts the input embedding in some plans (GPT-OSS, GPT-J): hf_tp's top plan
+    # vocab-shards it anyway. A plan with nothing else leaves the layers whole: refused, not guessed.
+    from hf_tp.adapters.generic import derive
+
+    config = grid_config("helium")
+    layers = dict(config.base_model_tp_plan)
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **layers}
+    assert derive(config).embedding == "model.embed_tokens"
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}
+    with pytest.raises(ValueError, match=r"'helium': its tp plan shards only the embedding.*register_adapter"):
+        derive(config)
+
+
+@pytest.mark.skipif("codegen" not in CONFIG_MAPPING, reason="this transformers has no CodeGen")
+def test_codegen_qkv_groups_bound_tp() -> None:
+    # CodeGen's qkv_proj holds 4 head groups (mp_num, a constant of its code): tp=4 splits whole
+    # groups, tp=8 would split one and is refused before any shape error.
+    assert run_family("codegen", tp=4, heads=8, kv=8).status == "parity"
+    result = run_family("codegen", tp=8, heads=16, kv=16)
+    assert result.status == "refused" and "mp_num" in result.reason and "use tp in 1, 2, 4" in result.reason
