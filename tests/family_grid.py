@@ -81,6 +81,11 @@ FAMILY_EXTRAS.update(
         "granitemoehybrid": dict(
             layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16
         ),
+        # A short-convolution layer and an attention layer (their defaults start with two convolutions)
+        "lfm2": dict(layer_types=["conv", "full_attention"]),
+        "lfm3": dict(layer_types=["conv", "full_attention"]),
+        "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
+        "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_ssm=128),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
     }

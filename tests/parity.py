@@ -74,7 +74,9 @@ def train_steps(
 KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm.bias")
 
 
-def assert_weights_after_adam_close(got: dict, want: dict, start: dict, grads: dict | None = None) -> None:
+def assert_weights_after_adam_close(
+    got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None
+) -> None:
     """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms), over the elements
     whose first gradient is resolved in fp32.
 
@@ -82,7 +84,10 @@ def assert_weights_after_adam_close(got: dict, want: dict, start: dict, grads: d
     lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
     elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the tensor's RMS gradient, far below any real signal and
     ~20x above the round-off of these sums) are left out; at most 1 in 1000 of a tensor may be,
-    so the exclusion cannot hide a wrong shard.
+    so the exclusion cannot hide a wrong shard. Given ``got_grads`` too (already checked against
+    ``grads``), an element within 10x of its tensor's largest gradient discrepancy is not resolved
+    either (at most 1 in 100): a float64 model that computes parts in fp32 (softmax, MoE activations, routers: Beam,
+    Qwen3-Next) has fp32 round-off in its gradients, not float64's.
     """
     assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
     for name, w in want.items():
@@ -100,6 +105,11 @@ def assert_weights_after_adam_close(got: dict, want: dict, start: dict, grads: d
             resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
             unresolved = int((~resolved).sum())
             assert unresolved <= g.numel() // 1000, f"param {name}: {unresolved} of {g.numel()} gradients are ~0"
+            if got_grads is not None and name in got_grads:
+                # within the gradient discrepancy the element-wise gradient check already accepted
+                noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name] - g).abs().max())
+                assert int(noisy.sum()) <= g.numel() // 100, f"param {name}: {int(noisy.sum())} gradients within noise"
+                resolved &= ~noisy
         moved = (w - start[name])[resolved].norm().item()
         err = (got[name] - w)[resolved].norm().item()
         assert err <= 1e-3 * moved + 1e-7, f"param {name}: |diff|={err:.3g} vs |update|={moved:.3g}"
@@ -113,7 +123,7 @@ def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
     torch.testing.assert_close(got.logits, want.logits[rows], rtol=1e-5, atol=1e-5)
     assert_close_dict(got.grads, want.grads, "grad")
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
-    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads)
+    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads, got.grads)
 
 
 @dataclass
