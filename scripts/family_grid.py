@@ -56,7 +56,9 @@ def main() -> int:
 
     import torch
     import transformers
+    from transformers import CONFIG_MAPPING
 
+    from hf_tp.adapters.generic import PLAN_OVERRIDES
     from hf_tp.adapters.registry import registered_model_types
     from hf_tp.adapters.support import GENERIC, MOE, REFUSED, tensor_parallel_causal_lm_types
     from tests.family_grid import run_family
@@ -70,6 +72,8 @@ def main() -> int:
         if result.status == "parity":
             held += 1
             kind = "hand-written" if mt in registered_model_types() else "generic"
+            if mt in PLAN_OVERRIDES and not any(".*." in k for k in CONFIG_MAPPING[mt].base_model_tp_plan):
+                kind = "hf_tp's layer plan"  # transformers' plan names only the embedding
             note = HAND_WRITTEN.get(mt) or GENERIC.get(mt, "")
             rows.append(f"| `{mt}` | {kind}: parity | {valid_tp(mt)} | {note} |")
         else:
@@ -84,7 +88,9 @@ def main() -> int:
         result = run_family(mt)
         if result.status == "parity":
             moe_held += 1
-            moe_rows.append(f"| `{mt}` | generic: parity | {valid_tp(mt)} | {MOE.get(mt, '')} |")
+            own = mt in PLAN_OVERRIDES and not any(".*." in k for k in CONFIG_MAPPING[mt].base_model_tp_plan)
+            kind = "hf_tp's layer plan" if own else "generic"
+            moe_rows.append(f"| `{mt}` | {kind}: parity | {valid_tp(mt)} | {MOE.get(mt, '')} |")
         else:
             reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
             moe_rows.append(f"| `{mt}` | refused | | {reason} |")
@@ -96,6 +102,12 @@ def main() -> int:
         status = "hf_tp's plan: parity" if result.status == "parity" else f"hf_tp's plan: {result.status}"
         moe_rows.append(f"| `{mt}` | {status} | {valid_tp(mt)} | {MOE[mt]} |")
 
+    own_plan_text = (
+        f" Below the families of transformers' plans, {', '.join(own_plan)}: transformers has no tp plan for it, "
+        "hf_tp writes one (`hf_tp/adapters/<family>.py`) and holds it to the same checks."
+        if own_plan
+        else ""
+    )
     text = (
         f"""# Architectures
 
@@ -106,9 +118,12 @@ Every dense causal-LM family that transformers can tensor-parallelize (its confi
 (logits, loss and every gradient of a tiny random model of the family's own config class, float64,
 a right-padded row; the weights after an AdamW step; `model.generate` greedy tokens with left
 padding), and the others are refused by `hf_tp.parallelize` with the reason below. tp=4 with KV
-heads replicated is checked for granite, exaone4 and granite_swa.
+heads replicated is checked for granite, exaone4, granite_swa and lfm3.
 
 - **hand-written**: a registered adapter (`hf_tp/adapters/<family>.py`).
+- **hf_tp's layer plan**: transformers' plan shards only the embedding (every decoder layer whole);
+  `hf_tp/adapters/layer_plans.py` (or the family's file) names the projections, the generic
+  derivation does the rest.
 - **generic**: the plan derived from the model by `hf_tp/adapters/generic.py` (transformers'
   `base_model_tp_plan` for the projections; the model's modules and forward sources for the SP
   layout, how blocks are called, and whether the loss may be fused with the lm_head).
@@ -139,9 +154,7 @@ reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on 
 parallelism (`--ep`, README) holds the same parity for every family marked parity here, at ep=2
 (`test_moe_family_ep2`; tp2 x ep2 on Qwen3-MoE, Mixtral, Qwen2-MoE, Ernie and GPT-OSS, routing that leaves
 experts empty on Qwen3-MoE, Qwen2-MoE and OLMoE, in `tests/unit/test_expert_parallel.py` and
-`test_moe_grid.py`; and through the training loop in `tests/e2e/`). Below the families of
-transformers' plans, {", ".join(own_plan)}: transformers has no tp plan for it, hf_tp writes one
-(`hf_tp/adapters/<family>.py`) and holds it to the same checks.
+`test_moe_grid.py`; and through the training loop in `tests/e2e/`).{own_plan_text}
 
 | model_type | status | valid tp | what is special / why refused |
 |---|---|---|---|

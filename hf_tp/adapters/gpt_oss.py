@@ -1,7 +1,8 @@
 """GPT-OSS: the generic plan, with the tensor-parallel plan transformers does not give it.
 
-transformers ships GPT-OSS with an expert-parallel plan only. Its layer is Llama-shaped attention
-plus one MoE block, so hf_tp writes the plan the generic derivation starts from:
+transformers ships GPT-OSS with an expert-parallel plan and (since 5.24) a tensor-parallel plan
+that names only the embedding. Its layer is Llama-shaped attention plus one MoE block, so hf_tp
+writes the layer plan the generic derivation starts from:
 
 - attention: q/k/v column-parallel, o row-parallel; the per-head attention sinks (one learned
   logit per head that joins each softmax) follow their heads (``local_params``);

@@ -137,12 +137,15 @@ def tensor_parallel_causal_lm_types() -> dict[str, bool]:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    import hf_tp.adapters  # noqa: F401  (the family files register their plan overrides)
+    from hf_tp.adapters.generic import PLAN_OVERRIDES
+
     out = {}
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         try:
             plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
         except KeyError:
             continue
-        if plan:
-            out[model_type] = any("expert" in key for key in plan)
+        if plan:  # (GPT-OSS's names only the embedding: hf_tp's own plan for it shards experts)
+            out[model_type] = any("expert" in key for key in {**plan, **PLAN_OVERRIDES.get(model_type, {})})
     return out

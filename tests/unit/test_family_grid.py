@@ -28,7 +28,9 @@ def test_family_tp2(model_type: str) -> None:
         assert result.status == "parity" or "hf_tp cannot derive" in result.reason, result.reason
 
 
-@pytest.mark.parametrize("model_type", [mt for mt in ("granite", "exaone4", "granite_swa", "lfm3") if mt in CONFIG_MAPPING])
+@pytest.mark.parametrize(
+    "model_type", [mt for mt in ("granite", "exaone4", "granite_swa", "lfm3") if mt in CONFIG_MAPPING]
+)
 def test_family_tp4_replicated_kv_heads(model_type: str) -> None:
     # 8 heads, 2 KV heads at tp=4: each KV head on 2 ranks (the generic plan's K/V projections).
     assert run_family(model_type, tp=4, heads=8, kv=2).status == "parity"
