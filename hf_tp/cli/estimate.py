@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from hf_tp.cli.formatting import subcommand_parser
 
@@ -16,6 +17,12 @@ EPILOG = """examples:
   hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
   hf-tp estimate --model llama-3.1-8b --world-size 16 --gpu-memory 80GiB --seq-len 8192 --batch-size 1
   hf-tp estimate --model Qwen/Qwen3-30B-A3B --tp 2 --dp 8 --ep 4 --seq-len 4096 --batch-size 1
+  hf-tp estimate --model llama-3.1-8b --tp 2 --dp 4 --seq-len 8192 --batch-size 1 --gpu h100-sxm
+  hf-tp estimate --model llama-3.1-70b --gpu h100-sxm --world-size 64 --seq-len 8192
+
+--gpu predicts step time, tokens/s per GPU and MFU (docs/estimate.md: the model, its published
+constants and how it compares with published runs); with --world-size it ranks the layouts that
+fit that GPU by predicted tokens/s.
 
 --ep simulates expert parallelism with balanced routing (every expert gets the same number of
 rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
@@ -23,6 +30,7 @@ rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
+    from hf_tp.estimate.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
@@ -32,23 +40,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ep", type=int, default=1, help="expert-parallel size for MoE models: ranks borrowed from dp (divides dp)"
     )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, required=True, help="sequences per dp rank per micro-step")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per dp rank per micro-step (default 1)")
     p.add_argument(
         "--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision, fp32 master weights"
     )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB: sweep (tp, dp) and recommend one")
     p.add_argument("--world-size", type=int, help="GPUs to split into (tp, dp) for the sweep (default: tp*dp)")
+    p.add_argument("--gpu", help=f"predict speed on this GPU: {', '.join(GPUS)}")
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=DEFAULT_INTER_NODE_GBPS,
+        help=f"network bandwidth per GPU across nodes in Gb/s, one direction (default {DEFAULT_INTER_NODE_GBPS:g})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     from hf_tp.estimate.api import estimate
     from hf_tp.estimate.configs import resolve_model_config
-    from hf_tp.estimate.report import format_estimate, format_sweep
+    from hf_tp.estimate.report import format_sweep
+    from hf_tp.estimate.report_speed import format_ranking
     from hf_tp.estimate.sweep import parse_memory, sweep
 
     try:
+        cluster = make_cluster(args)
         config, name = resolve_model_config(args.model)
         common = dict(
             seq_len=args.seq_len,
@@ -59,21 +76,58 @@ def run(args: argparse.Namespace) -> int:
             ep=args.ep,
         )
         if args.gpu_memory is None and args.world_size is None:
-            result = estimate(config, args.tp, args.dp, **common)
-            print(json.dumps(result.to_dict(), indent=2) if args.json else format_estimate(result))
-            return 0
+            return print_single(estimate(config, args.tp, args.dp, **common), cluster, args.json)
         gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
         world = args.world_size if args.world_size is not None else args.tp * args.dp
+        start = time.perf_counter()
 
-        def progress(tp: int, dp: int) -> None:
+        def progress(message: str) -> None:
             if not args.json:
-                print(f"hf-tp estimate: simulating tp={tp} x dp={dp} ...", file=sys.stderr, flush=True)
+                print(
+                    f"hf-tp estimate: [{time.perf_counter() - start:5.0f} s] {message} ...", file=sys.stderr, flush=True
+                )
 
-        result = sweep(config, world, gpu_memory=gpu, progress=progress, **common)
+        result = sweep(config, world, gpu_memory=gpu, progress=progress, cluster=cluster, **common)
     except ValueError as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_sweep(result))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_sweep(result))
+        if cluster is not None:
+            print("\n" + format_ranking(result))
+    return 0
+
+
+def make_cluster(args: argparse.Namespace):
+    """The named GPU cluster of ``--gpu``/``--inter-node-gbps``, or None without ``--gpu``."""
+    from hf_tp.estimate.gpus import get_gpu
+    from hf_tp.estimate.speed import Cluster
+
+    if args.gpu is None:
+        return None
+    cluster = Cluster(get_gpu(args.gpu), args.inter_node_gbps)
+    cluster.gpu.peak_flops(args.dtype)  # no published peak for this dtype: fail before simulating
+    return cluster
+
+
+def print_single(result, cluster, as_json: bool) -> int:
+    """One layout's memory and comms, and its predicted speed where a GPU is named."""
+    from hf_tp.estimate.report import format_estimate
+    from hf_tp.estimate.report_speed import format_speed
+    from hf_tp.estimate.speed import predict
+
+    speed = None if cluster is None else predict(result, cluster)
+    if as_json:
+        out = result.to_dict()
+        if speed is not None:
+            out.update(gpu=cluster.gpu.to_dict(), inter_node_gbps=cluster.inter_node_gbps, speed=speed.to_dict())
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_estimate(result))
+        if speed is not None:
+            print("\n" + format_speed(result, speed, cluster))
     return 0
 
 

@@ -22,6 +22,7 @@ from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
 from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
 from hf_tp.estimate.simulate import simulation
 from hf_tp.estimate.step import DTYPES, build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
+from hf_tp.estimate.work import Work, WorkCounter
 from hf_tp.train.validate import validate_model_config
 
 __all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "validate_inputs"]
@@ -54,6 +55,7 @@ class Estimate:
     comms: list[CommStat] = field(default_factory=list)
     moe: MoEStats | None = None
     seconds: float = 0.0
+    work: Work | None = None
 
     @property
     def world_size(self) -> int:
@@ -64,13 +66,14 @@ class Estimate:
         return sum(c.sent_bytes for c in self.comms if c.dim == dim)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("peak", "state", "comms", "moe")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("peak", "state", "comms", "moe", "work")}
         out.update(
             world_size=self.world_size,
             peak=self.peak.to_dict(),
             state=self.state.to_dict(),
             comms=[c.to_dict() for c in self.comms],
             moe=None if self.moe is None else self.moe.to_dict(),
+            work=None if self.work is None else self.work.to_dict(),
         )
         return out
 
@@ -135,8 +138,9 @@ def estimate(
         tracker.watch(experts)
         routed = RoutedRows(experts)
         counter = CommCounter(groups, all_to_all)
+        work = WorkCounter()
         after: list[dict] = []
-        with fake, tracker, counter:
+        with fake, tracker, counter, work, work.recompute_tracking():
             after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
             train_step(model, optimizer, batch, dp, after_optimizer_step=after_step)
         routed.remove()
@@ -158,4 +162,5 @@ def estimate(
         comms=counter.stats(),
         moe=moe,
         seconds=time.perf_counter() - start,
+        work=work.work,
     )

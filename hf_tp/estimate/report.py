@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate, GiB, MiB
 from hf_tp.estimate.moe import BALANCED_NOTE_LINES
-from hf_tp.estimate.sweep import RULE, Sweep, fits
+from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits
 
 _CATEGORIES = (
     ("parameters", "parameters"),
@@ -118,6 +118,8 @@ def format_sweep(result: Sweep) -> str:
         row += f"{e.sent_bytes('ep') / GiB:>18.2f}" if result.ep > 1 else ""
         if gpu:
             row += f"{'yes' if fits(e, gpu) else 'no':>6}"
+        if e.activation_checkpointing != first.activation_checkpointing:
+            row += "  with activation checkpointing"
         if result.recommended is e:
             row += "  <- recommended"
         lines.append(row)
@@ -133,13 +135,14 @@ def format_sweep(result: Sweep) -> str:
         lines.append("Pass --gpu-memory (e.g. 80GiB) to get a recommendation.")
     elif result.recommended is not None:
         r = result.recommended
-        lines.append(f"Recommended: --tp {r.tp} --dp {r.dp} (peak {r.peak.total / GiB:.2f} GiB per rank).")
+        ac = " --activation-checkpointing" if r.activation_checkpointing else ""
+        lines.append(f"Recommended: --tp {r.tp} --dp {r.dp}{ac} (peak {r.peak.total / GiB:.2f} GiB per rank).")
     else:
         lines.append(
             f"No split of {result.world_size} ranks fits {gpu / GiB:.1f} GiB: try --activation-checkpointing, "
             "a smaller --batch-size or --seq-len, --dtype bf16, or more GPUs (--world-size)."
         )
-    lines.append(RULE)
+    lines.append(RANK_RULE if result.cluster else RULE)
     lines.append("--batch-size is per dp rank: keep the global batch across splits with hf-tp train --grad-accum.")
     lines.append(f"Simulated in {sum(e.seconds for e in result.estimates):.1f} s on CPU (fake process group).")
     return "\n".join(lines)

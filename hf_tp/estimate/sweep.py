@@ -1,6 +1,8 @@
 """Choosing (tp, dp) for a number of GPUs: estimate every valid split, keep the ones that fit.
 
-Rule: among the splits whose peak fits the GPU, take the smallest tp. Tensor parallelism puts
+With a named GPU (``cluster``), the splits that fit are ranked by predicted tokens/s per GPU
+(:mod:`hf_tp.estimate.speed`); a split that does not fit without activation checkpointing is
+tried again with it. Without one, the rule: among the splits whose peak fits, the smallest tp. Tensor parallelism puts
 collectives of the activations (all-gather + reduce-scatter, twice per layer, forward and backward)
 on the critical path of every layer, and their volume grows with the tokens; FSDP's parameter
 all-gathers and gradient reduce-scatters overlap with compute and do not depend on the tokens.
@@ -17,6 +19,7 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, GiB, estimate, validate_inputs
+from hf_tp.estimate.speed import Cluster, Speed, predict
 
 # What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers
 # and workspaces (RESERVED), and the caching allocator's rounding and fragmentation (a margin).
@@ -28,6 +31,11 @@ RULE = (
     "and grow with tokens; FSDP's parameter collectives overlap with compute. A split fits when "
     f"peak x {1 + FRAGMENTATION:.2f} (allocator fragmentation) + {RESERVED_BYTES / GiB:.0f} GiB "
     "(CUDA context, NCCL buffers) <= GPU memory."
+)
+
+RANK_RULE = (
+    "rank: predicted tokens/s per GPU among the layouts that fit (peak x 1.10 + 1 GiB <= GPU memory); "
+    "activation checkpointing only where a layout does not fit without it."
 )
 
 _UNITS = {
@@ -90,18 +98,36 @@ class Sweep:
     ep: int = 1
     estimates: list[Estimate] = field(default_factory=list)
     recommended: Estimate | None = None
+    cluster: Cluster | None = None
+
+    def ranking(self) -> list[tuple[Estimate, Speed]]:
+        """The estimates that fit with their predicted speed, fastest first (empty without a cluster)."""
+        if self.cluster is None or self.gpu_memory is None:
+            return []
+        fitting = [(e, predict(e, self.cluster)) for e in self.estimates if fits(e, self.gpu_memory)]
+        return sorted(fitting, key=lambda pair: -pair[1].tokens_per_second_per_gpu)
 
     def to_dict(self) -> dict:
+        speeds = {id(e): s for e, s in self.ranking()}
+        r = self.recommended
         return {
             "world_size": self.world_size,
             "gpu_memory": self.gpu_memory,
             "ep": self.ep,
-            "rule": RULE,
+            "rule": RANK_RULE if self.cluster else RULE,
+            "gpu": None if self.cluster is None else self.cluster.gpu.to_dict(),
+            "inter_node_gbps": None if self.cluster is None else self.cluster.inter_node_gbps,
             "estimates": [
-                {**e.to_dict(), "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory)}
+                {
+                    **e.to_dict(),
+                    "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory),
+                    "speed": speeds[id(e)].to_dict() if id(e) in speeds else None,
+                }
                 for e in self.estimates
             ],
-            "recommended": None if self.recommended is None else {"tp": self.recommended.tp, "dp": self.recommended.dp},
+            "recommended": None
+            if r is None
+            else {"tp": r.tp, "dp": r.dp, "activation_checkpointing": r.activation_checkpointing},
         }
 
 
@@ -114,22 +140,38 @@ def sweep(
     activation_checkpointing: bool = False,
     gpu_memory: int | None = None,
     model_name: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[str], None] | None = None,
     ep: int = 1,
+    cluster: Cluster | None = None,
 ) -> Sweep:
-    """Estimate every valid (tp, dp) of ``world_size`` ranks; recommend the smallest tp that fits.
+    """Estimate every valid (tp, dp) of ``world_size`` ranks and recommend one.
 
-    ``ep`` stays fixed: splits whose dp it does not divide are left out."""
+    With ``cluster`` (its GPU's memory unless ``gpu_memory`` is given) the fastest split that fits
+    is recommended, and a split that does not fit without activation checkpointing is also tried
+    with it; otherwise the smallest tp that fits. ``ep`` stays fixed: splits whose dp it does not
+    divide are left out. ``progress`` gets one line before each simulation."""
     validate_inputs(config, 1, ep, seq_len, batch_size, dtype, ep)  # sizes, positions and ep, once
+    if cluster is not None:
+        cluster.gpu.peak_flops(dtype)  # a GPU without a published peak for dtype fails before simulating
+        gpu_memory = gpu_memory or cluster.gpu.memory_bytes
     splits = candidate_splits(config, world_size, ep)
-    result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=ep)
-    for tp, dp in splits:
-        if progress is not None:
-            progress(tp, dp)
-        result.estimates.append(
-            estimate(config, tp, dp, seq_len, batch_size, dtype, activation_checkpointing, model_name=model_name, ep=ep)
-        )
-    result.recommended = recommend(result.estimates, gpu_memory)
+    result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=ep, cluster=cluster)
+    for i, (tp, dp) in enumerate(splits):
+        tries = [activation_checkpointing]
+        while tries:
+            ac = tries.pop()
+            if progress is not None:
+                ac_note = ", activation checkpointing" if ac else ""
+                progress(f"simulating tp={tp} x dp={dp}{ac_note} (split {i + 1} of {len(splits)})")
+            est = estimate(config, tp, dp, seq_len, batch_size, dtype, ac, model_name=model_name, ep=ep)
+            result.estimates.append(est)
+            if cluster is not None and not ac and not fits(est, gpu_memory):
+                tries.append(True)  # recompute is slower, so only where memory needs it
+    if cluster is None:
+        result.recommended = recommend(result.estimates, gpu_memory)
+    else:
+        ranked = result.ranking()
+        result.recommended = ranked[0][0] if ranked else None
     return result
 
 

@@ -1,0 +1,96 @@
+"""Named GPUs for the speed model: vendor peaks and published efficiencies (no torch needed).
+
+Every number is a vendor figure (dense, no sparsity) or a published measurement; the sources
+are listed in docs/estimate.md ("Speed model: where every constant comes from"). Nothing here
+was fitted to a training run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GB = 10**9
+TFLOPS = 10**12
+
+# Published efficiencies shared by several GPUs (sources in docs/estimate.md).
+FLASH2_HOPPER = 0.35  # FlashAttention-3 paper: FlashAttention-2 reaches ~35% of H100 peak
+FLASH2_AMPERE = 0.50  # FlashAttention-2 paper: 50-73% of A100 peak; the low end (backward-bound fwd+bwd)
+HBM_EFFICIENCY = 0.84  # coalesced loads at 2.8 of 3.35 TB/s on H100 SXM (Nsight Compute, published)
+NVLINK_EFFICIENCY = 0.80  # nccl-tests busbw 230-250 GB/s of NVLink3's 300 GB/s per direction (8x A100)
+PCIE_EFFICIENCY = 0.625  # nccl-tests busbw 35-45 GB/s of PCIe Gen5's 64 GB/s per direction (8x H100 PCIe)
+NET_EFFICIENCY = 0.80  # assumed as NVLink's (no per-NIC busbw published with the NIC count)
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU model and the node it usually comes in.
+
+    ``link_bandwidth`` is one direction of one GPU's intra-node link (NVLink through NVSwitch,
+    or PCIe where there is none). ``matmul_efficiency`` is the maximum achievable matmul FLOP/s
+    over the bf16 peak (MAMF, published per GPU); ``attention_efficiency`` the same for sdpa's
+    flash kernel.
+    """
+
+    name: str
+    description: str
+    bf16_flops: float
+    fp32_flops: float | None  # non-tensor-core fp32 (hf_tp does not enable TF32); None: not published
+    hbm_bandwidth: float
+    memory_bytes: int
+    link_bandwidth: float
+    link: str
+    link_efficiency: float
+    gpus_per_node: int
+    matmul_efficiency: float
+    attention_efficiency: float
+    hbm_efficiency: float = HBM_EFFICIENCY
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` ("bf16" or "fp32"); a ValueError where none is published."""
+        if dtype == "bf16":
+            return self.bf16_flops
+        if self.fp32_flops is None:
+            raise ValueError(f"no published fp32 peak for --gpu {self.name}; use --dtype bf16")
+        return self.fp32_flops
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nvlink(bandwidth_gb: float) -> dict:
+    return {"link_bandwidth": bandwidth_gb * GB, "link": "NVLink", "link_efficiency": NVLINK_EFFICIENCY}
+
+
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("h100-sxm", "NVIDIA H100 SXM5 80GB, HGX/DGX node of 8 with NVSwitch", 989.4 * TFLOPS, 66.9 * TFLOPS,
+            3.35e12, 80 * 2**30, gpus_per_node=8, matmul_efficiency=0.803, attention_efficiency=FLASH2_HOPPER,
+            **_nvlink(450)),
+        GPU("h100-pcie", "NVIDIA H100 PCIe 80GB, 8 per node over PCIe Gen5 (no NVSwitch)", 756 * TFLOPS,
+            51.2 * TFLOPS, 2.0e12, 80 * 2**30, link_bandwidth=64 * GB, link="PCIe Gen5",
+            link_efficiency=PCIE_EFFICIENCY, gpus_per_node=8, matmul_efficiency=499.5 / 756,
+            attention_efficiency=FLASH2_HOPPER),
+        GPU("h200", "NVIDIA H200 SXM 141GB, HGX node of 8 with NVSwitch", 989.4 * TFLOPS, 66.9 * TFLOPS, 4.8e12,
+            141 * GB, gpus_per_node=8, matmul_efficiency=0.803, attention_efficiency=FLASH2_HOPPER, **_nvlink(450)),
+        GPU("a100-80gb", "NVIDIA A100 SXM4 80GB, HGX/DGX node of 8 with NVSwitch", 312 * TFLOPS, 19.5 * TFLOPS,
+            2.039e12, 80 * 2**30, gpus_per_node=8, matmul_efficiency=0.869, attention_efficiency=FLASH2_AMPERE,
+            **_nvlink(300)),
+        GPU("a100-40gb", "NVIDIA A100 SXM4 40GB, HGX/DGX node of 8 with NVSwitch", 312 * TFLOPS, 19.5 * TFLOPS,
+            1.555e12, 40 * 2**30, gpus_per_node=8, matmul_efficiency=0.869, attention_efficiency=FLASH2_AMPERE,
+            **_nvlink(300)),
+        GPU("b200", "NVIDIA B200 180GB, HGX node of 8 with NVLink 5 switches", 2250 * TFLOPS, None, 8.0e12,
+            180 * GB, gpus_per_node=8, matmul_efficiency=0.776, attention_efficiency=FLASH2_HOPPER,
+            **_nvlink(900)),
+    )
+}  # fmt: skip
+
+DEFAULT_INTER_NODE_GBPS = 400.0  # one 400 Gb/s InfiniBand NDR / RoCE NIC per GPU (HGX H100 reference design)
+
+
+def get_gpu(name: str) -> GPU:
+    """The named GPU (case-insensitive), or a ValueError listing the names."""
+    gpu = GPUS.get(name.lower().strip())
+    if gpu is None:
+        raise ValueError(f"unknown --gpu '{name}'; known GPUs: {', '.join(GPUS)}")
+    return gpu

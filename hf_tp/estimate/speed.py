@@ -1,0 +1,193 @@
+"""Step time, tokens/s per GPU and MFU of an estimated training step on a named GPU cluster.
+
+An analytical model over what the traced step counted (:class:`hf_tp.estimate.work.Work`, the
+collectives of :class:`hf_tp.estimate.comm.CommStat`):
+
+- compute = matmul FLOPs / (peak x matmul efficiency) + attention FLOPs x 1/2 (causal) /
+  (peak x attention efficiency) + other kernels' bytes / (HBM bandwidth x its efficiency);
+- a collective = calls x NCCL's ring latency + bytes one rank sends / the bandwidth of the
+  slowest link its ring crosses (a group that spans nodes with ``k`` members per node uses ``k``
+  NICs); an all-to-all sends its cross-node share over the NICs and the rest over the node's link;
+- exposed: tensor-parallel, expert-parallel and norm collectives sit on the critical path; FSDP's
+  (dp) all-gathers and reduce-scatters hide behind compute except the first all-gather and the
+  last reduce-scatter, and except what is longer than the compute itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hf_tp.estimate.api import Estimate
+from hf_tp.estimate.comm import CommStat
+from hf_tp.estimate.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY
+
+# NCCL's own cost model (src/graph/tuning.cc), ring algorithm, Simple protocol (large messages):
+# a base latency per call and a latency per ring step on each kind of hop, in seconds.
+BASE_LATENCY = 8.4e-6
+STEP_LATENCY = {"NVLink": 3.4e-6, "PCIe": 5.7e-6, "net": 14e-6}
+CAUSAL_FRACTION = 0.5  # a causal flash kernel skips the masked half of the score matrix
+OVERLAPPED_DIMS = ("dp", "dp_out")  # FSDP2's collectives run on their own stream, prefetched
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs of one kind, ``gpu.gpus_per_node`` to a node, ``inter_node_gbps`` of network per GPU."""
+
+    gpu: GPU
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+
+    def __post_init__(self) -> None:
+        if not self.inter_node_gbps > 0:
+            raise ValueError(f"--inter-node-gbps must be positive, got {self.inter_node_gbps!r}")
+
+    @property
+    def net_bandwidth(self) -> float:
+        """Bytes/s one GPU's NIC moves in one direction, at NCCL's efficiency."""
+        return self.inter_node_gbps * 1e9 / 8 * NET_EFFICIENCY
+
+    @property
+    def link_bandwidth(self) -> float:
+        return self.gpu.link_bandwidth * self.gpu.link_efficiency
+
+
+def dim_stride(dim: str, tp: int, ep: int) -> int:
+    """Rank distance between neighbours of a mesh dim: the (dp_out, ep, tp) / (dp, tp) meshes keep
+    tp innermost, so tp groups are consecutive ranks and dp's (and ep's) are tp apart."""
+    return {"tp": 1, "dp": tp, "ep": tp, "dp_out": tp * ep}.get(dim, 1)
+
+
+def members_per_node(group_size: int, stride: int, gpus_per_node: int) -> int:
+    """How many of a group's ranks share a node (ranks fill nodes in order)."""
+    if group_size * stride <= gpus_per_node:
+        return group_size
+    return max(1, min(group_size, gpus_per_node // stride))
+
+
+def collective_seconds(stat: CommStat, per_node: int, cluster: Cluster) -> float:
+    """Time of all of ``stat``'s calls on one rank (see the module docstring)."""
+    n, hop = stat.group_size, cluster.gpu.link
+    nodes = n // per_node
+    steps = 2 * (n - 1) if stat.collective == "all_reduce" else n - 1
+    inter_steps = 0 if nodes == 1 else (2 if stat.collective == "all_reduce" else 1) * (nodes - 1)
+    latency = BASE_LATENCY + (steps - inter_steps) * STEP_LATENCY[hop.split()[0]] + inter_steps * STEP_LATENCY["net"]
+    if stat.collective == "all_to_all":
+        latency = BASE_LATENCY + STEP_LATENCY["net" if nodes > 1 else hop.split()[0]]
+        cross = stat.sent_bytes * (n - per_node) / (n - 1)
+        transfer = max((stat.sent_bytes - cross) / cluster.link_bandwidth, cross / cluster.net_bandwidth)
+    else:
+        bandwidth = (
+            cluster.link_bandwidth if nodes == 1 else min(cluster.link_bandwidth, per_node * cluster.net_bandwidth)
+        )
+        transfer = stat.sent_bytes / bandwidth
+    return stat.count * latency + transfer
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Predicted time of one training step on one rank, its parts, and the rates that follow.
+
+    ``seconds`` maps each part to its time: ``matmul``, ``attention``, ``memory`` (compute) and
+    ``<dim> exposed`` (communication on the critical path); ``comm`` holds each mesh dim's full
+    collective time, hidden or not.
+    """
+
+    gpu: str
+    step_seconds: float
+    seconds: dict[str, float]
+    comm: dict[str, float]
+    tokens_per_second_per_gpu: float
+    mfu: float
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(v for k, v in self.seconds.items() if not k.endswith("exposed"))
+
+    @property
+    def exposed_comm_share(self) -> float:
+        """Fraction of the step spent waiting on communication."""
+        return 1 - self.compute_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "compute_seconds": self.compute_seconds, "exposed_comm_share": self.exposed_comm_share}
+
+
+def compute_seconds(est: Estimate, gpu: GPU) -> dict[str, float]:
+    """Matmul, attention and memory-bound kernel time of the traced step on ``gpu``."""
+    work = est.work
+    if work is None:
+        raise ValueError("this estimate has no work counts; run it with hf_tp.estimate.estimate")
+    peak = gpu.peak_flops(est.dtype)
+    return {
+        "matmul": work.matmul_flops / (peak * gpu.matmul_efficiency),
+        "attention": work.attention_flops * CAUSAL_FRACTION / (peak * gpu.attention_efficiency),
+        "memory": work.memory_bytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency),
+    }
+
+
+def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """Per mesh dim, per collective: seconds of all of its calls in one step."""
+    out: dict[str, dict[str, float]] = {}
+    for stat in est.comms:
+        stride = dim_stride(stat.dim, est.tp, est.ep)
+        per_node = members_per_node(stat.group_size, stride, cluster.gpu.gpus_per_node)
+        out.setdefault(stat.dim, {})[stat.collective] = collective_seconds(stat, per_node, cluster)
+    return out
+
+
+def fsdp_exposed(times: dict[str, float], counts: dict[str, int], compute: float) -> float:
+    """FSDP's exposed communication: the first all-gather (nothing to hide it behind yet), the last
+    reduce-scatter (the step waits for it before the optimizer), and whatever of the rest is longer
+    than the compute it overlaps."""
+    first = times.get("all_gather", 0.0) / max(counts.get("all_gather", 1), 1)
+    last_key = "reduce_scatter" if "reduce_scatter" in times else "all_reduce"
+    last = times.get(last_key, 0.0) / max(counts.get(last_key, 1), 1)
+    rest = sum(times.values()) - first - last
+    return first + last + max(0.0, rest - compute)
+
+
+def predict(est: Estimate, cluster: Cluster) -> Speed:
+    """The step time of ``est`` on ``cluster`` and its breakdown (see the module docstring)."""
+    seconds = compute_seconds(est, cluster.gpu)
+    compute = sum(seconds.values())
+    comm = comm_seconds(est, cluster)
+    for dim, times in sorted(comm.items()):
+        if dim in OVERLAPPED_DIMS:
+            counts = {c.collective: c.count for c in est.comms if c.dim == dim}
+            exposed = fsdp_exposed(times, counts, compute)
+        else:
+            exposed = sum(times.values())
+        seconds[f"{dim} exposed"] = exposed
+    step = sum(seconds.values())
+    tokens = est.batch_size * est.seq_len / est.tp  # a dp rank's tokens, shared by its tp ranks
+    return Speed(
+        gpu=cluster.gpu.name,
+        step_seconds=step,
+        seconds=seconds,
+        comm={dim: sum(t.values()) for dim, t in comm.items()},
+        tokens_per_second_per_gpu=tokens / step,
+        mfu=est.work.model_flops / (step * cluster.gpu.peak_flops(est.dtype)),
+        assumptions=assumptions(est, cluster),
+    )
+
+
+def assumptions(est: Estimate, cluster: Cluster) -> list[str]:
+    """The footnote: every constant and simplification behind a prediction."""
+    g = cluster.gpu
+    nodes = max(1, -(-est.world_size // g.gpus_per_node))
+    return [
+        f"{g.description}; {nodes} node(s), {cluster.inter_node_gbps:g} Gb/s network per GPU.",
+        f"Peak {g.peak_flops(est.dtype) / 1e12:,.1f} TFLOP/s ({est.dtype}, dense); matmuls at "
+        f"{g.matmul_efficiency:.1%} of it (published max achievable matmul FLOP/s), attention at "
+        f"{g.attention_efficiency:.0%} (published flash-attention figure), counted causal (half the scores).",
+        f"Other kernels move the bytes eager PyTorch reads and writes, at {g.hbm_efficiency:.0%} of "
+        f"{g.hbm_bandwidth / 1e12:.2f} TB/s HBM; no fusion (torch.compile would remove part of it).",
+        f"Collectives: NCCL ring, {BASE_LATENCY * 1e6:.1f} us per call + {STEP_LATENCY['NVLink'] * 1e6:.1f} us "
+        f"(NVLink) / {STEP_LATENCY['net'] * 1e6:.0f} us (network) per ring step (NCCL's tuning model); "
+        f"{g.link} {g.link_bandwidth / 1e9:.0f} GB/s per direction at {g.link_efficiency:.0%}, network at "
+        f"{NET_EFFICIENCY:.0%}; tp groups inside a node, dp/ep groups across nodes when the job spans nodes.",
+        "Exposed: TP/SP, EP all-to-all and norm collectives entirely (no async TP); FSDP2's all-gathers and "
+        "reduce-scatters hide behind compute except the first and the last and any excess over compute.",
+        "Not modelled: kernel launch gaps, NCCL slowing concurrent compute, stragglers, data loading, "
+        "uneven expert routing. MFU = model FLOPs (no recompute, full attention) / (step x peak).",
+    ]

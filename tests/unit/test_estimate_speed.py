@@ -1,0 +1,111 @@
+"""The speed model's arithmetic on hand-computed cases, and that the sweep's ranking follows it.
+Pure arithmetic on hand-made estimates (no simulation, no processes) plus one small real op count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tp.cli.estimate import main
+from hf_tp.estimate.api import Estimate, GiB
+from hf_tp.estimate.comm import CommStat
+from hf_tp.estimate.gpus import GPUS, get_gpu
+from hf_tp.estimate.memory import MemoryBreakdown
+from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
+from hf_tp.estimate.sweep import Sweep
+from hf_tp.estimate.work import Work, WorkCounter
+
+H100 = get_gpu("h100-sxm")
+NVLINK = 450e9 * 0.80  # bytes/s one direction, at the published NCCL efficiency
+NIC = 400e9 / 8 * 0.80  # one 400 Gb/s NIC per GPU
+
+
+def make(tp=1, dp=1, comms=(), peak_gib=10.0, ac=False, **work) -> Estimate:
+    mem = MemoryBreakdown(activations=int(peak_gib * GiB))
+    return Estimate("m", "llama", 10**9, tp, dp, 1, 4096, 2, "bf16", ac, mem, mem, list(comms), work=Work(**work))
+
+
+def test_pure_matmul_runs_at_the_published_matmul_efficiency() -> None:
+    flops = 10**15
+    speed = predict(make(matmul_flops=flops), Cluster(H100))
+    step = flops / (989.4e12 * 0.803)
+    assert speed.step_seconds == pytest.approx(step)
+    assert speed.tokens_per_second_per_gpu == pytest.approx(4096 * 2 / step)
+    assert speed.mfu == pytest.approx(0.803)  # every FLOP is a model FLOP
+    assert speed.exposed_comm_share == pytest.approx(0.0)
+
+
+def test_attention_is_counted_causal_and_recompute_is_not_model_flops() -> None:
+    speed = predict(make(attention_flops=4 * 10**14, matmul_flops=10**15, recompute_flops=2 * 10**14), Cluster(H100))
+    assert speed.seconds["attention"] == pytest.approx(2e14 / (989.4e12 * 0.35))
+    assert speed.mfu == pytest.approx(1.2e15 / (speed.step_seconds * 989.4e12))
+
+
+def test_memory_bound_kernels_run_at_hbm_bandwidth() -> None:
+    speed = predict(make(memory_bytes=10**12), Cluster(get_gpu("h200")))
+    assert speed.step_seconds == pytest.approx(1e12 / (4.8e12 * 0.84))
+
+
+def test_pure_tp_all_gather_inside_a_node_is_exposed_ring_time() -> None:
+    size = 2**30  # gathered bytes; each of 8 ranks sends 7/8 of it
+    ag = CommStat("tp", "all_gather", 8, 1, size, size * 7 // 8)
+    speed = predict(make(tp=8, dp=1, comms=[ag]), Cluster(H100))
+    expected = BASE_LATENCY + 7 * STEP_LATENCY["NVLink"] + (size * 7 // 8) / NVLINK
+    assert speed.seconds["tp exposed"] == pytest.approx(expected)
+    assert speed.step_seconds == pytest.approx(expected)
+    assert speed.tokens_per_second_per_gpu == pytest.approx(4096 * 2 / 8 / expected)
+
+
+def test_dp_ring_across_nodes_runs_at_the_nic_bandwidth() -> None:
+    # tp=8 fills a node: the dp pair is one rank per node, so its ring crosses one NIC per GPU.
+    rs = CommStat("dp", "reduce_scatter", 2, 1, 2**30, 2**29)
+    speed = predict(make(tp=8, dp=2, comms=[rs]), Cluster(H100))
+    expected = BASE_LATENCY + STEP_LATENCY["net"] + 2**29 / NIC
+    assert speed.comm["dp"] == pytest.approx(expected)
+    faster = predict(make(tp=8, dp=2, comms=[rs]), Cluster(H100, inter_node_gbps=800))
+    assert faster.comm["dp"] == pytest.approx(BASE_LATENCY + STEP_LATENCY["net"] + 2**29 / (2 * NIC))
+
+
+def test_fsdp_collectives_hide_behind_compute_except_the_first_and_last() -> None:
+    ag = CommStat("dp", "all_gather", 8, 10, 10 * 2**27, 10 * 2**27 * 7 // 8)
+    rs = CommStat("dp", "reduce_scatter", 8, 5, 5 * 2**27, 5 * 2**27 * 7 // 8)
+    busy = predict(make(dp=8, comms=[ag, rs], matmul_flops=10**16), Cluster(H100))
+    comm = predict(make(dp=8, comms=[ag, rs]), Cluster(H100))  # the same collectives, no compute
+    per_ag = BASE_LATENCY + 7 * STEP_LATENCY["NVLink"] + 2**27 * 7 / 8 / NVLINK
+    assert busy.seconds["dp exposed"] == pytest.approx(2 * per_ag, rel=1e-6)  # first all-gather + last reduce-scatter
+    assert comm.seconds["dp exposed"] == pytest.approx(comm.comm["dp"])  # nothing to hide behind
+
+
+def test_ranking_follows_predicted_tokens_per_second_among_layouts_that_fit() -> None:
+    cluster = Cluster(H100)
+    tp_heavy = make(
+        tp=8, dp=1, comms=[CommStat("tp", "all_gather", 8, 100, 2**34, 2**34 * 7 // 8)], matmul_flops=10**14
+    )
+    lean = make(tp=2, dp=4, matmul_flops=4 * 10**14)
+    too_big = make(tp=1, dp=8, matmul_flops=10**14, peak_gib=200)
+    result = Sweep(world_size=8, gpu_memory=80 * GiB, estimates=[tp_heavy, lean, too_big], cluster=cluster)
+    ranked = result.ranking()
+    assert [e for e, _ in ranked] == sorted(
+        [tp_heavy, lean], key=lambda e: -predict(e, cluster).tokens_per_second_per_gpu
+    )
+    assert too_big not in [e for e, _ in ranked]
+    assert result.to_dict()["estimates"][2]["speed"] is None
+
+
+def test_work_counter_counts_a_matmul_and_an_elementwise_kernel() -> None:
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    with WorkCounter() as counter:
+        a @ b
+        a + a
+    assert counter.work.matmul_flops == 2 * 8 * 16 * 4
+    assert counter.work.memory_bytes == 3 * a.numel() * 4  # two reads and one write
+    assert counter.work.memory_kernels == 1
+
+
+def test_gpu_table_and_bad_gpu_fail_early(capsys: pytest.CaptureFixture[str]) -> None:
+    assert {"h100-sxm", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "b200"} <= set(GPUS)
+    assert main(["--model", "qwen2-0.5b", "--seq-len", "128", "--gpu", "x100"]) == 2
+    assert "unknown --gpu 'x100'; known GPUs: h100-sxm" in capsys.readouterr().err
+    assert main(["--model", "qwen2-0.5b", "--seq-len", "128", "--gpu", "b200", "--dtype", "fp32"]) == 2
+    assert "no published fp32 peak for --gpu b200" in capsys.readouterr().err
+    assert main(["--model", "qwen2-0.5b", "--seq-len", "128", "--gpu", "h100-sxm", "--inter-node-gbps", "0"]) == 2
