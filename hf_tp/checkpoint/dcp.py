@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hf_tp.checkpoint.export import base_dtype, base_source
 from hf_tp.checkpoint.layout import (
     MARKER,
     checkpoint_root,
@@ -79,7 +80,10 @@ def save_checkpoint(
         for obj in model_files:
             obj.save_pretrained(tmp / "model_files")
         torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
-        _fsync_write(tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=2))
+        recorded = {"step": step, **trainer_state}
+        if "base_dtype" not in recorded:  # what export casts to by default (the base folder may be gone by then)
+            recorded["base_dtype"] = base_dtype(base_source(recorded))
+        _fsync_write(tmp / "trainer_state.json", json.dumps(recorded, indent=2))
     crash_point("save", step)
     dist.barrier()
     if rank == 0:

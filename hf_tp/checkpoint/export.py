@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 from hf_tp.checkpoint.layout import MARKER, latest_checkpoint, load_trainer_state
@@ -40,47 +39,36 @@ def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
     *,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     overwrite: bool = False,
-    max_shard_size: str = "5GB",
+    max_shard_size: str | int = "5GB",
 ) -> Path:
     """Write ``out_dir`` with safetensors weights, config, generation config, tokenizer and a card.
 
-    Reads only the model's tensors from the DCP checkpoint (DCP gathers every shard, whatever the
-    mesh was). Saving goes through ``save_pretrained``, which writes exactly what
-    ``from_pretrained`` expects (tied weights stored once, an index when sharded). The folder is
-    built next to ``out_dir`` and renamed into place, so a crash never leaves half an export.
+    Streams: the checkpoint's model tensors are read a module at a time (DCP gathers every shard,
+    whatever the mesh was), cast to ``dtype`` (default: the base model's dtype, fp32 where it was
+    not recorded) and written to safetensors files of at most ``max_shard_size`` as they fill, with
+    an index when there are several (:mod:`hf_tp.checkpoint.stream`): host memory follows the shard
+    size, not the model. Tied weights are stored once. The folder is built next to ``out_dir`` and
+    renamed into place, so a crash never leaves half an export.
     """
     ckpt = resolve_checkpoint(checkpoint)
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"export dir {out} is not empty; pass another dir or --overwrite")
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    files = ckpt / "model_files"
-    config = AutoConfig.from_pretrained(files)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to_empty(device="cpu")
-    state = model.state_dict()  # tied weights: two keys, one storage, filled once
-    _stored_shapes(state, ckpt)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)  # also inside a running job
-    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-
+    state = load_trainer_state(ckpt)
+    chosen = dtype or state.get("base_dtype") or base_dtype(base_source(state))
+    how = "as asked" if dtype else ("the base model's dtype" if chosen else "the base model's dtype was not recorded")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        for f in files.iterdir():  # tokenizer files and the source's generation config
+        config = _write_weights(ckpt, tmp, chosen or "fp32", max_shard_size)
+        for f in (ckpt / "model_files").iterdir():  # tokenizer files and the source's generation config
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
-        (tmp / "README.md").write_text(_model_card(ckpt, config, dtype))
+        (tmp / "README.md").write_text(_model_card(ckpt, config, f"{chosen or 'fp32'} ({how})"))
         _ordinary_permissions(tmp)  # mkdtemp makes the folder 700, safetensors its files 600
         if out.exists():
             shutil.rmtree(out)
@@ -91,18 +79,51 @@ def export_checkpoint(
     return out
 
 
-def _stored_shapes(state: dict, ckpt: Path) -> None:
-    """Point the keys hf_tp stores in another shape (packed expert gate/up halves apart:
-    ``[experts, 2, n, hidden]`` for HF's ``[experts, 2n, hidden]``) at views of the HF tensors in
-    that shape: the same numbers in the same order, so DCP fills the HF tensor in place."""
-    import torch.distributed.checkpoint as dcp
+def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int):
+    """The weights (streamed) and config.json of the export into ``folder``; returns the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    for key, tensor in state.items():
-        meta = stored.get(f"model.{key}")
-        size = tuple(getattr(meta, "size", ()) or ())
-        if size and size != tuple(tensor.shape) and math.prod(size) == tensor.numel():
-            state[key] = tensor.view(size)
+    from hf_tp.checkpoint.stream import write_shards
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    config = AutoConfig.from_pretrained(ckpt / "model_files")
+    with torch.device("meta"):  # names, shapes, ties and weight conversions; no memory
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    write_shards(ckpt, model, folder, torch_dtype, max_shard_size)
+    config = model.config
+    config.dtype = torch_dtype
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    return config
+
+
+def base_source(state: dict) -> str | None:
+    """The model a run started from: hf-tp train's --model, or hf_tp.save_checkpoint's name_or_path."""
+    return state.get("config", {}).get("model") or state.get("base_model")
+
+
+def base_dtype(source: str | None) -> str | None:
+    """The dtype (fp32, bf16 or fp16) the base model's config.json names (``dtype``, or
+    ``torch_dtype`` as older releases wrote it), from a local folder or the Hub cache (never the
+    network); None where no config can be read or it names none of those."""
+    if not source:
+        return None
+    path = Path(source).expanduser()
+    config: Path | None = path / "config.json" if path.is_dir() else None
+    if config is None and not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except ValueError:  # not a valid Hub id either
+            cached = None
+        config = Path(cached) if isinstance(cached, str) else None
+    if config is None or not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    name = str(data.get("dtype") or data.get("torch_dtype") or "").removeprefix("torch.")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name)
 
 
 def _umask() -> int:
@@ -144,6 +165,7 @@ def describe_source(source: str | None, kind: str) -> tuple[str, str | None]:
 
 
 def _model_card(ckpt: Path, config, dtype: str) -> str:
+    """The README: base model, architecture, training run, dataset and the dtype written (and why)."""
     state = load_trainer_state(ckpt)
     run = state.get("config", {})
     base = run.get("model") or state.get("base_model")  # hf-tp train's --model, or hf_tp.save_checkpoint's

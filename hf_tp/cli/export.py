@@ -15,9 +15,15 @@ A run has checkpoints when it was trained with --save-every N or --export-on-fin
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="OUTPUT_DIR of a run (its newest checkpoint) or OUTPUT_DIR/checkpoints/step-N")
     p.add_argument("out_dir", help="where to write the HF folder (safetensors, config, tokenizer, model card)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="dtype of the exported weights")
     p.add_argument(
-        "--max-shard-size", default="5GB", help="largest safetensors file; bigger models get several and an index"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype of the exported weights (default: the base model's dtype, fp32 where it was not recorded)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file (also about the export's peak host memory); bigger models get several and an index",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")

@@ -1,0 +1,123 @@
+"""``hf-tp export`` streams: a checkpoint is read a module at a time and written to safetensors
+shards as they fill. Its files hold exactly what ``save_pretrained`` writes for the same weights
+(packed experts back in HF's layout and split per expert, a tied embedding once), in the base
+model's dtype by default; they load with the same logits; host memory follows the shard size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_tp.checkpoint.export import export_checkpoint
+from hf_tp.checkpoint.layout import MARKER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_checkpoint(root: Path, config, *, base_dtype: str = "float32") -> tuple[Path, torch.nn.Module]:
+    """A step-1 checkpoint as hf_tp writes one (``{"model": ...}`` in DCP, packed gate/up halves
+    stored as ``[experts, 2, n, hidden]``), from a random model whose base folder says ``base_dtype``."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base = root / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps({**config.to_dict(), "dtype": base_dtype}))
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            tensor = tensor.view(tensor.shape[0], 2, tensor.shape[1] // 2, *tensor.shape[2:])
+        state[key] = tensor
+    ckpt = root / "step-1"
+    dcp.save({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
+    model.config.save_pretrained(ckpt / "model_files")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "base_model": str(base)}))
+    (ckpt / MARKER).write_text("step 1\n")
+    return ckpt, model
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_stream_export_matches_save_pretrained_and_loads(tmp_path: Path) -> None:
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=301, tie_word_embeddings=True,
+    )  # fmt: skip
+    ckpt, model = fake_checkpoint(tmp_path, config, base_dtype="bfloat16")
+    ids = torch.randint(0, 301, (2, 9), generator=torch.Generator().manual_seed(1))
+    want_fp32 = model(ids).logits
+    out = export_checkpoint(ckpt, tmp_path / "export", max_shard_size=20_000)
+    ref = tmp_path / "ref"
+    model.to(torch.bfloat16).save_pretrained(ref)  # what save_pretrained writes for these weights
+    got, want = folder_tensors(out), folder_tensors(ref)
+    assert "lm_head.weight" not in got and "model.layers.0.mlp.experts.3.up_proj.weight" in got
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.bfloat16
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = {p.name for p in out.glob("*.safetensors")}
+    assert set(index["weight_map"]) == set(got) and set(index["weight_map"].values()) == files and len(files) > 3
+    for f in files:  # each shard's tensors fit the size, or it holds one larger tensor alone
+        held = [t for t in load_file(out / f).values()]
+        assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held) <= 20_000, f
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "weights exported in bf16 (the base model's dtype)" in (out / "README.md").read_text()
+    logits = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)(ids).logits for p in (out, ref)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    # --dtype overrides the base model's dtype; fp32 gives the checkpoint's numbers and logits exactly.
+    out32 = export_checkpoint(ckpt, tmp_path / "fp32", dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(out32, dtype=torch.float32)
+    torch.testing.assert_close(loaded(ids).logits, want_fp32, rtol=0, atol=0)
+    assert "fp32 (as asked)" in (out32 / "README.md").read_text()
+
+
+CHILD = """
+import sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from hf_tp.checkpoint.export import export_checkpoint
+def rss(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) * 1024
+with torch.device("meta"):  # imports the model's code before the baseline: a fixed cost, not the model's size
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1] + "/model_files"))
+before = rss("VmRSS:")
+export_checkpoint(sys.argv[1], sys.argv[2], max_shard_size="4MB", dtype="fp32")
+print(rss("VmHWM:") - before)
+"""
+
+
+def test_stream_export_memory_follows_shard_size(tmp_path: Path) -> None:
+    """A 91 MB (fp32) model exported with 4 MB shards: the exporting process grows by a fraction of it
+    (about a shard, the largest tensor and a fixed ~10 MB: 21 MB here)."""
+    config = AutoConfig.for_model(
+        "llama", hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=4096, tie_word_embeddings=True,
+    )  # fmt: skip
+    ckpt, model = fake_checkpoint(tmp_path, config)
+    size = sum(p.numel() * 4 for p in model.parameters())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", CHILD, str(ckpt), str(tmp_path / "export")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    growth = int(proc.stdout.split()[-1])
+    print(f"model {size / 2**20:.1f} MiB, export peak growth {growth / 2**20:.1f} MiB")
+    assert growth < size / 4, f"the export grew by {growth / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB model"
+    got = folder_tensors(tmp_path / "export")
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(got) == sorted(want) and len(list((tmp_path / "export").glob("*.safetensors"))) > 10
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
