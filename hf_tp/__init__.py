@@ -23,7 +23,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "causal_lm_loss": "hf_tp.parallel.linear_ce",
     "TrainConfig": "hf_tp.train.config",
     "fit": ("hf_tp.train.loop", "train"),
-    "shutdown": "hf_tp.train.setup",
+    "shutdown": "hf_tp.train.distributed",
     "save_checkpoint": ("hf_tp.checkpoint.dcp", "save"),
     "export": ("hf_tp.checkpoint.export", "export_checkpoint"),
     "push_to_hub": "hf_tp.checkpoint.hub",

@@ -58,9 +58,10 @@ def main() -> int:
     import transformers
     from transformers import CONFIG_MAPPING
 
-    from hf_tp.adapters.generic import PLAN_OVERRIDES
+    from hf_tp.adapters.census import tensor_parallel_causal_lm_types
+    from hf_tp.adapters.overrides import PLAN_OVERRIDES
     from hf_tp.adapters.registry import registered_model_types
-    from hf_tp.adapters.support import GENERIC, MOE, REFUSED, tensor_parallel_causal_lm_types
+    from hf_tp.adapters.support import GENERIC, MOE, REFUSED
     from tests.family_grid import run_family
 
     dense = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)
@@ -151,7 +152,7 @@ gradients themselves still match). Every MoE block runs as one expert-tensor-par
 up halves alike), routers and gates are replicated with their gradients summed over tp, shared
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert
-parallelism (`--ep`, README) holds the same parity for every family marked parity here, at ep=2
+parallelism (`--ep`, [moe.md](moe.md)) holds the same parity for every family marked parity here, at ep=2
 (`test_moe_family_ep2`; tp2 x ep2 on Qwen3-MoE, Mixtral, Qwen2-MoE, Ernie and GPT-OSS, routing that leaves
 experts empty on Qwen3-MoE, Qwen2-MoE and OLMoE, in `tests/unit/test_expert_parallel.py` and
 `test_moe_grid.py`; and through the training loop in `tests/e2e/`).{own_plan_text}

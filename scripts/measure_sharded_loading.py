@@ -59,7 +59,7 @@ def worker(model_dir: str, mode: str) -> None:
 
     import hf_tp
     from hf_tp.train.config import TrainConfig
-    from hf_tp.train.setup import build_parallel_model
+    from hf_tp.train.model import build_parallel_model
 
     dist.init_process_group("gloo")
     base, anon_base = rss_mib(), anon_mib()

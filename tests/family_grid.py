@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import hf_tp
-from hf_tp.adapters.generic import base_tp_plan
+from hf_tp.adapters.overrides import base_tp_plan
 from tests.helpers import batch, clone, run_threaded
 from tests.parity import assert_parity, train_steps
 

@@ -1,15 +1,20 @@
-"""Adapters: one file per model family, found through the registry by ``config.model_type``."""
+"""Adapters: how each model family is tensor-parallelized, found by ``config.model_type``.
+
+Layers, each importing only those below it:
+  registry, census          find the adapter for a config (hand-written, refused, or derived)
+  generic                   the rules: facts read off a model -> the TP+SP plans of an Adapter
+  inspect_model             read a model: its layer kinds merged, embedding, final norms, lm_head
+  inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them
+  inspect_moe               read a layer's mixture-of-experts blocks: each parameter's role
+  adapter, facts, modules,  the types (Adapter, Derivation), small module/config queries, source
+  source, overrides,        readers, corrections family files make to transformers' plans,
+  quantized, support        quantized-checkpoint refusals, the support tables (data)
+Family files (llama, qwen2, gemma, ...) sit beside the registry and register themselves on import.
+"""
 
 from hf_tp.adapters import codegen, gemma, gpt_oss, layer_plans, llama, mistral, olmo2, qwen2, qwen3  # noqa: F401  (importing registers them)
-from hf_tp.adapters.registry import (
-    Adapter,
-    Plan,
-    PlanOptions,
-    get_adapter,
-    register_adapter,
-    supported_model_types,
-    unregister_adapter,
-)
+from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
+from hf_tp.adapters.registry import get_adapter, register_adapter, supported_model_types, unregister_adapter
 
 __all__ = [
     "Adapter",

@@ -6,6 +6,6 @@ quarter of the heads. A column-parallel shard is whole groups only when tp divid
 attention's reshape then finds its groups on every rank (checked by the family grid at tp=2 and 4).
 """
 
-from hf_tp.adapters.generic import register_tp_divisor
+from hf_tp.adapters.overrides import register_tp_divisor
 
 register_tp_divisor(("codegen",), "number of groups (mp_num) its attention packs qkv_proj into", 4)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from hf_tp.adapters import llama
-from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
+from hf_tp.adapters.registry import register_adapter
 from hf_tp.styles import ScaledEmbeddingRowwise, head_norm
 
 

@@ -32,10 +32,8 @@ model sequence parallel, the output embedding column-parallel over the vocab.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -43,9 +41,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from hf_tp.adapters.registry import Adapter, Plan, PlanOptions
+from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
+from hf_tp.adapters.facts import Block, Derivation, refuse
+from hf_tp.adapters.inspect_model import inspect_model
+from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
@@ -59,96 +60,6 @@ from hf_tp.styles import (
     WidthNormParallel,
     head_norm,
 )
-from hf_tp.styles.experts import Role
-
-HOW_TO_ADD = (
-    "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "
-    "top_plan=...)) (see hf_tp/adapters/llama.py)"
-)
-
-
-@dataclass(frozen=True)
-class Block:
-    """A layer-level child that takes the hidden states (attention, MLP, linear attention), and how
-    the layer calls it."""
-
-    positional: int  # positional arguments in the call (0: hidden_states is passed by keyword)
-    edits_in_place: bool = False  # its forward changes tensors in place (OLMo's clamp_ under clip_qkv)
-    replicated: bool = False  # no row-parallel projection: runs whole on every rank (linear attention)
-
-
-@dataclass(frozen=True)
-class Region:
-    """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
-
-    roles: dict[str, Role] = field(hash=False)  # parameter (relative to the block) -> its placement
-    positional: int  # how the layer passes the hidden states, as Block.positional
-    routers: tuple[str, ...]  # modules whose logits HF records for the aux loss
-    experts: str  # the experts module, relative to the block
-    widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
-    aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
-
-
-@dataclass(frozen=True)
-class Derivation:
-    """What the generic plan needs, read off one model: module paths relative to the layer or model."""
-
-    model_type: str
-    layers_path: str
-    colwise: tuple[str, ...]
-    kv: tuple[str, ...]  # colwise K/V projections (replicated when tp > num_key_value_heads)
-    kv_bound: tuple[str, ...]  # sharded projections that split the KV heads (K/V, or packed QKV)
-    rowwise: tuple[str, ...]
-    # transformers' colwise_gather_output / rowwise_split_input (packed qkv_proj, gate_up_proj):
-    # the projection is sharded, its output all-gathered, the region between runs whole on every
-    # rank, and the row-parallel projection takes its own slice of the input again.
-    gathered: tuple[str, ...]
-    head_norms: tuple[str, ...]
-    width_norms: tuple[str, ...]  # norms over a whole column-parallel output (all heads)
-    head_params: dict[str, tuple[str, ...]] = field(hash=False)  # block -> its own per-head parameters (sinks)
-    region_params: dict[str, tuple[str, ...]] = field(hash=False)  # module -> own parameters in a replicated block
-    activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
-    layer_norms: tuple[str, ...]
-    blocks: dict[str, Block] = field(hash=False)
-    regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
-    embedding: str = ""
-    top_norms: tuple[str, ...] = ()
-    lm_head: str = ""
-    plain_lm_head: bool = False
-    widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check
-
-
-def refuse(model_type: str, what: str) -> ValueError:
-    return ValueError(f"hf_tp cannot derive a TP+SP plan for model_type '{model_type}': {what}; {HOW_TO_ADD}")
-
-
-# model_type -> corrections to transformers' tp plan (same keys), for what a family file knows
-# better: e.g. OLMo 2 gathers q/k before its full-width norms, hf_tp keeps them sharded
-# ("width_norm", an hf_tp style). Registered by the family files (adapters/olmo2.py).
-PLAN_OVERRIDES: dict[str, dict[str, str]] = {}
-
-
-def register_plan_overrides(model_types: tuple[str, ...], overrides: dict[str, str]) -> None:
-    """Correct the tp plan the generic derivation starts from, for these ``model_type``s."""
-    for model_type in model_types:
-        PLAN_OVERRIDES[model_type] = dict(overrides)
-
-
-# model_type -> (what, n): a count fixed in the family's code that tp must divide, beyond the
-# config's sizes (CodeGen packs qkv_proj into 4 groups whatever its heads). Registered by family files.
-TP_DIVISORS: dict[str, tuple[str, int]] = {}
-
-
-def register_tp_divisor(model_types: tuple[str, ...], what: str, n: int) -> None:
-    """Require tp to divide ``n`` (``what`` names it in the error) for these ``model_type``s."""
-    for model_type in model_types:
-        TP_DIVISORS[model_type] = (what, n)
-
-
-def base_tp_plan(config: PretrainedConfig) -> dict[str, str]:
-    """transformers' ``base_model_tp_plan`` for ``config`` with hf_tp's corrections applied."""
-    return {**(getattr(config, "base_model_tp_plan", None) or {}), **PLAN_OVERRIDES.get(config.model_type, {})}
-
 
 _DERIVED: dict[str, Derivation] = {}  # config JSON -> derivation (building the meta model costs ~0.1-2 s)
 _DERIVING = threading.Lock()
@@ -291,22 +202,11 @@ def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
 
 def derive(config: PretrainedConfig) -> Derivation:
     """Read the plan's facts off ``config``'s causal-LM model, built on the meta device."""
-    from hf_tp.adapters.inspect_model import inspect_model  # the reading of modules and sources
-
     mt = config.model_type
     tp_plan = base_tp_plan(config)
     if not tp_plan:
-        from hf_tp.adapters.registry import supported_model_types
-
-        raise ValueError(
-            f"no hf_tp adapter for model_type '{mt}'; supported: {', '.join(supported_model_types())}. Its config "
-            "has no base_model_tp_plan to derive a generic plan from (transformers cannot tensor-parallelize it "
-            f"either). Add one with hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) "
-            "(see hf_tp/adapters/llama.py)"
-        )
+        raise refuse(mt, "its config has no base_model_tp_plan (transformers cannot tensor-parallelize it either)")
     with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
         try:
             model = AutoModelForCausalLM.from_config(config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation
@@ -319,16 +219,3 @@ def derive(config: PretrainedConfig) -> Derivation:
         raise refuse(
             mt, f"reading its modules failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         ) from None
-
-
-def has_submodule(module: nn.Module, path: str) -> bool:
-    """``module.get_submodule(path)`` exists."""
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
-def is_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear

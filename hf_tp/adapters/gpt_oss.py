@@ -19,7 +19,7 @@ Style names are transformers' (they name the split dim of the 3-D weight: ``roww
 ``colwise`` -2), not the projection's role.
 """
 
-from hf_tp.adapters.generic import register_plan_overrides
+from hf_tp.adapters.overrides import register_plan_overrides
 
 register_plan_overrides(
     ("gpt_oss",),

@@ -21,13 +21,11 @@ unsplit result to a partial sum: refused with its name, never guessed.
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
 from torch import nn
 
-from hf_tp.adapters.generic import has_submodule, is_linear, refuse
+from hf_tp.adapters.facts import Region, refuse
+from hf_tp.adapters.modules import has_submodule, is_linear, num_experts
+from hf_tp.adapters.source import hidden_states_passing, returns_tuple
 from hf_tp.styles.experts import Role
 
 EXPERT_DIMS = {
@@ -136,18 +134,6 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def num_experts(config) -> int | None:
-    """The routed-expert count of a MoE config (families name the field differently), else None."""
-    for name in EXPERT_COUNT_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def router_classes(model: nn.Module) -> tuple[type, ...]:
     """The module classes whose output HF records as ``router_logits``."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
@@ -160,12 +146,21 @@ def router_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(out)
 
 
-def returns_tuple(module: nn.Module) -> bool:
-    """Every ``return`` of the module's forward is a tuple (a router handing out its logits apart
-    from the routing it computed)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward))))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
-    return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+def moe_region(
+    mt: str, config, layer: nn.Module, block: str, layer_styles: dict[str, str], routers: tuple[type, ...]
+) -> Region:
+    """The :class:`Region` of one MoE block of ``layer``: its parameters' roles, routers and how the
+    layer passes it the hidden states."""
+    roles, router_paths, widths = region_roles(mt, config, layer, block, layer_styles, routers)
+    positional = hidden_states_passing(layer, block)
+    if positional is None:
+        raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {block}")
+    experts = next(p for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + "."))
+    return Region(
+        roles=roles,
+        positional=positional,
+        routers=router_paths,
+        experts=experts[len(block) + 1 :],
+        widths=tuple(widths),
+        aux_exact=all(returns_tuple(layer.get_submodule(f"{block}.{r}" if r else block)) for r in router_paths),
+    )

@@ -14,7 +14,7 @@ the family grid.
 - Bamba, Falcon-H1: Mamba-2 mixers (whole) beside attention, a gated ``feed_forward``.
 """
 
-from hf_tp.adapters.generic import register_plan_overrides
+from hf_tp.adapters.overrides import register_plan_overrides
 
 
 def _attention(out: str = "o_proj") -> dict[str, str]:

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
+from hf_tp.adapters.registry import register_adapter
 from hf_tp.styles import ReplicatedKVProjection
 
 

@@ -2,7 +2,8 @@
 length, which the DTensor residual stream preserves."""
 
 from hf_tp.adapters import llama
-from hf_tp.adapters.registry import Adapter, register_adapter
+from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.registry import register_adapter
 
 register_adapter(
     Adapter(model_type="mistral", layer_plan=llama.layer_plan, top_plan=llama.top_plan, plain_lm_head=True)

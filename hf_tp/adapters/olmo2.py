@@ -9,7 +9,7 @@ mean over the width costs one all-reduce of two per-token sums. KV heads cannot 
 (the k norm needs every KV head's columns once), so tp must divide num_key_value_heads.
 """
 
-from hf_tp.adapters.generic import register_plan_overrides
+from hf_tp.adapters.overrides import register_plan_overrides
 
 register_plan_overrides(
     ("olmo2", "olmo3"),

@@ -12,7 +12,8 @@ weights (a plain local weight would train on one rank's heads only, silently).
 from __future__ import annotations
 
 from hf_tp.adapters import llama
-from hf_tp.adapters.registry import Adapter, Plan, PlanOptions, register_adapter
+from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
+from hf_tp.adapters.registry import register_adapter
 from hf_tp.styles import head_norm
 
 

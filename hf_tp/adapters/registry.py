@@ -1,113 +1,24 @@
 """The adapter registry: how hf_tp finds the TP+SP plan of a model family.
 
-An adapter is data, not a model subclass: two functions that return plans (plain dicts of module
-path -> ``ParallelStyle``) plus the config fields that tensor parallelism splits. Adding an
-architecture means writing one small file that calls :func:`register_adapter`.
+The top of the adapters package: a registered (hand-written) adapter for the config's
+``model_type`` wins; a family hf_tp refuses gets its reason; anything else gets the plan derived
+from its model (:mod:`hf_tp.adapters.generic`). Adding an architecture means writing one small
+file that calls :func:`register_adapter`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import PretrainedConfig
 
-Plan = dict[str, ParallelStyle]
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """Switches that change the plan an adapter returns."""
-
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    # tp ranks that share each KV head: tp / num_key_value_heads when tp is larger, else 1.
-    kv_replicas: int = 1
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """How to tensor-parallelize one model family (one ``config.model_type``).
-
-    Attributes:
-        model_type: the ``config.model_type`` this adapter serves (``"llama"``, ``"qwen2"``...).
-        layer_plan: options -> plan for one decoder layer, paths relative to the layer.
-        top_plan: options -> plan for the modules outside the layers (embedding, final norm,
-            lm_head), paths relative to the ``*ForCausalLM`` model.
-        layers_path: dotted path of the ``ModuleList`` of decoder layers.
-        split_fields: config fields that tp shards and must therefore divide (head counts, the
-            MLP width).
-        check: optional extra validation ``(config, tp) -> None`` that raises ``ValueError``.
-        moe: the plan runs mixture-of-experts blocks as expert-tensor-parallel regions.
-        plain_lm_head: the logits are exactly ``lm_head(get_decoder()(...).last_hidden_state)``
-            (no logit scaling), so the training loop may fuse the lm_head with the loss
-            (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`). A config with
-            ``final_logit_softcapping`` set (Gemma 2) is never fused, whatever the adapter says.
-    """
-
-    model_type: str
-    layer_plan: Callable[[PlanOptions], Plan]
-    top_plan: Callable[[PlanOptions], Plan]
-    layers_path: str = "model.layers"
-    split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
-    plain_lm_head: bool = False
-    moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
-    experts: tuple[str, ...] = ()  # the experts modules, relative to a decoder layer (for expert parallelism)
-
-    def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
-        """The sizes that tp must divide, read from ``config``."""
-        sizes = {}
-        for name in self.split_fields:
-            value = getattr(config, name, None)
-            if value is None and name == "num_key_value_heads":
-                value = config.num_attention_heads  # HF's default: plain multi-head attention
-            if value is None:
-                raise ValueError(f"{self.model_type} config has no '{name}', which the TP plan splits")
-            sizes[name] = int(value)
-        return sizes
-
-    def valid_tp_sizes(self, config: PretrainedConfig) -> list[int]:
-        """Every tp that divides all split sizes of this model, except that the KV heads may also
-        divide tp (each then replicated on tp / num_key_value_heads ranks)."""
-        sizes = self.split_sizes(config)
-        g = 0
-        for name, value in sizes.items():
-            if name != "num_key_value_heads":
-                g = math.gcd(g, value)
-        kv = sizes.get("num_key_value_heads")
-        return [d for d in range(1, g + 1) if g % d == 0 and (kv is None or kv % d == 0 or d % kv == 0)]
-
-    def kv_replicas(self, config: PretrainedConfig, tp: int) -> int:
-        """How many tp ranks share each KV head (1 unless tp > num_key_value_heads)."""
-        kv = self.split_sizes(config).get("num_key_value_heads")
-        return tp // kv if kv is not None and tp > kv else 1
-
-    def validate(self, config: PretrainedConfig, tp: int) -> None:
-        """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model, or
-        naming the fix if the checkpoint is quantized (:mod:`hf_tp.adapters.quantized`)."""
-        from hf_tp.adapters.quantized import check_not_quantized
-
-        check_not_quantized(config)
-        if tp < 1:
-            raise ValueError(f"tp must be a positive integer, got tp={tp}")
-        valid = ", ".join(str(v) for v in self.valid_tp_sizes(config))
-        for name, value in self.split_sizes(config).items():
-            if name == "num_key_value_heads" and tp > value and tp % value == 0:
-                continue  # fewer KV heads than ranks: each one replicated on tp / kv ranks
-            if value % tp != 0:
-                also = " (or be a multiple of it)" if name == "num_key_value_heads" else ""
-                raise ValueError(
-                    f"tp must divide {name} ({value}){also} of this {self.model_type} model, got tp={tp}; "
-                    f"valid tp values for it are: {valid}"
-                )
-        if self.check is not None:
-            self.check(config, tp)
-
+from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.generic import generic_adapter
+from hf_tp.adapters.overrides import base_tp_plan
+from hf_tp.adapters.support import GENERIC, MOE, REFUSED
 
 _REGISTRY: dict[str, Adapter] = {}
+HOW_TO_REGISTER = (
+    "hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/llama.py)"
+)
 
 
 def register_adapter(adapter: Adapter, *, overwrite: bool = False) -> Adapter:
@@ -133,8 +44,6 @@ def registered_model_types() -> list[str]:
 def supported_model_types() -> list[str]:
     """Every ``model_type`` hf_tp trains: the registered adapters and the families whose generic
     plan holds parity in the test grid (``hf_tp/adapters/support.py``), sorted."""
-    from hf_tp.adapters.support import GENERIC, MOE
-
     return sorted(set(_REGISTRY) | set(GENERIC) | set(MOE))
 
 
@@ -145,19 +54,20 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
-    from hf_tp.adapters.support import REFUSED
-
+    how = HOW_TO_REGISTER.format(mt=model_type)
     if model_type in REFUSED:
         raise ValueError(
-            f"hf_tp does not support model_type '{model_type}': {REFUSED[model_type]}. Add an adapter with "
-            f"hf_tp.register_adapter(Adapter(model_type='{model_type}', layer_plan=..., top_plan=...)) "
-            "(see hf_tp/adapters/llama.py)"
+            f"hf_tp does not support model_type '{model_type}': {REFUSED[model_type]}. Add an adapter with {how}"
         )
     if isinstance(config_or_type, str):
         raise ValueError(
             f"no registered hf_tp adapter for model_type '{model_type}' (a generic plan is derived from a config: "
             f"pass the model's config); supported: {', '.join(supported_model_types())}"
         )
-    from hf_tp.adapters.generic import generic_adapter
-
+    if not base_tp_plan(config_or_type):
+        raise ValueError(
+            f"no hf_tp adapter for model_type '{model_type}'; supported: {', '.join(supported_model_types())}. Its "
+            "config has no base_model_tp_plan to derive a generic plan from (transformers cannot tensor-parallelize "
+            f"it either). Add one with {how}"
+        )
     return generic_adapter(config_or_type)

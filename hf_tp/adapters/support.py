@@ -4,7 +4,7 @@ Kept true by the parity grid: tests/unit/test_family_grid.py runs every dense fa
 installed transformers and checks each entry here (parity for GENERIC, a refusal naming the reason
 for REFUSED); scripts/family_grid.py regenerates docs/architectures.md from the same runs. A family
 in neither table (a newer transformers) still goes through the generic derivation, which holds
-parity or refuses with a reason of its own.
+parity or refuses with a reason of its own. Data only: this module imports nothing.
 """
 
 from __future__ import annotations
@@ -129,23 +129,3 @@ REFUSED: dict[str, str] = {
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
 }
-
-
-def tensor_parallel_causal_lm_types() -> dict[str, bool]:
-    """Every causal-LM ``model_type`` of the installed transformers whose config carries a
-    ``base_model_tp_plan``, mapped to whether it is a mixture of experts (its plan shards experts)."""
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    import hf_tp.adapters  # noqa: F401  (the family files register their plan overrides)
-    from hf_tp.adapters.generic import PLAN_OVERRIDES
-
-    out = {}
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        try:
-            plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
-        except KeyError:
-            continue
-        if plan:  # (GPT-OSS's names only the embedding: hf_tp's own plan for it shards experts)
-            out[model_type] = any("expert" in key for key in {**plan, **PLAN_OVERRIDES.get(model_type, {})})
-    return out

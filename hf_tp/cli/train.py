@@ -249,9 +249,9 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
         return launch(cfg, out / "config.yaml", verbose=args.verbose)
+    from hf_tp.train.distributed import shutdown
     from hf_tp.train.errors import report_rank_error
     from hf_tp.train.loop import train
-    from hf_tp.train.setup import shutdown
 
     try:
         train(cfg)

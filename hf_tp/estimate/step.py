@@ -14,7 +14,8 @@ from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train import loss as train_loss
-from hf_tp.train import setup as train_setup
+from hf_tp.train import model as train_model
+from hf_tp.train import optim as train_optim
 
 DTYPES = ("bf16", "fp32")
 
@@ -29,7 +30,7 @@ def model_from_config(
     """
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
-    mp = train_setup.mixed_precision(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    mp = train_model.mixed_precision(torch.bfloat16 if dtype == "bf16" else torch.float32)
     parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep)
     return model
 
@@ -37,7 +38,7 @@ def model_from_config(
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """The loop's AdamW as it runs on GPUs (fused: one kernel, no temporaries of the parameters'
     size; a foreach step would hold several)."""
-    return train_setup.build_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0, device=torch.device("cuda"))
+    return train_optim.build_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0, device=torch.device("cuda"))
 
 
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -36,31 +36,62 @@ def parallelize(
 
     ``mesh`` is 1-D (all tp) or 2-D with dims ``("dp", "tp")``; with a dp dim of size > 1 the model
     is also sharded with FSDP2 over ``mesh["dp"]`` (at dp=1 too when ``mp_policy`` asks for FSDP2's
-    mixed precision). Works on a model from ``from_pretrained`` or one
-    built on the meta device. With ``loss_parallel=True`` the logits are a DTensor sharded on the
-    vocab: compute the loss and call backward inside :func:`hf_tp.loss_parallel`.
+    mixed precision). Works on a model from ``from_pretrained`` or one built on the meta device.
+    With ``loss_parallel=True`` the logits are a DTensor sharded on the vocab: compute the loss and
+    call backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
+    depends only on the config and the mesh shape, so a bad input raises the same ``ValueError``
+    on every rank.
 
-    Every check runs before any collective and depends only on the config and the mesh shape, so
-    a bad input raises the same ``ValueError`` on every rank.
-
-    ``activation_checkpointing`` recomputes each decoder layer in backward (HF's own per-layer
-    checkpointing, non-reentrant); ``compile`` applies ``torch.compile`` to each decoder layer after
-    TP and before FSDP2 (so the compiled region holds the TP collectives, not FSDP's hooks).
-
-    ``fuse_partial_grads`` sums the ``Partial`` gradients of the weights replicated over tp (the
-    sequence-parallel norms, the per-head q/k norms of Qwen3 and Gemma 3) in one all-reduce per
-    backward instead of one per weight (see :mod:`hf_tp.parallel.partial_grads`); ``False``
-    leaves that to DTensor and FSDP2.
-
+    ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each
+    decoder layer after TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for
+    the ``Partial`` gradients of weights replicated over tp (:mod:`hf_tp.parallel.partial_grads`).
     tp must divide the attention heads and the MLP width; with fewer KV heads than tp ranks each
-    KV head is replicated on tp / num_key_value_heads ranks (:mod:`hf_tp.parallel.kv_heads`).
-
-    A tp dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
+    KV head is replicated on tp / num_key_value_heads ranks (:mod:`hf_tp.styles.kv_heads`). A tp
+    dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
 
     ``ep`` > 1 (mixture-of-experts models) places whole experts on ranks borrowed from dp: each
     group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
     (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp and the number of experts.
     """
+    adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(model, mesh, sequence_parallel, loss_parallel, ep)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
+    tp = tp_mesh.size() > 1
+    if tp:
+        apply_tensor_parallel(model, adapter, tp_mesh, opts)
+    whole = odd_dtype_params(model, adapter) if fsdp else set()  # kept whole on every dp rank
+    if tp and adapter.moe:
+        model.loss_function = local_loss_function(model.loss_function)
+    if tp and fuse_partial_grads:
+        units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
+        install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
+    # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
+    # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
+    if compile:
+        for layer in model.get_submodule(adapter.layers_path):
+            layer.compile()
+    expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
+    if fsdp:
+        apply_fsdp(
+            model,
+            adapter,
+            dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=(set(expert_params) | whole) or None,
+            averaged=whole,
+            fused=fuse_partial_grads and tp,
+        )
+    model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
+    # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
+    model.generate = types.MethodType(_generate, model)
+    return model
+
+
+def _check(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
+    """Every check of :func:`parallelize`, before any collective: (adapter, plan options, dp mesh,
+    tp mesh, ep mesh or None)."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")
@@ -81,40 +112,7 @@ def parallelize(
         ep_mesh = build_ep_mesh(mesh, ep)
     if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
-
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
-    fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
-    if tp_mesh.size() > 1:
-        apply_tensor_parallel(model, adapter, tp_mesh, opts)
-    whole = odd_dtype_params(model, adapter) if fsdp else set()  # kept whole on every dp rank
-    if tp_mesh.size() > 1:
-        if adapter.moe:
-            model.loss_function = local_loss_function(model.loss_function)
-        if fuse_partial_grads:
-            units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
-            install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
-    # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
-    # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
-    if compile:
-        for layer in model.get_submodule(adapter.layers_path):
-            layer.compile()
-    expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
-    if fsdp:
-        apply_fsdp(
-            model,
-            adapter,
-            dp_mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
-            ignored_params=(set(expert_params) | whole) or None,
-            averaged=whole,
-            fused=fuse_partial_grads and tp_mesh.size() > 1,
-        )
-    model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
-    # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
-    model.generate = types.MethodType(_generate, model)
-    return model
+    return adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 
 def _generate(model: nn.Module, inputs=None, **kwargs):

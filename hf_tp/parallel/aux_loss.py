@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_tp.adapters.inspect_moe import num_experts
+from hf_tp.adapters.modules import num_experts
 
 
 def standard_aux_loss(model: nn.Module) -> bool:

@@ -7,8 +7,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hf_tp.adapters.inspect_model import has_submodule
-from hf_tp.adapters.registry import Adapter, PlanOptions
+from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.adapters.modules import has_submodule
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
 

@@ -3,17 +3,38 @@ the evaluation rows, and the per-step batch source the loop reads (it never sees
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import sys
 from typing import Any
 
 import datasets
 import torch
+import torch.distributed as dist
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import load_stream
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.setup import rank0_first
+from hf_tp.train.distributed import rank0_first
+from hf_tp.train.evaluation import EvalSet
+
+
+def build_batches(
+    cfg: TrainConfig, tokenizer: Any, dp_rank: int, device: torch.device
+) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | None]:
+    """What the loop reads: this dp rank's batches of every step, and the evaluation set (or None).
+    Rows are padded to a multiple of tp (the sequence is split over the tp ranks)."""
+    data, eval_data = build_data(cfg, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp, row_lengths=True)
+    batches = batch_source(cfg, data, train_collate, dp_rank, device)
+    if eval_data is None:
+        return batches, None
+    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
+    sizes = (cfg.batch_size, cfg.global_batch, cfg.eval_batches)
+    return batches, EvalSet(eval_data, collate, dp_rank, cfg.dp, *sizes, device)
 
 
 def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | PackedStream, datasets.Dataset | None]:
@@ -70,3 +91,23 @@ def batch_source(
         return StreamingBatchSource(train, cfg.global_batch, collate, dp_rank, cfg.dp, **sizes)
     order = GlobalBatchOrder(num_examples=len(train), global_batch=cfg.global_batch, seed=cfg.seed)
     return StepBatchSource(train, order, collate, dp_rank, cfg.dp, **sizes)
+
+
+def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> TrainConfig:
+    """``cfg``, with document masking turned off (and said so) for a model whose attention mask
+    does not come from transformers' ``masking_utils`` (the code that turns restarting
+    ``position_ids`` into per-document masks): there packed documents would see each other."""
+    if not (cfg.pack and cfg.document_masking):
+        return cfg
+    # The MRO: FSDP2 subclasses the model's class (FSDPLlamaModel) in a module of its own.
+    modules = [inspect.getmodule(cls) for cls in type(model.get_decoder()).__mro__]
+    names = ("create_causal_mask", "create_sliding_window_causal_mask")
+    if any(hasattr(module, name) for module in modules for name in names):
+        return cfg
+    if dist.get_rank() == 0:
+        print(
+            f"hf-tp: {model.config.model_type} does not build its attention mask with transformers' masking_utils; "
+            "packed documents are not masked from each other (--no-document-masking)",
+            file=sys.stderr,
+        )
+    return dataclasses.replace(cfg, document_masking=False)

@@ -16,34 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer
 
-from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, load_checkpoint, load_trainer_state, save_checkpoint
-from hf_tp.data import PadToMultipleCollator
-from hf_tp.data.steps import StepBatches, StepBatchSource
+from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, save_checkpoint
+from hf_tp.data.steps import StepBatches
 from hf_tp.data.streaming import StreamingBatchSource
-from hf_tp.parallel import build_mesh
 from hf_tp.parallel.grad import clip_grad_norm
-from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.data import batch_source, build_data
-from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.distributed import shutdown
 from hf_tp.train.loss import loss_context, step_routing, training_loss
-from hf_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_memory_mib, truncate_metrics
+from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
-from hf_tp.train.setup import (
-    build_optimizer,
-    build_parallel_model,
-    build_scheduler,
-    compute_dtype,
-    init_distributed,
-    rank0_first,
-    resolve_device,
-    restore_schedule_position,
-    shutdown,
-    with_document_masking_checked,
-)
-from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint
+from hf_tp.train.setup import Run, set_up
 
 __all__ = ["TrainResult", "shutdown", "train"]
 
@@ -58,38 +41,13 @@ class TrainResult:
     export: Path | None = None
 
 
-@dataclass
-class _Run:
-    """Everything one rank's training needs between steps (built once by :func:`_set_up`)."""
-
-    cfg: TrainConfig
-    out: Path
-    device: torch.device
-    model: torch.nn.Module
-    tokenizer: object
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LRScheduler
-    batches: StepBatchSource | StreamingBatchSource
-    eval_set: EvalSet | None
-    dp_group: dist.ProcessGroup
-    fingerprint: dict
-    fused: bool
-    start_step: int = 0
-    flops_per_token: float = 0.0
-    peak_flops: float | None = None
-
-    @property
-    def is_main(self) -> bool:
-        return dist.get_rank() == 0
-
-
 def train(cfg: TrainConfig) -> TrainResult:
     """Run a whole training on this rank (inside already-started processes).
 
     ``model``/``dataset`` left as None train the embedded tiny Llama on its generated corpus."""
     from hf_tp.demo import with_embedded_default
 
-    run = _set_up(with_embedded_default(cfg))
+    run = set_up(with_embedded_default(cfg))
     result = TrainResult(output_dir=run.out)
     logger = MetricsLogger(
         run.out,
@@ -129,56 +87,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     return result
 
 
-def _set_up(cfg: TrainConfig) -> _Run:
-    """Validate, join the process group, build the mesh, model, data and optimizer; resume."""
-    cfg = cfg.resolve()
-    cfg.validate()
-    device = resolve_device(cfg)
-    init_distributed(device)
-    out = Path(cfg.output_dir)
-    check_output_dir(out, cfg)
-    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, device_type=device.type)
-    torch.manual_seed(cfg.seed)
-
-    tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model))
-    model = build_parallel_model(cfg, mesh, device)
-    cfg = with_document_masking_checked(cfg, model)
-    data, eval_data = build_data(cfg, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
-    dp_rank = mesh.get_local_rank("dp")
-    train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp, row_lengths=True)
-    batches = batch_source(cfg, data, train_collate, dp_rank, device)
-    eval_set = None
-    if eval_data is not None:
-        eval_set = EvalSet(
-            eval_data, collate, dp_rank, cfg.dp, cfg.batch_size, cfg.global_batch, cfg.eval_batches, device
-        )
-    opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
-    run = _Run(
-        cfg=cfg,
-        out=out,
-        device=device,
-        model=model,
-        tokenizer=tokenizer,
-        opt=opt,
-        sched=build_scheduler(opt, cfg),
-        batches=batches,
-        eval_set=eval_set,
-        dp_group=mesh["dp"].get_group(),
-        fingerprint=run_fingerprint(cfg, model.config),
-        fused=fusable(model),
-        flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),
-        peak_flops=peak_flops(device, compute_dtype(cfg, device)),
-    )
-    run.start_step = _resume(run)
-    if run.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
-        truncate_metrics(out / "metrics.jsonl", run.start_step)
-    return run
-
-
 @dataclass
 class _StepDone:
     loss: float  # the global batch's token-mean loss
@@ -188,7 +96,7 @@ class _StepDone:
     aux_loss: float | None = None  # a MoE's router load-balancing loss (included in loss, times its coef)
 
 
-def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
+def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     """Forward/backward over this rank's micro-batches, then clip and step."""
     cfg, model = run.cfg, run.model
     local_loss = torch.zeros((), device=run.device)
@@ -237,7 +145,7 @@ def _optimizer_step(run: _Run, step: int, batches: StepBatches) -> _StepDone:
     return _StepDone(loss_value, norm_value, lr, upcoming, aux_sum.item() if has_aux else None)
 
 
-def _metrics_record(run: _Run, step: int, batches: StepBatches, done: _StepDone, dt: float) -> dict:
+def _metrics_record(run: Run, step: int, batches: StepBatches, done: _StepDone, dt: float) -> dict:
     """One metrics.jsonl record of 0-based step ``step``."""
     record = {
         "step": step + 1,
@@ -264,7 +172,7 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
     )
 
 
-def _save(run: _Run, done: int) -> Path:
+def _save(run: Run, done: int) -> Path:
     state = {"scheduler": run.sched.state_dict(), "fingerprint": run.fingerprint, "config": run.cfg.to_dict()}
     if isinstance(run.batches, StreamingBatchSource):
         state["data_position"] = run.batches.state_for(done)  # where the stream continues after step `done`
@@ -272,7 +180,7 @@ def _save(run: _Run, done: int) -> Path:
     return save_checkpoint(run.out, done, run.model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
 
 
-def _finish(run: _Run, result: TrainResult) -> None:
+def _finish(run: Run, result: TrainResult) -> None:
     """Export (``--export-on-finish``) and print the summary on rank 0."""
     if run.cfg.export_on_finish:
         from hf_tp.checkpoint.export import export_checkpoint
@@ -296,26 +204,6 @@ def _finish(run: _Run, result: TrainResult) -> None:
         )
     else:
         print(f"hf-tp: nothing to train: the run in {run.out} is already at --max-steps {run.cfg.max_steps}")
-
-
-def _resume(run: _Run) -> int:
-    """Load the newest complete checkpoint when ``--resume``; return the step to continue from."""
-    if not run.cfg.resume:
-        return 0
-    ckpt = latest_checkpoint(run.out)
-    if ckpt is None:
-        if run.is_main:
-            print(f"hf-tp: --resume: no complete checkpoint in {run.out / 'checkpoints'}; starting from step 0")
-        return 0
-    saved = load_trainer_state(ckpt)
-    check_resume_compatible(saved["fingerprint"], run.fingerprint, ckpt)
-    load_checkpoint(ckpt, run.model, run.opt)
-    restore_schedule_position(run.sched, saved["scheduler"])
-    if isinstance(run.batches, StreamingBatchSource):
-        run.batches.resume_at(int(saved["step"]), saved["data_position"])
-    if run.is_main:
-        print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
-    return int(saved["step"])
 
 
 def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:

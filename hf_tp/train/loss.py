@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_tp.adapters.inspect_moe import num_experts
+from hf_tp.adapters.modules import num_experts
 from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel

@@ -72,7 +72,7 @@ def validate_model_config(
     (for ``hf-tp train`` and ``hf-tp estimate``; ``seq_len_name``/``ep_name`` are how the caller
     names them)."""
     from hf_tp.adapters import get_adapter
-    from hf_tp.adapters.inspect_moe import num_experts
+    from hf_tp.adapters.modules import num_experts
 
     adapter = get_adapter(config)
     adapter.validate(config, tp)

@@ -9,8 +9,9 @@ from transformers import CONFIG_MAPPING
 
 import hf_tp
 from hf_tp.adapters import registry
+from hf_tp.adapters.census import tensor_parallel_causal_lm_types
 from hf_tp.adapters.generic import generic_adapter
-from hf_tp.adapters.support import GENERIC, MOE, REFUSED, tensor_parallel_causal_lm_types
+from hf_tp.adapters.support import GENERIC, MOE, REFUSED
 from tests.family_grid import grid_config, run_family
 
 DENSE = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)

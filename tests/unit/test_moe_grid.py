@@ -14,7 +14,8 @@ import pytest
 from transformers import CONFIG_MAPPING
 
 import hf_tp
-from hf_tp.adapters.support import MOE, REFUSED, tensor_parallel_causal_lm_types
+from hf_tp.adapters.census import tensor_parallel_causal_lm_types
+from hf_tp.adapters.support import MOE, REFUSED
 from tests.family_grid import grid_config, run_family, run_family_ep
 
 # transformers' MoE families with a tp plan, and those hf_tp writes one for (GPT-OSS)

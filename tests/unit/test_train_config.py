@@ -175,7 +175,7 @@ def test_start_line_says_what_is_launched() -> None:
 
 
 def test_warmup_starts_above_zero_and_reaches_the_peak() -> None:
-    from hf_tp.train.setup import lr_factor
+    from hf_tp.train.optim import lr_factor
 
     f = [lr_factor(s, warmup=3, total=10, min_ratio=0.1) for s in range(11)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # the first step trains at lr / (warmup + 1)
@@ -188,7 +188,7 @@ def test_resume_keeps_this_runs_schedule_length() -> None:
     import torch
 
     from hf_tp.train.config import TrainConfig
-    from hf_tp.train.setup import build_scheduler, restore_schedule_position
+    from hf_tp.train.optim import build_scheduler, restore_schedule_position
 
     def schedule(steps: int) -> torch.optim.lr_scheduler.LRScheduler:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

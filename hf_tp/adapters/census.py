@@ -1,0 +1,24 @@
+"""The installed transformers' causal-LM families that carry a tensor-parallel plan: what the
+family grid (tests, ``scripts/family_grid.py``) runs and ``docs/architectures.md`` counts."""
+
+from __future__ import annotations
+
+import hf_tp.adapters  # noqa: F401  (the family files register their plan overrides)
+from hf_tp.adapters.overrides import PLAN_OVERRIDES
+
+
+def tensor_parallel_causal_lm_types() -> dict[str, bool]:
+    """Every causal-LM ``model_type`` of the installed transformers whose config carries a
+    ``base_model_tp_plan``, mapped to whether it is a mixture of experts (its plan shards experts)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = {}
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
+        except KeyError:
+            continue
+        if plan:  # (GPT-OSS's names only the embedding: hf_tp's own plan for it shards experts)
+            out[model_type] = any("expert" in key for key in {**plan, **PLAN_OVERRIDES.get(model_type, {})})
+    return out

@@ -1,0 +1,73 @@
+"""What reading a model finds: the facts a generic TP+SP plan is built from, and the refusal.
+
+The bottom of the generic path: :mod:`hf_tp.adapters.inspect_model` fills a :class:`Derivation`
+from a model, :mod:`hf_tp.adapters.generic` turns it into plans. Module paths are relative to a
+decoder layer unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_tp.styles.experts import Role
+
+HOW_TO_ADD = (
+    "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "
+    "top_plan=...)) (see hf_tp/adapters/llama.py)"
+)
+
+
+def refuse(model_type: str, what: str) -> ValueError:
+    """The error for a model the generic plan cannot place, naming what and the way out."""
+    return ValueError(f"hf_tp cannot derive a TP+SP plan for model_type '{model_type}': {what}; {HOW_TO_ADD}")
+
+
+@dataclass(frozen=True)
+class Block:
+    """A layer-level child that takes the hidden states (attention, MLP, linear attention), and how
+    the layer calls it."""
+
+    positional: int  # positional arguments in the call (0: hidden_states is passed by keyword)
+    edits_in_place: bool = False  # its forward changes tensors in place (OLMo's clamp_ under clip_qkv)
+    replicated: bool = False  # no row-parallel projection: runs whole on every rank (linear attention)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
+
+    roles: dict[str, Role] = field(hash=False)  # parameter (relative to the block) -> its placement
+    positional: int  # how the layer passes the hidden states, as Block.positional
+    routers: tuple[str, ...]  # modules whose logits HF records for the aux loss
+    experts: str  # the experts module, relative to the block
+    widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
+    aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """What the generic plan needs, read off one model: module paths relative to the layer or model."""
+
+    model_type: str
+    layers_path: str
+    colwise: tuple[str, ...]
+    kv: tuple[str, ...]  # colwise K/V projections (replicated when tp > num_key_value_heads)
+    kv_bound: tuple[str, ...]  # sharded projections that split the KV heads (K/V, or packed QKV)
+    rowwise: tuple[str, ...]
+    # transformers' colwise_gather_output / rowwise_split_input (packed qkv_proj, gate_up_proj):
+    # the projection is sharded, its output all-gathered, the region between runs whole on every
+    # rank, and the row-parallel projection takes its own slice of the input again.
+    gathered: tuple[str, ...]
+    head_norms: tuple[str, ...]
+    width_norms: tuple[str, ...]  # norms over a whole column-parallel output (all heads)
+    head_params: dict[str, tuple[str, ...]] = field(hash=False)  # block -> its own per-head parameters (sinks)
+    region_params: dict[str, tuple[str, ...]] = field(hash=False)  # module -> own parameters in a replicated block
+    activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
+    layer_norms: tuple[str, ...]
+    blocks: dict[str, Block] = field(hash=False)
+    regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
+    embedding: str = ""
+    top_norms: tuple[str, ...] = ()
+    lm_head: str = ""
+    plain_lm_head: bool = False
+    widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check

@@ -1,0 +1,42 @@
+"""Small questions about modules and configs that the adapters, the loss and the estimate ask."""
+
+from __future__ import annotations
+
+from torch import nn
+
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def has_submodule(module: nn.Module, path: str) -> bool:
+    """``module.get_submodule(path)`` exists."""
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass with a forward of its own)."""
+    return type(module) is nn.Linear
+
+
+def is_norm(module: nn.Module, size: int) -> bool:
+    """A leaf whose parameters are all vectors of ``size`` (a norm's weight and bias)."""
+    params = list(module.parameters(recurse=False))
+    has_children = any(True for _ in module.children() if any(True for _ in _.parameters()))
+    return bool(params) and not has_children and all(p.dim() == 1 and p.numel() == size for p in params)
+
+
+def shapes(module: nn.Module) -> str:
+    """``"weight (64,), bias (64,)"``: a module's parameters for an error message."""
+    return ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters()) or "no parameters"
+
+
+def num_experts(config) -> int | None:
+    """The routed-expert count of a MoE config (families name the field differently), else None."""
+    for name in EXPERT_COUNT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None

@@ -1,0 +1,122 @@
+"""Reading the source of a model's ``forward``s: how a layer calls its blocks, what a forward returns.
+
+Hand-written, because nothing in torch or transformers answers these questions: the plan needs to
+know whether a decoder layer passes ``hidden_states`` to a block by keyword or position (so
+``PrepareModuleInput`` gathers the right argument), whether a block edits tensors in place, and
+whether the logits are exactly ``lm_head(hidden)`` (only then may the loss be fused). An
+unreadable source answers "unknown", and the callers refuse rather than guess.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from torch import nn
+
+INPLACE = {"clamp_", "clip_", "mul_", "div_", "add_", "sub_", "masked_fill_", "copy_", "zero_", "fill_"}
+
+
+def source_tree(fn) -> ast.AST | None:
+    """The parsed source of ``fn`` (decorators unwrapped), or None when it has none to read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def self_calls(fn) -> dict[str, list[ast.Call]]:
+    """``self.<name>(...)`` calls in ``fn``'s source, by name."""
+    calls: dict[str, list[ast.Call]] = {}
+    tree = source_tree(fn)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            if isinstance(target, ast.Name) and target.id == "self":
+                calls.setdefault(node.func.attr, []).append(node)
+    return calls
+
+
+def edits_in_place(fn) -> bool:
+    """The source calls an in-place tensor method (``x.clamp_(...)``, ``x.mul_(...)``...)."""
+    tree = source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in INPLACE for n in ast.walk(tree)
+    )
+
+
+def first_param(fn) -> str | None:
+    """The name of ``fn``'s first parameter after ``self``."""
+    params = [p for p in inspect.signature(inspect.unwrap(fn)).parameters.values() if p.name != "self"]
+    return params[0].name if params else None
+
+
+def call_style(call: ast.Call, first: str | None) -> int | None:
+    """Positional arguments of the call (hidden states first), 0 for ``first=`` by keyword, None
+    when unreadable (``*args``, ``**kwargs`` only, or no hidden-states argument)."""
+    if any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    if call.args:
+        return len(call.args)
+    if first == "hidden_states" and any(k.arg == first for k in call.keywords):
+        return 0
+    return None
+
+
+def hidden_states_passing(layer: nn.Module, child: str) -> int | None:
+    """How ``layer``'s forward passes the hidden states to its child ``child`` (as
+    :func:`call_style`), or None when the calls disagree or cannot be read."""
+    first = first_param(type(layer.get_submodule(child)).forward)
+    styles = {call_style(call, first) for call in self_calls(type(layer).forward).get(child, [])}
+    return styles.pop() if len(styles) == 1 and None not in styles else None
+
+
+def returns_tuple(module: nn.Module) -> bool:
+    """Every ``return`` of the module's forward is a tuple (a router handing out its logits apart
+    from the routing it computed)."""
+    tree = source_tree(type(module).forward)
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)] if tree is not None else []
+    return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+
+
+def plain_logits(model: nn.Module, lm_head: str) -> bool:
+    """True when the causal-LM forward computes ``logits = self.<lm_head>(h)`` once, with ``h`` the
+    decoder's last hidden state (sliced at most), and never changes the logits afterwards (no
+    scaling or soft-capping): only then may the loss be fused with the lm_head."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None or "." in lm_head:
+        return False
+    tree = source_tree(type(model).forward)
+    if tree is None:
+        return False
+    writes = [n for n in ast.walk(tree) if _writes_name(n, "logits")]
+    if len(writes) != 1 or not isinstance(writes[0], ast.Assign):
+        return False
+    value = writes[0].value
+    if not (isinstance(value, ast.Call) and ast.unparse(value.func) == f"self.{lm_head}" and len(value.args) == 1):
+        return False
+    arg = value.args[0]
+    source = arg.value if isinstance(arg, ast.Subscript) else arg
+    if not isinstance(source, ast.Name):
+        return False
+    return all(_is_hidden_state(n.value, source.id) for n in ast.walk(tree) if _writes_name(n, source.id))
+
+
+def _writes_name(node: ast.AST, name: str) -> bool:
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    return (
+        isinstance(node, ast.AugAssign | ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name
+    )
+
+
+def _is_hidden_state(value: ast.AST | None, name: str) -> bool:
+    """``outputs.last_hidden_state``, ``outputs[0]``, ``name[...]`` or a slicing helper of those."""
+    if isinstance(value, ast.Attribute):
+        return value.attr == "last_hidden_state"
+    if isinstance(value, ast.Subscript):
+        return isinstance(value.value, ast.Name)
+    if isinstance(value, ast.Call) and "slice" in ast.unparse(value.func):
+        return bool(value.args) and _is_hidden_state(value.args[0], name) or ast.unparse(value.args[0]) == name
+    return False

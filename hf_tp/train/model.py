@@ -1,0 +1,69 @@
+"""A rank's model: built on the meta device, parallelized, then filled with its own shards.
+
+:func:`mixed_precision` and :func:`compute_dtype` are the loop's dtype policy, shared with the
+estimate (:mod:`hf_tp.estimate.step`) so it sizes the step the loop runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from hf_tp.checkpoint.load import (
+    build_empty,
+    files_match_model,
+    local_model_dir,
+    materialize_and_load,
+    safetensors_keys,
+)
+from hf_tp.parallel import parallelize
+from hf_tp.train.config import TrainConfig
+from hf_tp.train.distributed import rank0_first
+from hf_tp.train.validate import validate_model_config
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs unless ``--dtype fp32``; fp32 on CPU unless ``--dtype bf16``."""
+    return torch.bfloat16 if cfg.compute_dtype_name(device.type) == "bf16" else torch.float32
+
+
+def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy | None:
+    """FSDP2's bf16 compute with fp32 master weights and gradient reductions; None for fp32."""
+    if dtype == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    """Build the model on the meta device, parallelize it, then let each rank read only its shards
+    of the safetensors files (fp32 master weights). Folders without safetensors fall back to a
+    full ``from_pretrained`` on every rank."""
+    if dist.get_rank() != 0:
+        hf_logging.disable_progress_bar()  # one progress bar, not one per rank
+    model_dir = rank0_first(lambda: local_model_dir(cfg.model))
+    config = AutoConfig.from_pretrained(model_dir)
+    validate_model_config(config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    model = build_empty(config) if safetensors_keys(model_dir) is not None else None
+    # Files that need more than renames to become the model's tensors (a MoE checkpoint with one
+    # tensor per expert, which transformers merges on load) go through from_pretrained instead.
+    sharded = model is not None and files_match_model(model, model_dir)
+    if not sharded:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.train()
+    parallelize(
+        model,
+        mesh,
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+        mp_policy=mixed_precision(compute_dtype(cfg, device)),
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
+        ep=cfg.ep,
+    )
+    if sharded:
+        materialize_and_load(model, model_dir, device)
+    return model
