@@ -60,6 +60,14 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         "(default: load, tokenize and shuffle the whole dataset first)",
     )
     p.add_argument(
+        "--skip-bad-rows",
+        action="store_const",
+        const=True,
+        help="drop malformed rows (wrong type, missing or empty fields, a conversation the chat template "
+        "rejects) and report how many and which, instead of stopping before launch at the first one "
+        "(default: stop)",
+    )
+    p.add_argument(
         "--no-document-masking",
         dest="document_masking",
         action="store_const",

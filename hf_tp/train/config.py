@@ -51,6 +51,7 @@ class TrainConfig:
     pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
     document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
     streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
+    skip_bad_rows: bool = False  # drop malformed rows (reported once) instead of stopping before launch
     # held-out evaluation
     eval_dataset: str | None = None  # Hub id, local file or dir, read like the training data
     eval_dataset_split: str = "train"
