@@ -140,7 +140,7 @@ def estimate(
         counter = CommCounter(groups, all_to_all)
         work = WorkCounter()
         after: list[dict] = []
-        with fake, tracker, counter, work, work.recompute_tracking():
+        with fake, tracker, counter, work:
             after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
             train_step(model, optimizer, batch, dp, after_optimizer_step=after_step)
         routed.remove()

@@ -86,6 +86,7 @@ def format_ranking(result: Sweep) -> str:
     lines.append("(ms per step; exp = collectives on the critical path; headroom = GPU memory left after the margins)")
     for i, (e, s) in enumerate(ranked[:TOP], 1):
         lines.append(f"  #{i} tp={e.tp} x dp={e.dp}: {_why(e, s, gpu)}")
+    lines += [f"  not simulated: {note}" for note in result.skipped]
     best, speed = ranked[0]
     ac = " --activation-checkpointing" if best.activation_checkpointing else ""
     lines.append(

@@ -11,6 +11,7 @@ So tp is worth its cost only when memory requires it.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class Sweep:
     estimates: list[Estimate] = field(default_factory=list)
     recommended: Estimate | None = None
     cluster: Cluster | None = None
+    skipped: list[str] = field(default_factory=list)  # layouts not simulated, and why
 
     def ranking(self) -> list[tuple[Estimate, Speed]]:
         """The estimates that fit with their predicted speed, fastest first (empty without a cluster)."""
@@ -125,6 +127,7 @@ class Sweep:
                 }
                 for e in self.estimates
             ],
+            "skipped": self.skipped,
             "recommended": None
             if r is None
             else {"tp": r.tp, "dp": r.dp, "activation_checkpointing": r.activation_checkpointing},
@@ -156,23 +159,54 @@ def sweep(
         gpu_memory = gpu_memory or cluster.gpu.memory_bytes
     splits = candidate_splits(config, world_size, ep)
     result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=ep, cluster=cluster)
+    run = functools.partial(
+        estimate, config, seq_len=seq_len, batch_size=batch_size, dtype=dtype, model_name=model_name, ep=ep
+    )
+    if cluster is not None:
+        _speed_sweep(result, splits, run, activation_checkpointing, progress)
+        return result
     for i, (tp, dp) in enumerate(splits):
-        tries = [activation_checkpointing]
-        while tries:
-            ac = tries.pop()
-            if progress is not None:
-                ac_note = ", activation checkpointing" if ac else ""
-                progress(f"simulating tp={tp} x dp={dp}{ac_note} (split {i + 1} of {len(splits)})")
-            est = estimate(config, tp, dp, seq_len, batch_size, dtype, ac, model_name=model_name, ep=ep)
-            result.estimates.append(est)
-            if cluster is not None and not ac and not fits(est, gpu_memory):
-                tries.append(True)  # recompute is slower, so only where memory needs it
-    if cluster is None:
-        result.recommended = recommend(result.estimates, gpu_memory)
-    else:
-        ranked = result.ranking()
-        result.recommended = ranked[0][0] if ranked else None
+        if progress is not None:
+            progress(f"simulating tp={tp} x dp={dp} (split {i + 1} of {len(splits)})")
+        result.estimates.append(run(tp=tp, dp=dp, activation_checkpointing=activation_checkpointing))
+    result.recommended = recommend(result.estimates, gpu_memory)
     return result
+
+
+def _speed_sweep(
+    result: Sweep, splits: list[tuple[int, int]], run: Callable[..., Estimate], ac: bool, progress
+) -> None:
+    """The sweep with a cluster: largest tp first; tp groups wider than a node are left out (TP's
+    per-layer collectives would cross the network); a split that does not fit is simulated again
+    with activation checkpointing unless its speed without recompute (an upper bound) already
+    loses to a layout that fits."""
+    cluster, memory = result.cluster, result.gpu_memory
+    node = cluster.gpu.gpus_per_node
+    kept = [s for s in splits if s[0] <= node] or splits
+    result.skipped += [
+        f"tp={tp} x dp={dp}: a tp group wider than a node ({node} GPUs)" for tp, dp in splits if (tp, dp) not in kept
+    ]
+    for i, (tp, dp) in enumerate(reversed(kept)):
+        where = f"(split {i + 1} of {len(kept)})"
+        if progress is not None:
+            progress(f"simulating tp={tp} x dp={dp}{', activation checkpointing' if ac else ''} {where}")
+        est = run(tp=tp, dp=dp, activation_checkpointing=ac)
+        result.estimates.append(est)
+        if ac or fits(est, memory):
+            continue
+        best = result.ranking()[:1]
+        bound = predict(est, cluster).tokens_per_second_per_gpu
+        if best and bound <= best[0][1].tokens_per_second_per_gpu:
+            result.skipped.append(
+                f"tp={tp} x dp={dp} with activation checkpointing: at most {bound:,.0f} tokens/s per GPU "
+                f"(its speed without recompute), below the best that fits"
+            )
+            continue
+        if progress is not None:
+            progress(f"simulating tp={tp} x dp={dp}, activation checkpointing {where}")
+        result.estimates.append(run(tp=tp, dp=dp, activation_checkpointing=True))
+    ranked = result.ranking()
+    result.recommended = ranked[0][0] if ranked else None
 
 
 def recommend(estimates: list[Estimate], gpu_memory: int | None) -> Estimate | None:

@@ -11,8 +11,6 @@ step (without recompute) are known too.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -130,13 +128,19 @@ def _written_args(func, args, kwargs) -> int:
     return total
 
 
+def recomputing() -> bool:
+    """Whether the running op belongs to activation checkpointing's recompute: autograd's engine
+    runs backward functions with grad mode off, while checkpoint re-runs the forward inside
+    backward with grad mode on (also where it stops recomputing early)."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
 class WorkCounter(TorchDispatchMode):
     """Counts :class:`Work` while active (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.work = Work()
-        self._recomputing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -150,7 +154,7 @@ class WorkCounter(TorchDispatchMode):
                 self.work.attention_flops += n
             else:
                 self.work.matmul_flops += n
-            if self._recomputing:
+            if recomputing():
                 self.work.recompute_flops += n
         elif _moves_data(func):
             moved = _bytes(args) + _bytes(kwargs) + _bytes(out)
@@ -161,26 +165,3 @@ class WorkCounter(TorchDispatchMode):
             name = func.overloadpacket.__name__
             self.work.by_op[name] = self.work.by_op.get(name, 0) + moved
         return out
-
-    @contextlib.contextmanager
-    def recompute_tracking(self) -> Iterator[None]:
-        """Mark module forwards that run inside autograd's backward (activation checkpointing's
-        recompute) while active."""
-
-        def pre(module, args) -> None:
-            if torch._C._current_graph_task_id() != -1:
-                self._recomputing += 1
-
-        def post(module, args, output) -> None:
-            if torch._C._current_graph_task_id() != -1 and self._recomputing:
-                self._recomputing -= 1
-
-        handles = [
-            torch.nn.modules.module.register_module_forward_pre_hook(pre),
-            torch.nn.modules.module.register_module_forward_hook(post),
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
