@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -128,11 +129,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 
 def crash_point(where: str, step: int) -> None:
-    """Fault injection for the crash-safety tests: ``HF_TP_CRASH=where:step:rank`` SIGKILLs that
-    rank at that point (where: ``train`` = start of the step, ``save`` = shards written, not published)."""
+    """Fault injection for the fault tests: ``HF_TP_CRASH=where:step:rank[:SIGNAL]`` sends that rank
+    SIGNAL (default KILL; e.g. USR1 to preempt, STOP to hang) at that point (where: ``train`` = start
+    of the step, ``save`` = shards written, not published)."""
     spec = os.environ.get("HF_TP_CRASH")
     if not spec:
         return
-    w, s, r = spec.split(":")
+    w, s, r, *sig = spec.split(":")
     if w == where and int(s) == step and int(r) == dist.get_rank():
-        os.kill(os.getpid(), 9)
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig[0] if sig else 'KILL'}"))

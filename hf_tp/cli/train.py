@@ -131,6 +131,13 @@ def _output_and_checkpoints(p) -> None:
         help=f"keep only the newest K checkpoints; 0 keeps all ({d('keep_checkpoints')})",
     )
     p.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="after set-up, a rank that waits this long in a collective for another rank (hung, stopped, its "
+        f"node gone) stops the run with a line naming the step and the rank ({d('collective_timeout')})",
+    )
+    p.add_argument(
         "--resume",
         **switch,
         help="continue from the newest complete checkpoint in --output-dir, on any mesh with the same global "
@@ -254,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_tp.train.loop import train
 
     try:
-        train(cfg)
+        result = train(cfg)
     except (ValueError, FloatingPointError, RuntimeError) as exc:
         import torch.distributed as dist
 
@@ -270,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
             _abort_process_group()
         return code
     shutdown()
+    if result.preempted_at is not None:
+        from hf_tp.train.faults import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED  # a requeue script's cue (scripts/slurm_train.sh)
     return 0
 
 

@@ -84,6 +84,7 @@ class TrainConfig:
     keep_checkpoints: int = 0  # keep the newest K complete checkpoints; 0: keep all
     resume: bool = False  # continue from the newest complete checkpoint in output_dir
     export_on_finish: bool = False  # write OUTPUT_DIR/export (HF safetensors folder) at the end
+    collective_timeout: float = 600.0  # seconds a rank waits in a collective for the others (after set-up)
     # output
     output_dir: str = "outputs/run"
     overwrite: bool = False
@@ -140,6 +141,10 @@ class TrainConfig:
         for name in ("save_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.collective_timeout > 0:
+            raise ValueError(
+                f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}"
+            )
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

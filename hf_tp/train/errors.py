@@ -102,6 +102,10 @@ def explain_failure(folder: Path, launcher_code: int) -> tuple[str, int]:
     except (OSError, ValueError, KeyError):
         failures = []
     reported = {r["rank"] for r in records}
+    try:  # ranks the launcher wrapper itself killed, left waiting by a failed rank (hf_tp.train.supervise)
+        reported |= set(json.loads((Path(folder) / "stragglers.json").read_text()))
+    except (OSError, ValueError):
+        pass
     # A rank killed from outside (SIGKILL by the OOM killer, a segfault) leaves no error of its own;
     # the Python errors of the other ranks ("connection closed") only follow from it.
     killed = [f for f in failures if f.get("signal") and f["signal"] not in _STOP_SIGNALS and f["rank"] not in reported]

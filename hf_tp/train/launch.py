@@ -16,6 +16,13 @@ from pathlib import Path
 
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.errors import ERROR_DIR_ENV, VERBOSE_ENV, explain_failure, record_launcher_failures
+from hf_tp.train.faults import EXIT_PREEMPTED, PREEMPTED_FILE
+from hf_tp.train.supervise import (
+    forward_stop_signals,
+    forward_to_ranks,
+    kill_stragglers_after_failure,
+    restore_handlers,
+)
 
 
 def free_port() -> int:
@@ -76,7 +83,8 @@ def launch_command(cfg: TrainConfig, config_path: Path) -> list[str]:
 
 def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
-    ranks ended) as the last line; returns 0, 2 (bad input) or 1."""
+    ranks ended) as the last line; returns 0, 2 (bad input), 1, or 75 when a stop signal (SIGTERM,
+    SIGUSR1) made the ranks save a checkpoint and exit."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, cfg.world_size // cfg.nnodes))))
     env["HF_TP_LAUNCHED"] = "1"
@@ -85,9 +93,16 @@ def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int
         env[VERBOSE_ENV] = "1"
     with tempfile.TemporaryDirectory(prefix="hf_tp-errors-") as folder:
         env[ERROR_DIR_ENV] = folder
-        code = subprocess.call(launch_command(cfg, config_path), env=env)
+        child = subprocess.Popen(launch_command(cfg, config_path), env=env)
+        previous = forward_stop_signals(child)  # preemption: the ranks save, then exit
+        try:
+            code = child.wait()
+        finally:
+            restore_handlers(previous)
         if code == 0:
             return 0
+        if (Path(folder) / PREEMPTED_FILE).is_file():  # rank 0 printed where the checkpoint is
+            return EXIT_PREEMPTED
         message, code = explain_failure(Path(folder), code)
     print(message, file=sys.stderr, flush=True)
     return code
@@ -106,9 +121,16 @@ def _wrapper_main(argv: list[str]) -> int:
     verbose = bool(os.environ.get(VERBOSE_ENV))
     if not verbose:
         logging.disable(logging.ERROR)  # "Sending process N closing signal", "failed (exitcode: 1)"
+    folder = Path(os.environ[ERROR_DIR_ENV]) if os.environ.get(ERROR_DIR_ENV) else None  # set by hf-tp train
+    watcher = None
+    if folder is not None:
+        forward_to_ranks(folder)  # SIGTERM/SIGUSR1: the ranks save and stop (hf_tp.train.supervise)
+        watcher = kill_stragglers_after_failure(folder)
     try:
         accelerate_launch(args)
     except ChildFailedError as exc:
+        if folder is not None and (folder / PREEMPTED_FILE).is_file():
+            return EXIT_PREEMPTED
         record_launcher_failures(exc.failures)
         if verbose:
             raise
@@ -118,6 +140,9 @@ def _wrapper_main(argv: list[str]) -> int:
             raise
         print(f"hf-tp train: the launcher failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if watcher is not None:
+            watcher.set()
     return 0
 
 

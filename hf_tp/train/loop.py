@@ -8,6 +8,7 @@ grad_accum) split of the same global batch gives single-device training's loss c
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,15 @@ from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import shutdown
+from hf_tp.train.errors import ERROR_DIR_ENV
+from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
 from hf_tp.train.loss import loss_context, step_routing, training_loss
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
 
 __all__ = ["TrainResult", "shutdown", "train"]
+EXPORT_WAIT_S = 24 * 3600.0  # how long the other ranks may wait for rank 0's export (it grows with the model)
 
 
 @dataclass
@@ -39,6 +43,7 @@ class TrainResult:
     output_dir: Path | None = None
     checkpoint: Path | None = None  # the newest checkpoint this run wrote (None if it wrote none)
     export: Path | None = None
+    preempted_at: int | None = None  # the step after which a stop signal (SIGTERM, SIGUSR1) ended the run
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -60,10 +65,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     profiler = StepProfiler(
         parse_profile_steps(run.cfg.profile_steps), run.out / "profile", dist.get_rank(), run.device, run.start_step + 1
     )
+    step = run.start_step
     try:
         upcoming = None
         for step in range(run.start_step, run.cfg.max_steps):
             crash_point("train", step + 1)
+            heartbeat(step + 1)
             t0 = time.perf_counter()
             batches = upcoming or run.batches(step)
             done = _optimizer_step(run, step, batches)
@@ -78,9 +85,19 @@ def train(cfg: TrainConfig) -> TrainResult:
                 record = run.eval_set.record(step + 1, run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
                 result.eval_losses[step + 1] = record["eval_loss"]
                 logger.log_eval(record)
-            if _checkpoint_due(run.cfg, step + 1):
+            saved = _checkpoint_due(run.cfg, step + 1)
+            if saved:
                 result.checkpoint = _save(run, step + 1)
+            if step + 1 < run.cfg.max_steps and run.faults.stop_agreed(run.device):
+                result.checkpoint = result.checkpoint if saved else _save(run, step + 1)
+                result.preempted_at = step + 1
+                break
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise timeout_error(step + 1, run.cfg.collective_timeout) from None
+        raise
     finally:
+        run.faults.close()
         profiler.close()
         logger.close()
     _finish(run, result)
@@ -181,10 +198,21 @@ def _save(run: Run, done: int) -> Path:
 
 
 def _finish(run: Run, result: TrainResult) -> None:
-    """Export (``--export-on-finish``) and print the summary on rank 0."""
+    """Export (``--export-on-finish``) and print the summary on rank 0; after a stop signal, say
+    where the checkpoint is instead."""
+    if result.preempted_at is not None:
+        line = (
+            f"hf-tp: preempted at step {result.preempted_at} ({run.faults.received or 'a signal to another rank'}): "
+            f"checkpoint {result.checkpoint} saved; continue with --resume"
+        )
+        if run.is_main:
+            print(line, flush=True)
+            record_preempted(os.environ.get(ERROR_DIR_ENV), line)
+        return
     if run.cfg.export_on_finish:
         from hf_tp.checkpoint.export import export_checkpoint
 
+        apply_collective_timeout(EXPORT_WAIT_S)  # the other ranks wait while rank 0 exports
         dist.barrier()
         # A resumed run that was already at max_steps took no step and wrote no checkpoint: export
         # the newest one on disk.

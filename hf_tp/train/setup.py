@@ -4,7 +4,8 @@ result (:class:`Run`), which the loop (:mod:`hf_tp.train.loop`) reads between st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +20,9 @@ from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
+from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.metrics import flops_per_token, peak_flops, truncate_metrics
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
@@ -45,6 +48,7 @@ class Run:
     start_step: int = 0
     flops_per_token: float = 0.0
     peak_flops: float | None = None
+    faults: Faults = field(default_factory=Faults)  # stop signals noted from set-up on
 
     @property
     def is_main(self) -> bool:
@@ -58,9 +62,11 @@ def set_up(cfg: TrainConfig) -> Run:
     cfg.validate()
     out = Path(cfg.output_dir)
     check_output_dir(out, cfg)
-    # 2. devices and mesh
+    # 2. devices and mesh; a stop signal from now on is noted and obeyed after the first step
+    faults = Faults()
     device = resolve_device(cfg)
     init_distributed(device)
+    register_rank(os.environ.get(ERROR_DIR_ENV))
     mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
@@ -86,6 +92,7 @@ def set_up(cfg: TrainConfig) -> Run:
         fused=fusable(model),
         flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
+        faults=faults,
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint
     run.start_step = resume(run)
@@ -93,6 +100,7 @@ def set_up(cfg: TrainConfig) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
         truncate_metrics(out / "metrics.jsonl", run.start_step)
+    apply_collective_timeout(cfg.collective_timeout)  # set-up (downloads, loading) keeps torch's default
     return run
 
 
