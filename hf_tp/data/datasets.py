@@ -16,8 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError, DatasetsError
 
-from hf_tp.data.formats import CHAT, TEXT, DataFormat, detect_format
-from hf_tp.data.formats.chat import normalize_messages
+from hf_tp.data.formats import TEXT, DataFormat, detect_format
+from hf_tp.data.formats.rows import row_problem
+from hf_tp.data.row_checks import check_all_rows, check_utf8
 from hf_tp.data.tokenize import check_string_column
 
 # File extension -> the `datasets` builder that reads it.
@@ -59,7 +60,8 @@ def load_text_dataset(
         ds = _load_hub(source, split, config_name)
     if len(ds) == 0:
         raise ValueError(f"dataset '{source}' is empty")
-    check_format(ds.column_names, ds.features, ds[0], source, text_column, messages_column)
+    # Its rows are checked one by one where they are tokenized (a bad one named, or skipped).
+    check_format(ds.column_names, ds.features, ds[0], source, text_column, messages_column, check_row=False)
     ds.info.dataset_name = source
     return ds
 
@@ -91,34 +93,50 @@ def check_text_dataset(
     messages_column: str | None = None,
     split: str = "train",
     config_name: str | None = None,
+    every_row: bool = False,
+    skip_bad_rows: bool = False,
 ) -> tuple[DataFormat, dict] | None:
     """Before any rank starts: what :func:`load_text_dataset` would reject, decided from as little
     as possible; returns the data format and the first row (None where a Hub dataset does not
     stream: the ranks check it). Raises its one-line ``ValueError``s (not found,
-    unreadable, empty, no column of a known format, a first row not in that format).
+    unreadable, empty, no column of a known format, a first row not in that format, bytes that are
+    not UTF-8).
 
-    ``.txt`` files need only their sizes (their one column is "text"; an empty file has no rows);
-    other local files and Hub ids stream just their first row. What the first row cannot decide
-    (a bad row further on, too few tokens for one block) is left to the ranks.
+    Hub ids stream just their first row. A local file or directory is loaded in full with
+    ``every_row`` (the ranks reuse its cache) and each row is checked (:func:`check_all_rows`,
+    unless ``skip_bad_rows``: the ranks drop them); without it (``--streaming``) its first row is
+    read and its bytes checked. What the rows alone cannot decide (a conversation the chat template
+    rejects, too few tokens for one block) is left to the ranks.
     """
     path = Path(source).expanduser()
     if not path.exists():
         return _check_hub_first_row(source, text_column, messages_column, split, config_name)
     _no_config_for_local(source, config_name, split)
+    columns = dict(text_column=text_column, messages_column=messages_column, check_row=not skip_bad_rows)
     builder, files = _data_files(source, path)
+    check_utf8(source, files, builder)
+    if every_row:
+        ds = _load_local(source, path, split)
+        if len(ds) == 0:
+            raise ValueError(f"dataset '{source}' is empty")
+        fmt = check_format(ds.column_names, ds.features, ds[0], source, **columns)
+        if not skip_bad_rows:
+            check_all_rows(ds, fmt, source)
+        return fmt, ds[0]
     files = [f for f in files if not _has_no_rows(f, builder)]
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
-    if builder == "text":
-        text = datasets.Features({"text": datasets.Value("string")})
-        return check_format(["text"], text, {"text": ""}, source, text_column, messages_column), {"text": ""}
     try:
         with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
     except (DatasetsError, ValueError, OSError) as exc:
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
-    return _check_first_row(stream, first, source, text_column, messages_column)
+    if first is None:
+        raise ValueError(f"dataset '{source}' is empty")
+    features = stream.features
+    names = list(features) if features is not None else list(first)
+    return check_format(names, features, first, source, **columns), first
 
 
 def _no_config_for_local(source: str, config_name: str | None, split: str = "train") -> None:
@@ -142,23 +160,18 @@ def check_format(
     source: str,
     text_column: str | None,
     messages_column: str | None,
+    *,
+    check_row: bool = True,
 ) -> DataFormat:
-    """The data format of a dataset with ``columns``, checked against its schema and first row."""
+    """The data format of a dataset with ``columns``, checked against its schema and (unless not
+    ``check_row``: bad rows are skipped) its first row."""
     fmt = detect_format(columns, text_column=text_column, messages_column=messages_column, label=f"'{source}'")
-    where = f"row 0 of dataset '{source}'"
     if fmt.kind == TEXT:
         feature = features.get(fmt.column) if features is not None else None
-        value = first.get(fmt.column)
-        if feature is None and value is not None and not isinstance(value, str):
-            feature = type(value).__name__  # the first row's value, when the stream has no schema
         check_string_column(feature, fmt.column, f"'{source}'")
-    elif fmt.kind == CHAT:
-        normalize_messages(first.get(fmt.column), where)
-    else:
-        prompt, completion = first.get("prompt"), first.get("completion")
-        if not (isinstance(prompt, str) and isinstance(completion, str)):
-            for part in (prompt, completion):
-                normalize_messages(part, where)
+    problem = row_problem(fmt, first) if check_row else None
+    if problem is not None:
+        raise ValueError(f"row 0 of dataset '{source}': {problem}")
     return fmt
 
 
@@ -223,6 +236,8 @@ def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=names, split=split)
     except (DatasetsError, ValueError, OSError, StopIteration) as exc:
         reason, maybe_empty = _reason(exc), isinstance(exc, ValueError)
+    if "UnicodeDecodeError" in reason:
+        check_utf8(source, files, builder)
     if maybe_empty and _num_rows(builder, names) == 0:  # e.g. a csv with only a header: "no data" for the split
         raise ValueError(f"dataset '{source}' is empty")
     raise ValueError(f"cannot read dataset '{source}' as {builder} files ({reason})")

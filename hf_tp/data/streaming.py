@@ -11,15 +11,17 @@ shard and example it is at) plus the document pieces read but not yet packed int
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+import pyarrow as pa
 import torch
 
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.formats import DataFormat, encode_batch
+from hf_tp.data.formats.rows import SKIPPED
 from hf_tp.data.sampler import split_global_batch
 from hf_tp.data.steps import StepBatches, count_batch_targets, to_device
 from hf_tp.labels import IGNORE_INDEX
@@ -30,12 +32,22 @@ class PackedStream:
     :func:`hf_tp.data.packing.pack_documents` packs a whole dataset (the same rows, in order)."""
 
     def __init__(
-        self, raw: datasets.IterableDataset, fmt: DataFormat, tokenizer: Any, seq_len: int, document_masking: bool
+        self,
+        raw: datasets.IterableDataset,
+        fmt: DataFormat,
+        tokenizer: Any,
+        seq_len: int,
+        document_masking: bool,
+        *,
+        skip_bad_rows: bool = False,
+        report: Callable[[str], None] | None = None,
     ):
         label = f"'{raw.info.dataset_name}'" if raw.info.dataset_name else "(stream)"
         columns = list(raw.features) if raw.features is not None else None
+        # --skip-bad-rows: drop malformed rows, telling ``report`` about the first few
+        self.skip_bad_rows, self.report, self.skipped = skip_bad_rows, report, 0
         self.docs = raw.map(
-            lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label),
+            lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label, skip=self.skip_bad_rows),
             batched=True,
             with_indices=True,
             remove_columns=columns,
@@ -51,7 +63,10 @@ class PackedStream:
             if self._iter is None:
                 self.docs.set_epoch(self.epoch)
                 self._iter, self._read_this_epoch = iter(self.docs), 0
-            doc = next(self._iter, None)
+            doc = self._read()
+            if doc is not None and doc.get(SKIPPED):
+                self._note_skipped(doc[SKIPPED])
+                continue
             if doc is not None:
                 self._read_this_epoch += 1
                 ids = list(doc["input_ids"])
@@ -60,6 +75,22 @@ class PackedStream:
             if self._read_this_epoch == 0:
                 raise ValueError(f"dataset {self.label} yields no documents; check the data and --text-column")
             self.epoch, self._iter = self.epoch + 1, None
+
+    def _read(self) -> dict | None:
+        """The next document; rows the reader cannot decode stop the run with a line, not a traceback."""
+        try:
+            return next(self._iter, None)
+        except (UnicodeDecodeError, pa.ArrowException) as exc:
+            raise ValueError(
+                f"dataset {self.label}: cannot read the rows after row {self._read_this_epoch + self.skipped} of "
+                f"the stream ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})"
+            ) from None
+
+    def _note_skipped(self, line: str, shown: int = 5) -> None:
+        self.skipped += 1
+        if self.report is not None and self.epoch == 0 and self.skipped <= shown:
+            more = " (further bad rows are dropped without a note)" if self.skipped == shown else ""
+            self.report(f"hf-tp: --skip-bad-rows dropped {line}{more}")
 
     def next_row(self) -> dict[str, list[int]]:
         """The next packed row: ``input_ids``, ``labels`` (and ``position_ids`` with document masking)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -25,6 +26,8 @@ def tokenize_dataset(
     fmt: DataFormat | None = None,
     document_masking: bool = True,
     keep_tail: bool = False,
+    skip_bad_rows: bool = False,
+    report: Callable[[str], None] | None = None,
 ) -> datasets.Dataset:
     """Tokenize ``ds`` into rows of ``input_ids`` (with ``labels`` where some tokens are no
     targets, and ``position_ids`` restarting per document when packed with ``document_masking``).
@@ -35,6 +38,10 @@ def tokenize_dataset(
     tokens (:func:`hf_tp.data.packing.pack_documents`; ``keep_tail`` keeps the last, shorter row:
     evaluation sets lose no token); ``pack=False`` keeps one row per
     document, truncated to ``seq_len`` (a truncated document loses its eos).
+
+    A malformed row (:func:`hf_tp.data.formats.rows.row_problem`, or one the chat template rejects)
+    raises a ``ValueError`` naming it; with ``skip_bad_rows`` it is dropped, and ``report`` gets one
+    line saying how many and which.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got seq_len={seq_len}")
@@ -47,12 +54,14 @@ def tokenize_dataset(
 
         check_chat_tokenizer(tokenizer)
     docs = ds.map(
-        lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label),
+        lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label, skip=skip_bad_rows),
         batched=True,
         with_indices=True,
         remove_columns=ds.column_names,
         desc="Tokenizing",
     )
+    if skip_bad_rows:
+        docs = _drop_skipped(docs, label, report)
     docs.info.dataset_name = ds.info.dataset_name
     if pack:
         return pack_documents(docs, seq_len, document_masking=document_masking, label=label, keep_tail=keep_tail)
@@ -66,9 +75,22 @@ def tokenize_dataset(
     )
 
 
+def _drop_skipped(docs: datasets.Dataset, label: str, report: Callable[[str], None] | None) -> datasets.Dataset:
+    """``docs`` without the rows :func:`encode_batch` dropped; ``report`` hears which, once."""
+    from hf_tp.data.formats.rows import SKIPPED, skipped_summary
+
+    lines = [line for line in docs[SKIPPED] if line]
+    if lines:
+        docs = docs.filter(lambda why: not why, input_columns=SKIPPED, desc="Dropping bad rows")
+        if report is not None:
+            report(skipped_summary(lines, label))
+    return docs.remove_columns(SKIPPED)
+
+
 def check_string_column(feature: Any, column: str, label: str) -> None:
-    """The text column's ``feature`` (None: unknown) holds strings."""
-    if feature is None:
+    """The text column's ``feature`` (None: unknown) holds strings; a column of mixed values
+    (``Json``: strings and nulls or numbers) is checked row by row."""
+    if feature is None or isinstance(feature, datasets.Json):
         return
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         raise ValueError(f"text column '{column}' of dataset {label} holds {feature}, not strings; pass --text-column")

@@ -53,6 +53,8 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             fmt=fmt,
             document_masking=cfg.document_masking,
             keep_tail=keep_tail,
+            skip_bad_rows=cfg.skip_bad_rows,
+            report=report_on_rank0,
         )
 
     raw_eval = None
@@ -69,7 +71,8 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             raise ValueError(f"dataset '{cfg.dataset}' is empty")
         names = list(stream.features) if stream.features is not None else list(first)
         fmt = detect_format(names, assistant_only=cfg.assistant_only_loss, label=f"'{cfg.dataset}'", **columns)
-        train = PackedStream(stream, fmt, tokenizer, cfg.seq_len, cfg.document_masking)
+        skip = dict(skip_bad_rows=cfg.skip_bad_rows, report=report_on_rank0)
+        train = PackedStream(stream, fmt, tokenizer, cfg.seq_len, cfg.document_masking, **skip)
     else:
         raw = rank0_first(
             lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **columns)
@@ -80,6 +83,12 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             raw.info.dataset_name = raw_eval.info.dataset_name = cfg.dataset
         train = rank0_first(lambda: tokenize(raw, keep_tail=False))
     return train, None if raw_eval is None else rank0_first(lambda: tokenize(raw_eval, keep_tail=True))
+
+
+def report_on_rank0(line: str) -> None:
+    """Print a data note (the rows ``--skip-bad-rows`` dropped) once, from rank 0."""
+    if dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def batch_source(

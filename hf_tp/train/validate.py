@@ -150,6 +150,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
 
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
+    columns.update(every_row=not cfg.streaming, skip_bad_rows=cfg.skip_bad_rows)  # each local row, before launch
     first_rows = {cfg.dataset: check_text_dataset(cfg.dataset, split=cfg.split, **columns)}
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
@@ -190,6 +191,8 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
         if fmt.kind == CHAT:
             check_chat_tokenizer(tokenizer)
         fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
+        if cfg.skip_bad_rows:
+            continue  # a first row the template rejects is dropped by the ranks, not an error
         encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'")
 
 

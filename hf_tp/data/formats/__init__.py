@@ -9,26 +9,19 @@ Packing, the batch order and the loop never look at the format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-TEXT, CHAT, COMPLETION = "text", "chat", "completion"
-DEFAULT_TEXT_COLUMN, DEFAULT_MESSAGES_COLUMN = "text", "messages"
+from hf_tp.data.formats.base import (
+    CHAT,
+    COMPLETION,
+    DEFAULT_MESSAGES_COLUMN,
+    DEFAULT_TEXT_COLUMN,
+    TEXT,
+    DataFormat,
+)
 
-
-@dataclass(frozen=True)
-class DataFormat:
-    """How to read a dataset: ``kind`` (text, chat or completion), the column of a text or chat
-    dataset, and whether only the assistant turns / the completion are targets."""
-
-    kind: str
-    column: str | None = None
-    assistant_only: bool = True
-
-    def describe(self) -> str:
-        if self.kind == COMPLETION:
-            return "prompt/completion (columns prompt, completion)"
-        return f"{self.kind} (column '{self.column}')"
+__all__ = ["CHAT", "COMPLETION", "DEFAULT_MESSAGES_COLUMN", "DEFAULT_TEXT_COLUMN", "TEXT", "DataFormat"]
+__all__ += ["detect_format", "encode_batch"]
 
 
 def detect_format(
@@ -70,20 +63,11 @@ def detect_format(
 
 
 def encode_batch(
-    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str
-) -> dict[str, list[list[int]]]:
-    """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents."""
-    row0 = indices[0] if indices else 0
-    if fmt.kind == TEXT:
-        from hf_tp.data.formats.text import encode_text_batch
+    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str, *, skip: bool = False
+) -> dict[str, list]:
+    """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents (``input_ids``,
+    and ``labels`` where some tokens are not targets). A bad row raises a ``ValueError`` naming it,
+    or with ``skip`` is dropped and recorded (:func:`hf_tp.data.formats.rows.encode_rows`)."""
+    from hf_tp.data.formats.rows import encode_rows
 
-        return encode_text_batch(batch, tokenizer, column=fmt.column)
-    if fmt.kind == CHAT:
-        from hf_tp.data.formats.chat import encode_chat_batch
-
-        return encode_chat_batch(
-            batch, tokenizer, column=fmt.column, assistant_only=fmt.assistant_only, row0=row0, label=label
-        )
-    from hf_tp.data.formats.completion import encode_completion_batch
-
-    return encode_completion_batch(batch, tokenizer, completion_only=fmt.assistant_only, row0=row0, label=label)
+    return encode_rows(fmt, batch, indices, tokenizer, label, skip)

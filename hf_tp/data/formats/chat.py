@@ -29,25 +29,35 @@ def check_chat_tokenizer(tokenizer: Any) -> None:
         )
 
 
-def normalize_messages(value: Any, where: str) -> list[dict[str, Any]]:
-    """The conversation as plain dicts, each with a string ``role`` and a string ``content`` (None
-    allowed for an assistant turn that only calls tools). Keys that Arrow filled with None for
-    rows that lack them are dropped, so templates test for them as they would in Python."""
+def messages_problem(value: Any) -> str | None:
+    """What makes ``value`` not a conversation (a list of role/content messages), or None."""
+    if value is None:
+        return "the conversation is null; it must be a non-empty list of {'role', 'content'} messages"
     if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not value:
-        raise ValueError(f"{where}: a conversation must be a non-empty list of {{'role', 'content'}} messages")
-    out = []
+        return (
+            f"a conversation must be a non-empty list of {{'role', 'content'}} messages, got "
+            f"{type(value).__name__} {repr(value)[:40]}"
+        )
     for j, msg in enumerate(value):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str) or "content" not in msg:
-            shown = repr(msg)[:80]
-            raise ValueError(
-                f"{where}: message {j} is not a {{'role': str, 'content': str}} mapping (got {shown}); chat data "
+            return (
+                f"message {j} is not a {{'role': str, 'content': str}} mapping (got {repr(msg)[:80]}); chat data "
                 "needs lists of role/content messages"
             )
         content = msg["content"]
         if not (isinstance(content, str) or (content is None and msg.get("tool_calls"))):
-            raise ValueError(f"{where}: message {j} ({msg['role']}) has content {content!r}; it must be a string")
-        out.append({k: v for k, v in msg.items() if v is not None or k == "content"})
-    return out
+            return f"message {j} ({msg['role']}) has content {repr(content)[:40]}; it must be a string"
+    return None
+
+
+def normalize_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    """The conversation as plain dicts, each with a string ``role`` and a string ``content`` (None
+    allowed for an assistant turn that only calls tools). Keys that Arrow filled with None for
+    rows that lack them are dropped, so templates test for them as they would in Python."""
+    problem = messages_problem(value)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return [{k: v for k, v in msg.items() if v is not None or k == "content"} for msg in value]
 
 
 def _render(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
@@ -104,18 +114,3 @@ def encode_conversation(
         text = _render(tokenizer, messages)
         spans = [(0, len(text))]
     return span_labels(tokenizer, text, spans, where=where)
-
-
-def encode_chat_batch(
-    batch: dict[str, list], tokenizer: Any, *, column: str, assistant_only: bool, row0: int, label: str
-) -> dict[str, list[list[int]]]:
-    """A ``datasets.map`` batch of conversations -> ``input_ids`` and ``labels`` per row."""
-    ids, labels = [], []
-    for k, value in enumerate(batch[column]):
-        where = f"row {row0 + k} of dataset {label}"
-        row_ids, row_labels = encode_conversation(
-            tokenizer, normalize_messages(value, where), assistant_only=assistant_only, where=where
-        )
-        ids.append(row_ids)
-        labels.append(row_labels)
-    return {"input_ids": ids, "labels": labels}

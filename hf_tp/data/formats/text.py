@@ -5,6 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def text_problem(value: Any, column: str) -> str | None:
+    """What makes ``value`` not a document, or None (an empty string is a document without tokens)."""
+    if isinstance(value, str):
+        return None
+    shown = "null (the key is missing or null)" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
+    return f"column '{column}' holds {shown}, not a string"
+
+
 def encode_text_batch(batch: dict[str, list], tokenizer: Any, *, column: str) -> dict[str, list[list[int]]]:
     """A ``datasets.map`` batch of documents -> ``input_ids`` per document (no added special tokens,
     the tokenizer's eos appended when it has one); empty and whitespace-only documents are skipped."""

@@ -1,0 +1,23 @@
+"""The data format names and :class:`DataFormat`, which every format module and the row checks share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TEXT, CHAT, COMPLETION = "text", "chat", "completion"
+DEFAULT_TEXT_COLUMN, DEFAULT_MESSAGES_COLUMN = "text", "messages"
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """How to read a dataset: ``kind`` (text, chat or completion), the column of a text or chat
+    dataset, and whether only the assistant turns / the completion are targets."""
+
+    kind: str
+    column: str | None = None
+    assistant_only: bool = True
+
+    def describe(self) -> str:
+        if self.kind == COMPLETION:
+            return "prompt/completion (columns prompt, completion)"
+        return f"{self.kind} (column '{self.column}')"

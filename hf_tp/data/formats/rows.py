@@ -1,0 +1,106 @@
+"""One row at a time: what is wrong with a raw row of a format (checked before any tokenizer
+runs), and a batch of rows turned into documents, each bad row either stopping the run with a
+line that names it or, with ``--skip-bad-rows``, dropped and recorded.
+
+A dropped row leaves a document without tokens whose ``skipped`` column says why; a good one has
+``skipped == ""``. :func:`hf_tp.data.tokenize.tokenize_dataset` and the stream filter them out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2 import TemplateError
+
+from hf_tp.data.formats.base import CHAT, TEXT, DataFormat
+from hf_tp.data.formats.chat import encode_conversation, messages_problem, normalize_messages
+from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_problem
+from hf_tp.data.formats.text import encode_text_batch, text_problem
+
+SKIPPED = "skipped"  # the column that records why a row was dropped
+# What rendering or tokenizing one bad row raises (a template's raise_exception is a TemplateError).
+_ROW_ERRORS = (ValueError, TypeError, KeyError, IndexError, TemplateError)
+
+
+def row_problem(fmt: DataFormat, row: dict[str, Any]) -> str | None:
+    """What is wrong with ``row`` as data of ``fmt`` (type, missing key, empty or null field), or None."""
+    if fmt.kind == TEXT:
+        return text_problem(row.get(fmt.column), fmt.column)
+    if fmt.kind == CHAT:
+        return messages_problem(row.get(fmt.column))
+    return pair_problem(row.get(PROMPT), row.get(COMPLETION))
+
+
+def encode_rows(
+    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str, skip: bool
+) -> dict[str, list]:
+    """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents. A bad row
+    raises a ``ValueError`` naming it (``row N of dataset LABEL: what``), or with ``skip`` becomes
+    an empty document whose ``skipped`` column holds that line."""
+    n = len(next(iter(batch.values()))) if batch else 0
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    out: dict[str, list] = {"input_ids": [], SKIPPED: []}
+    if fmt.kind != TEXT:
+        out["labels"] = []
+
+    def drop(where: str, problem: str) -> None:
+        line = problem if problem.startswith(where) else f"{where}: {problem}"
+        if not skip:
+            raise ValueError(line)
+        out["input_ids"].append([])
+        if "labels" in out:
+            out["labels"].append([])
+        out[SKIPPED].append(line)
+
+    good = []
+    for i, row in zip(indices, rows, strict=True):
+        where = f"row {i} of dataset {label}"
+        problem = row_problem(fmt, row)
+        if problem is not None:
+            drop(where, problem)
+        elif fmt.kind == TEXT:
+            good.append(row[fmt.column])
+        else:
+            try:
+                ids, labels = _encode_row(fmt, row, tokenizer, where)
+            except _ROW_ERRORS as exc:
+                drop(where, _explain(exc))
+                continue
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out[SKIPPED].append("")
+    if good:
+        docs = encode_text_batch({fmt.column: good}, tokenizer, column=fmt.column)["input_ids"]
+        out["input_ids"] += docs
+        out[SKIPPED] += [""] * len(docs)
+    if not skip:
+        del out[SKIPPED]
+    return out
+
+
+def skipped_summary(lines: list[str], label: str, shown: int = 3) -> str:
+    """One line on the rows ``--skip-bad-rows`` dropped: how many, their numbers (the first ten) and
+    what was wrong with the first ``shown``."""
+    numbers = [line.split(" ", 2)[1] for line in lines[:10]]
+    more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
+    reasons = "; ".join(line.split(": ", 1)[-1] for line in lines[:shown])
+    rows = "row" if len(lines) == 1 else "rows"
+    return (
+        f"hf-tp: --skip-bad-rows dropped {len(lines)} bad {rows} of dataset {label}: {rows} "
+        f"{', '.join(numbers)}{more} ({reasons})"
+    )
+
+
+def _encode_row(fmt: DataFormat, row: dict[str, Any], tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+    if fmt.kind == CHAT:
+        messages = normalize_messages(row[fmt.column], where)
+        return encode_conversation(tokenizer, messages, assistant_only=fmt.assistant_only, where=where)
+    return encode_pair(tokenizer, row[PROMPT], row[COMPLETION], completion_only=fmt.assistant_only, where=where)
+
+
+def _explain(exc: BaseException) -> str:
+    if isinstance(exc, ValueError):
+        return str(exc)
+    if isinstance(exc, TemplateError):
+        return f"the chat template rejects this conversation ({exc})"
+    return f"it cannot be rendered or tokenized ({type(exc).__name__}: {exc})"
