@@ -4,9 +4,12 @@ EP borrows its ranks from data parallelism, as torchtitan does: with ``dp = dp_o
 group of ``ep`` consecutive dp ranks (same tp rank) splits a MoE layer's experts ``ep`` ways, so
 the world stays ``tp * dp``. Expert weights become DTensors on a ``("dp_out", "ep", "tp")`` mesh:
 ``Shard(0)`` over ep (each rank its ``experts / ep``), their tp split as before (expert tensor
-parallelism composes: a rank holds its tp slice of its own experts), replicated over ``dp_out``.
-FSDP2 leaves them alone (``ignored_params``); their gradients are averaged over dp by a hook
-here, as FSDP2 averages the others.
+parallelism composes: a rank holds its tp slice of its own experts). With ``dp_out`` > 1,
+:func:`hf_tp.parallel.fsdp.shard_experts_over_dp` makes each experts module an FSDP2 unit sharded
+over ``dp_out`` (weights, gradients and AdamW state: 1/dp of the experts per rank whatever ep is;
+gathered for the experts' forward and backward inside the dp_out group). At ep = dp they stay
+outside FSDP2 and a gradient hook here averages them over dp. Either way a gradient is the sum
+over every rank's tokens divided by dp, as FSDP2 averages the other weights.
 
 Per MoE layer and micro-batch, after the router (which every rank runs on its own tokens):
 1. each (token, choice) pair is sent to the ep rank that owns its expert: one variable-size
@@ -36,6 +39,8 @@ from torch.distributed import device_mesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hf_tp.styles.experts import region_view
 
 _balanced = False  # set only inside balanced_routing()
 
@@ -107,11 +112,12 @@ def apply_expert_parallel(
     model: nn.Module, layers_path: str, paths: tuple[str, ...], ep_mesh: DeviceMesh
 ) -> list[nn.Parameter]:
     """Place every experts module's weights on ``ep_mesh`` and route its calls through
-    all-to-all; returns the expert parameters (for FSDP2's ``ignored_params``)."""
+    all-to-all; returns the expert parameters (for the layers' FSDP2 ``ignored_params``: with
+    ``dp_out`` > 1 :func:`hf_tp.parallel.fsdp.apply_fsdp` shards them in units of their own)."""
     ep = ep_mesh["ep"].size()
     rank = ep_mesh["ep"].get_local_rank()
     dp = ep_mesh["dp_out"].size() * ep
-    out_group = ep_mesh["dp_out"].get_group() if ep_mesh["dp_out"].size() > 1 else None
+    out_mesh = ep_mesh["dp_out"]
     tp_group = ep_mesh["tp"].get_group() if ep_mesh["tp"].size() > 1 else None
     params = []
     for _, experts in experts_modules(model, layers_path, paths):
@@ -122,17 +128,19 @@ def apply_expert_parallel(
             mine = value[rank * local : (rank + 1) * local].clone()  # a copy: a view would keep every expert alive
             dt = DTensor.from_local(mine, ep_mesh, [Replicate(), Shard(0), tp_placement], run_check=False)
             new = nn.Parameter(dt, param.requires_grad)
-            new.register_hook(_average_over_dp(dp, out_group, tp_group))
+            if out_mesh.size() == 1:  # else FSDP2 shards it over dp_out and reduces its gradient
+                new.register_hook(_average_over_dp(dp, tp_group))
             experts.register_parameter(name, new)
             params.append(new)
         experts.hf_tp_local_experts = (rank * local, local)
+        experts.hf_tp_ep_mesh = ep_mesh  # apply_fsdp shards the experts over its dp_out dim
         experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, ep_mesh["ep"]), experts)
     return params
 
 
-def _average_over_dp(dp: int, out_group, tp_group):
-    """Gradient hook: the sum over every rank that sent tokens to these experts, divided by dp
-    (FSDP2's average for the other weights); summed over the replicas first when dp_out > 1.
+def _average_over_dp(dp: int, tp_group):
+    """Gradient hook at ep = dp (no dp_out replicas): the sum over every rank that sent tokens to
+    these experts, divided by dp (FSDP2's average for the other weights).
     An expert bias added once to a tp-partial output (GPT-OSS's ``down_proj_bias``: each tp rank
     adds ``1/tp`` of it) has a gradient that is a partial sum over tp: summed here too (the fused
     reduction of :mod:`hf_tp.parallel.partial_grads` sums over dp as well, which ep-sharded
@@ -144,8 +152,6 @@ def _average_over_dp(dp: int, out_group, tp_group):
         if placements[-1].is_partial():
             dist.all_reduce(local, group=tp_group)
             placements[-1] = Replicate()
-        if out_group is not None:
-            dist.all_reduce(local, group=out_group)
         return DTensor.from_local(local, grad.device_mesh, placements, run_check=False)
 
     return hook
@@ -197,12 +203,14 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         total = self.num_experts if hasattr(self, "num_experts") else None
         if total is not None:
             self.num_experts = local  # transformers' kernels size their per-expert counts by it
-        # Local views of this rank's experts (a MoE region's own views when tp > 1), in the compute
-        # dtype: FSDP2 does not cast these weights (they are outside it).
+        # Local views of this rank's experts (a MoE region's views when tp > 1), in the compute
+        # dtype, made here: after FSDP2 has unsharded them over dp_out, and so that their gradients
+        # are accumulated before FSDP2's post-backward runs (it fires once the gradients of this
+        # forward's inputs are computed; views made at the region's entry would come later).
         before = {n: self.__dict__.get(n) for n in self._parameters}
         for name, param in self._parameters.items():
-            view = before[name] if before[name] is not None else param.to_local()
-            self.__dict__[name] = view.to(rows.dtype)
+            view = region_view(self, name)
+            self.__dict__[name] = (param.to_local() if view is None else view).to(rows.dtype)
         try:
             out = original(self, rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype, device=rows.device))
             if torch.is_grad_enabled() and not out.requires_grad and rows.requires_grad:

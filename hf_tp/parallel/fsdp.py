@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
@@ -28,6 +28,7 @@ def apply_fsdp(
     """Shard parameters over ``dp_mesh``: one FSDP unit per decoder layer, the rest in the root.
 
     Run after tensor parallelism; FSDP2 then builds 2-D (dp, tp) parameters from the TP DTensors.
+    Expert-parallel experts are their own units first (:func:`shard_experts_over_dp`).
     ``ignored_params`` (expert-parallel weights, :func:`odd_dtype_params`) stay as they are;
     those of them in ``averaged`` get their gradients averaged over dp here, as FSDP2 averages
     the others (``fused``: tp-``Partial`` ones are left to :mod:`hf_tp.parallel.partial_grads`,
@@ -37,6 +38,7 @@ def apply_fsdp(
     layers = model.get_submodule(adapter.layers_path)
     for p in averaged or set():
         p.register_hook(_mean_over(dp_mesh, fused))
+    shard_experts_over_dp(model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     for layer in layers:
         fully_shard(
             layer,
@@ -47,6 +49,32 @@ def apply_fsdp(
         )
     # The root unit is needed in backward right away, so it is never resharded after forward.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=ignored_params)
+
+
+def shard_experts_over_dp(
+    model: nn.Module, *, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True
+) -> list[nn.Module]:
+    """FSDP2 on each experts module expert parallelism placed on a ``(dp_out, ep, tp)`` mesh with
+    ``dp_out`` > 1 (:mod:`hf_tp.parallel.expert_parallel`): its weights, gradients and optimizer
+    state are sharded over ``dp_out`` too (``Shard(0)`` of each rank's experts, strided under the
+    ep split), so per-rank expert state falls as 1/dp whatever ep is, and the all-gathers and
+    reduce-scatters stay inside the dp_out group. A gradient is the sum over all dp ranks' tokens
+    divided by dp, as for every other weight. Returns the modules sharded."""
+    done = []
+    for module in model.modules():
+        mesh = module.__dict__.get("hf_tp_ep_mesh")
+        if mesh is None or mesh["dp_out"].size() == 1:
+            continue  # at ep = dp: expert_parallel's own gradient hook averages over dp
+        fully_shard(
+            module,
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims(shard="dp_out"),
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        module.set_gradient_divide_factor(float(mesh["dp_out"].size() * mesh["ep"].size()))
+        done.append(module)
+    return done
 
 
 def odd_dtype_params(model: nn.Module, adapter: Adapter) -> set[nn.Parameter]:

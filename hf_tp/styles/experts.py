@@ -94,6 +94,7 @@ class MoERegion(ParallelStyle):
             else:
                 dt = distribute_tensor(param, device_mesh, [Replicate()])
             owner.register_parameter(leaf, nn.Parameter(dt, param.requires_grad))
+            owner.__dict__.setdefault("hf_tp_region_roles", {})[leaf] = (role, tp)
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
 
@@ -138,6 +139,14 @@ def hf_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
         for leaf, shape in module.__dict__.get("hf_tp_hf_shapes", {}).items():
             out[f"{prefix}.{leaf}" if prefix else leaf] = shape
     return out
+
+
+def region_view(owner: nn.Module, leaf: str) -> torch.Tensor | None:
+    """What a MoE region's code sees for ``owner``'s parameter ``leaf`` (None outside a region),
+    made now from the parameter registered now: for code that must make it later than the region's
+    entry (experts sharded over dp by FSDP2 are unsharded at their own forward)."""
+    found = owner.__dict__.get("hf_tp_region_roles", {}).get(leaf)
+    return None if found is None else _view(owner._parameters[leaf], *found)
 
 
 def _view(param: DTensor, role: Role, tp: int) -> torch.Tensor:

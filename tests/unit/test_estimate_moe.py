@@ -57,9 +57,9 @@ def test_expert_weights_per_rank(estimates, tp: int, dp: int, ep: int) -> None:
     c, moe = tiny_moe(), estimates[(tp, dp, ep)].moe
     assert (moe.layers, moe.experts, moe.top_k) == (2, 8, 2)
     assert moe.experts_per_rank == c.num_experts // ep
-    # ep=1: FSDP2 shards the experts over dp like every weight; ep>1: a rank keeps its experts / ep
-    # whole (split over tp), replicated over dp_out = dp / ep (outside FSDP2).
-    assert moe.expert_param_bytes == expert_bytes(c) // (tp * (dp if ep == 1 else ep))
+    # ep=1: FSDP2 shards the experts over dp like every weight; ep>1: a rank's experts / ep (split
+    # over tp) are sharded by FSDP2 over dp_out = dp / ep: 1/dp of the experts per rank either way.
+    assert moe.expert_param_bytes == expert_bytes(c) // (tp * dp)
     assert moe.other_param_bytes > 0
     assert estimates[(tp, dp, ep)].ep == ep
 
@@ -81,8 +81,11 @@ def test_all_to_all_bytes_follow_the_config(estimates, tp: int, dp: int, ep: int
     assert got[("ep", "all_to_all")] == (6 * c.num_hidden_layers, total, int(total * (ep - 1) / ep))
     assert est.moe.a2a_rows_out == est.moe.a2a_rows_in == rows * (ep - 1) // ep  # balanced routing
     assert est.moe.balanced_routing and est.moe.activation_bytes > 0 and est.moe.forward_peak_bytes > 0
-    if dp // ep > 1:  # expert gradients summed over their dp_out replicas: one all-reduce per weight
-        assert got[("dp_out", "all_reduce")][:2] == (2 * c.num_hidden_layers, est.moe.expert_param_bytes)
+    if dp // ep > 1:  # experts sharded over dp_out: gathered (bf16) in forward and backward, fp32 gradients
+        local = expert_bytes(c) // (tp * ep)  # reduce-scattered; one unit per MoE layer
+        assert got[("dp_out", "all_gather")][:2] == (2 * c.num_hidden_layers, local)
+        assert got[("dp_out", "reduce_scatter")][:2] == (c.num_hidden_layers, local)
+        assert ("dp_out", "all_reduce") not in got
     else:
         assert "dp_out" not in {d for d, _ in got}
 
@@ -164,3 +167,19 @@ def test_gpt_oss_quantized_checkpoint_is_sized_as_its_dequantized_copy() -> None
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **sizes))
     assert est.num_params == sum(p.numel() for p in plain.parameters())
     assert est.moe.experts_per_rank == 2 and config.quantization_config == {"quant_method": "mxfp4"}
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"), [("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1), ("deepseek-v3", 671.0)]
+)
+def test_bundled_moe_configs_build_the_published_parameter_count(name: str, billions: float) -> None:
+    # DeepSeek-V3's 671B leave out its multi-token-prediction layer (685B on the Hub), as transformers does.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_tp.estimate import resolve_model_config
+
+    config, label = resolve_model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions and "/" in label
