@@ -116,7 +116,8 @@ def check_text_dataset(
     builder, files = _data_files(source, path)
     check_utf8(source, files, builder)
     if every_row:
-        ds = _load_local(source, path, split)
+        with _quiet_datasets():
+            ds = _load_local(source, path, split)
         if len(ds) == 0:
             raise ValueError(f"dataset '{source}' is empty")
         fmt = check_format(ds.column_names, ds.features, ds[0], source, **columns)
@@ -204,12 +205,15 @@ def _check_hub_first_row(
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    level = datasets.logging.get_verbosity()
+    level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()  # the launcher's pass over the rows: one line at most
     try:
         yield
     finally:
         datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _check_first_row(
