@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from hf_tp.cli.estimate import main
-from hf_tp.estimate.api import Estimate, GiB
+from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.comm import CommStat
 from hf_tp.estimate.gpus import GPUS, get_gpu
 from hf_tp.estimate.memory import MemoryBreakdown
+from hf_tp.estimate.report_speed import format_ranking
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
-from hf_tp.estimate.sweep import Sweep
+from hf_tp.estimate.sweep import Sweep, sweep
 from hf_tp.estimate.work import Work, WorkCounter
 
 H100 = get_gpu("h100-sxm")
 NVLINK = 450e9 * 0.80  # bytes/s one direction, at the published NCCL efficiency
 NIC = 400e9 / 8 * 0.80  # one 400 Gb/s NIC per GPU
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def make(tp=1, dp=1, comms=(), peak_gib=10.0, ac=False, **work) -> Estimate:
@@ -109,3 +118,28 @@ def test_gpu_table_and_bad_gpu_fail_early(capsys: pytest.CaptureFixture[str]) ->
     assert main(["--model", "qwen2-0.5b", "--seq-len", "128", "--gpu", "b200", "--dtype", "fp32"]) == 2
     assert "no published fp32 peak for --gpu b200" in capsys.readouterr().err
     assert main(["--model", "qwen2-0.5b", "--seq-len", "128", "--gpu", "h100-sxm", "--inter-node-gbps", "0"]) == 2
+
+
+def test_traced_step_counts_6n_flops_and_recompute_is_excluded_from_model_flops() -> None:
+    config = tiny_llama()
+    plain = estimate(config, tp=1, dp=1, seq_len=128, batch_size=2, dtype="bf16")
+    ac = estimate(config, tp=1, dp=1, seq_len=128, batch_size=2, dtype="bf16", activation_checkpointing=True)
+    tokens, dense = 2 * 128, plain.num_params - config.vocab_size * config.hidden_size  # the embedding does no matmul
+    assert plain.work.matmul_flops == pytest.approx(6 * dense * tokens, rel=0.01)
+    assert plain.work.recompute_flops == 0 and ac.work.recompute_flops > 0
+    assert ac.work.model_flops == plain.work.model_flops
+    assert ac.work.matmul_flops + ac.work.attention_flops > plain.work.model_flops
+
+
+def test_sweep_ranks_the_layouts_that_fit_by_predicted_speed() -> None:
+    config = tiny_llama()
+    lines: list[str] = []
+    result = sweep(config, 2, seq_len=64, batch_size=1, progress=lines.append, cluster=Cluster(H100))
+    assert lines == ["simulating tp=2 x dp=1 (split 1 of 2)", "simulating tp=1 x dp=2 (split 2 of 2)"]
+    speeds = [s.tokens_per_second_per_gpu for _, s in result.ranking()]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 2  # a tiny model fits everywhere
+    assert result.recommended is result.ranking()[0][0]
+    assert result.to_dict()["recommended"]["tp"] == result.recommended.tp
+    text = format_ranking(result)
+    assert "ranked by predicted tokens/s per GPU on 2 x h100-sxm" in text
+    assert f"Fastest that fits: --tp {result.recommended.tp}" in text and "[1] NVIDIA H100 SXM5" in text
