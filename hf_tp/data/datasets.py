@@ -18,7 +18,7 @@ from datasets.exceptions import DatasetGenerationError, DatasetsError
 
 from hf_tp.data.formats import TEXT, DataFormat, detect_format
 from hf_tp.data.formats.rows import row_problem
-from hf_tp.data.row_checks import check_all_rows, check_utf8
+from hf_tp.data.row_checks import check_all_rows, check_json_lines, check_utf8
 from hf_tp.data.tokenize import check_string_column
 
 # File extension -> the `datasets` builder that reads it.
@@ -132,6 +132,8 @@ def check_text_dataset(
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
     except (DatasetsError, ValueError, OSError) as exc:
+        if builder == "json":
+            check_json_lines(source, files)
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
@@ -242,6 +244,8 @@ def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
         reason, maybe_empty = _reason(exc), isinstance(exc, ValueError)
     if "UnicodeDecodeError" in reason:
         check_utf8(source, files, builder)
+    if builder == "json":
+        check_json_lines(source, files)
     if maybe_empty and _num_rows(builder, names) == 0:  # e.g. a csv with only a header: "no data" for the split
         raise ValueError(f"dataset '{source}' is empty")
     raise ValueError(f"cannot read dataset '{source}' as {builder} files ({reason})")

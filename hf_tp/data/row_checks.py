@@ -6,6 +6,7 @@ files against UTF-8. Each raises a one-line ``ValueError`` that names the row (o
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 
 import datasets
@@ -59,3 +60,31 @@ def check_utf8(source: str, files: list[Path], builder: str, chunk: int = 1 << 2
                 if not block:
                     break
                 lines += block.count(b"\n")
+
+
+def check_json_lines(source: str, files: list[Path]) -> None:
+    """After the json builder failed on ``files``: name the first line of a JSON-lines file that is
+    not one JSON object (a list, a number, a truncated object). Such a row cannot be read, so it
+    cannot be skipped either. Files that are one JSON document (``[...]``) are left to the builder's
+    own message."""
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            first = f.read(1).lstrip()
+            if first == "[":
+                continue
+            f.seek(0)
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    problem = f"is not valid JSON ({exc.msg} at character {exc.pos + 1})"
+                else:
+                    if isinstance(row, dict):
+                        continue
+                    problem = f"is a JSON {type(row).__name__} ({line.strip()[:40]}), not an object of columns"
+                raise ValueError(
+                    f"dataset '{source}': line {number} of {file} {problem}; such a row cannot be read, so it "
+                    "cannot be skipped: fix or delete that line"
+                )

@@ -151,11 +151,20 @@ def test_a_role_the_template_rejects_is_named_or_skipped(tmp_path: Path) -> None
     assert skipped["input_ids"] == full["input_ids"]
 
 
-def test_invalid_utf8_names_the_line_even_with_skip(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (b'{"text": "bad \xff here"}', r"is not valid UTF-8 .*"),
+        (b"[1, 2]", r"is a JSON list \(\[1, 2\]\), not an object of columns"),
+        (b'{"text": "cut', r"is not valid JSON"),
+    ],
+    ids=["utf8", "list", "truncated"],
+)
+def test_an_unreadable_line_is_named_even_with_skip(tmp_path: Path, line: bytes, says: str) -> None:
     path = tmp_path / "u.jsonl"
-    path.write_bytes(b'{"text": "good"}\n{"text": "bad \xff here"}\n')
+    path.write_bytes(b'{"text": "good"}\n' + line + b'\n{"text": "fine"}\n')
     for skip in (False, True):
-        with pytest.raises(ValueError, match=r"line 2 of .*u\.jsonl is not valid UTF-8 .*iconv"):
+        with pytest.raises(ValueError, match=rf"line 2 of .*u\.jsonl {says}.*cannot be skipped"):
             check_text_dataset(str(path), every_row=skip, skip_bad_rows=skip)
 
 
