@@ -9,11 +9,13 @@ import sys
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import load_stream
+from hf_tp.data.formats.rows import ROW_COLUMN
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
@@ -77,7 +79,8 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
         raw = rank0_first(
             lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **columns)
         )
-        if cfg.eval_split:
+        if cfg.eval_split:  # messages about a row name its number in the file, not in the split
+            raw = raw.add_column(ROW_COLUMN, np.arange(len(raw)))
             parts = raw.train_test_split(test_size=cfg.eval_split, seed=cfg.seed, shuffle=True)
             raw, raw_eval = parts["train"], parts["test"]
             raw.info.dataset_name = raw_eval.info.dataset_name = cfg.dataset

@@ -18,6 +18,7 @@ from hf_tp.cli.main import main
 from hf_tp.data import load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import check_text_dataset
 from hf_tp.data.formats import detect_format
+from hf_tp.data.formats.rows import ROW_COLUMN
 from hf_tp.data.streaming import PackedStream
 from tests.chat_data import CHATML, chat_tokenizer, conversations
 from tests.helpers import offline_datasets
@@ -195,3 +196,15 @@ def test_streaming_names_or_skips_a_bad_row(tmp_path: Path) -> None:
         "hf-tp: --skip-bad-rows dropped row 3 of dataset 's.jsonl': the completion is null, not a string"
         " like the prompt"
     ]
+
+
+def test_a_split_names_rows_by_their_number_in_the_file() -> None:
+    # what hf_tp.train.data does before --eval-split: rows keep their file numbers through the shuffle
+    rows = [{"text": "you are a helpful travel agent ."} for _ in range(20)]
+    rows[13] = {"text": None}
+    ds = datasets.Dataset.from_list(rows)
+    ds = ds.add_column(ROW_COLUMN, list(range(len(ds)))).train_test_split(test_size=0.5, seed=0)
+    part = next(p for p in ds.values() if 13 in p[ROW_COLUMN])
+    assert part[ROW_COLUMN].index(13) != 13
+    with pytest.raises(ValueError, match=r"^row 13 of dataset .*: column 'text' holds null"):
+        tokenize_dataset(part, chat_tokenizer(), seq_len=8)

@@ -18,6 +18,7 @@ from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_
 from hf_tp.data.formats.text import encode_text_batch, text_problem
 
 SKIPPED = "skipped"  # the column that records why a row was dropped
+ROW_COLUMN = "__hf_tp_row__"  # where present, a row's number in the file (a split's rows are renumbered)
 # What rendering or tokenizing one bad row raises (a template's raise_exception is a TemplateError).
 _ROW_ERRORS = (ValueError, TypeError, KeyError, IndexError, TemplateError)
 
@@ -37,6 +38,9 @@ def encode_rows(
     """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents. A bad row
     raises a ``ValueError`` naming it (``row N of dataset LABEL: what``), or with ``skip`` becomes
     an empty document whose ``skipped`` column holds that line."""
+    if ROW_COLUMN in batch:
+        batch = dict(batch)
+        indices = batch.pop(ROW_COLUMN)
     n = len(next(iter(batch.values()))) if batch else 0
     rows = [{k: v[i] for k, v in batch.items()} for i in range(n)]
     out: dict[str, list] = {"input_ids": [], SKIPPED: []}
