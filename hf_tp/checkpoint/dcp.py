@@ -8,6 +8,7 @@ mid-save never leaves a directory that looks like a checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hf_tp.checkpoint.export import base_dtype, base_source
+from hf_tp.checkpoint.integrity import write_manifest
 from hf_tp.checkpoint.layout import (
     MARKER,
     checkpoint_root,
@@ -76,27 +79,90 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    if rank == 0:
-        for obj in model_files:
-            obj.save_pretrained(tmp / "model_files")
-        torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
-        recorded = {"step": step, **trainer_state}
-        if "base_dtype" not in recorded:  # what export casts to by default (the base folder may be gone by then)
-            recorded["base_dtype"] = base_dtype(base_source(recorded))
-        _fsync_write(tmp / "trainer_state.json", json.dumps(recorded, indent=2))
+    failure: BaseException | None = None
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))  # collective: a rank's write error is raised on every rank
+        if rank == 0:
+            _write_rank0_files(tmp, step, trainer_state, model_files)
+    except (OSError, CheckpointException) as exc:
+        failure = exc
     crash_point("save", step)
-    dist.barrier()
+    _agree_saved(failure, root, tmp, step)
     if rank == 0:
         _fsync_write(tmp / MARKER, f"step {step}\n")
         if final.exists():  # a re-run of the same step after resume: replace the old copy
             shutil.rmtree(final)
         os.rename(tmp, final)
-        if keep > 0:
+        if keep > 0:  # only now, with the new checkpoint published, may older ones go
             for old in complete_checkpoints(output_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _write_rank0_files(tmp: Path, step: int, trainer_state: dict[str, Any], model_files: list[Any]) -> None:
+    """Config, tokenizer, RNG and trainer state beside the shards, then the size manifest."""
+    for obj in model_files:
+        obj.save_pretrained(tmp / "model_files")
+    torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
+    recorded = {"step": step, **trainer_state}
+    if "base_dtype" not in recorded:  # what export casts to by default (the base folder may be gone by then)
+        recorded["base_dtype"] = base_dtype(base_source(recorded))
+    _fsync_write(tmp / "trainer_state.json", json.dumps(recorded, indent=2))
+    write_manifest(tmp)
+
+
+def _agree_saved(failure: BaseException | None, root: Path, tmp: Path, step: int) -> None:
+    """Collective: every rank learns whether any rank failed to write; then all raise together
+    (the half-written directory removed, every earlier checkpoint untouched) or all go on."""
+    codes: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(codes, 0 if failure is None else 1)
+    if not any(codes):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    latest = latest_checkpoint(root.parent)
+    need = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest else 0
+    free = shutil.disk_usage(root).free
+    reason = _space_problem(failure, free, need) if failure is not None else None
+    if reason is None and isinstance(failure, CheckpointException):  # a BaseException: raise what a rank hit
+        inner = next(iter(failure.failures.values()))
+        raise inner[0] if isinstance(inner, tuple) else inner
+    if reason is None and failure is not None:
+        raise failure
+    if reason is None:
+        raise RuntimeError(f"checkpoint step-{step}: another rank failed to write its part (see its error)")
+    raise ValueError(
+        f"checkpoint step-{step} could not be written to {root}: {reason}; {free / 2**30:.2f} GiB free"
+        + (f", about {need / 2**30:.3f} GiB needed (the size of {latest.name})" if latest else "")
+        + ". The half-written checkpoint was removed and earlier checkpoints are intact: free space (or "
+        "lower --keep-checkpoints) and continue with --resume"
+    )
+
+
+def _space_problem(exc: BaseException, free: int, need: int) -> str | None:
+    """Why a failed write was out of space (a full disk, a quota, a file-size limit), or None. The
+    error itself may not say: torch's serializer turns a short write into "unexpected pos"."""
+    import resource
+
+    seen: list[BaseException] = [exc]
+    codes = set()
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError):
+            codes.add(e.errno)
+        for failure in getattr(e, "failures", {}).values():  # CheckpointException: rank -> (exc, traceback)
+            seen.append(failure[0] if isinstance(failure, tuple) else failure)
+        seen += [c for c in (e.__cause__, e.__context__) if c is not None]
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if errno.EFBIG in codes or (limit != resource.RLIM_INFINITY and not codes - {errno.EFBIG}):
+        return f"a file-size limit (ulimit -f: {limit} bytes per file) was hit"
+    if errno.EDQUOT in codes:
+        return "the disk quota is used up"
+    if errno.ENOSPC in codes or free < need:
+        return "the disk is full"
+    return None
 
 
 def save(

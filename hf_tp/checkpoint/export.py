@@ -8,7 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hf_tp.checkpoint.layout import MARKER, latest_checkpoint, load_trainer_state
+from hf_tp.checkpoint.integrity import damage, newest_good_checkpoint
+from hf_tp.checkpoint.layout import MARKER, load_trainer_state
 
 DTYPES = ("fp32", "bf16", "fp16")  # torch, transformers: imported once the checkpoint is found
 
@@ -19,9 +20,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not p.exists():
         raise ValueError(f"{p} does not exist (expected a run's OUTPUT_DIR or OUTPUT_DIR/checkpoints/step-N)")
     if (p / MARKER).is_file():
+        if (problem := damage(p)) is not None:
+            raise ValueError(f"checkpoint {p} is damaged ({problem}); export an older one, or the run dir")
         return p
     if (p / "checkpoints").is_dir():
-        latest = latest_checkpoint(p)
+        latest = newest_good_checkpoint(p)  # names damaged newer ones and falls back
         if latest is None:
             raise ValueError(f"no complete checkpoint in {p / 'checkpoints'} (half-written ones are ignored)")
         return latest

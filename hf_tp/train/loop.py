@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from hf_tp.checkpoint.dcp import crash_point, latest_checkpoint, save_checkpoint
+from hf_tp.checkpoint.dcp import crash_point, save_checkpoint
+from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel.grad import clip_grad_norm
@@ -216,7 +217,7 @@ def _finish(run: Run, result: TrainResult) -> None:
         dist.barrier()
         # A resumed run that was already at max_steps took no step and wrote no checkpoint: export
         # the newest one on disk.
-        ckpt = result.checkpoint or latest_checkpoint(run.out)
+        ckpt = result.checkpoint or newest_good_checkpoint(run.out, print if run.is_main else lambda line: None)
         if ckpt is None:
             raise ValueError(f"--export-on-finish: no complete checkpoint in {run.out / 'checkpoints'} to export")
         if run.is_main:

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from hf_tp.checkpoint.dcp import latest_checkpoint, load_checkpoint, load_trainer_state
+from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
+from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel import build_mesh
@@ -108,7 +109,8 @@ def resume(run: Run) -> int:
     """Load the newest complete checkpoint when ``--resume``; return the step to continue from."""
     if not run.cfg.resume:
         return 0
-    ckpt = latest_checkpoint(run.out)
+    say = print if run.is_main else (lambda line: None)
+    ckpt = newest_good_checkpoint(run.out, say)  # damaged newer ones named and skipped (every rank alike)
     if ckpt is None:
         if run.is_main:
             print(f"hf-tp: --resume: no complete checkpoint in {run.out / 'checkpoints'}; starting from step 0")

@@ -71,9 +71,15 @@ def test_preempted_twice_then_resumed_gives_the_uninterrupted_curve(setup, tmp_p
     stopped = int(latest_checkpoint(run).name.split("-")[1])
     assert 4 <= stopped < 6 and f"preempted at step {stopped} (SIGTERM)" in proc.stdout
 
-    # 3) resumed to the end: the loss curve is plain HF's on the same batches.
+    # 3) the newest checkpoint is damaged afterwards (a shard lost its tail): --resume names it and
+    #    falls back to step-3; resumed to the end, the loss curve is plain HF's on the same batches.
+    shard = next((run / "checkpoints" / f"step-{stopped}").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
     proc = hf_tp_train(*flags, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"step-{stopped} is damaged ({shard.name} has 100 bytes where the save wrote" in proc.stdout
+    assert "hf-tp: using step-3, the newest checkpoint that is whole" in proc.stdout
+    assert "resumed from" in proc.stdout and "(step 3)" in proc.stdout
     got = [r["loss"] for r in metrics(run)]
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     want, _ = reference_losses(str(model_dir), str(data), seq_len=15, global_batch=4, steps=6, lr=3e-3, warmup_steps=2)

@@ -1,0 +1,81 @@
+"""Is a published checkpoint whole? A size record written at save, checked before resume or export.
+
+The atomic rename (:mod:`hf_tp.checkpoint.dcp`) keeps a crash from publishing half a save, but a
+filesystem can still lose data after the fact (a node crash before write-back, a full disk on a
+network filesystem, a file truncated by hand). A save therefore records every file's size in
+``manifest.json`` before its ``COMPLETE`` marker; a checkpoint whose files are missing or of
+another size, whose DCP metadata does not load, or whose trainer state is not JSON is damaged,
+and :func:`newest_good_checkpoint` says so and falls back to the one before. Sizes, not checksums:
+hashing every shard would read the whole checkpoint again at each save (terabytes at scale).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from hf_tp.checkpoint.layout import MARKER, checkpoint_root, complete_checkpoints
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size of every file under ``folder`` (call when all of them are written)."""
+    sizes = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in (MARKER, MANIFEST)
+    }
+    with open(folder / MANIFEST, "w") as f:
+        json.dump({"sizes": sizes}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def damage(ckpt: Path) -> str | None:
+    """What is wrong with a published checkpoint, or None when it is whole. Checkpoints saved
+    before manifests existed are checked for their metadata and trainer state only."""
+    try:
+        sizes = json.loads((ckpt / MANIFEST).read_text())["sizes"] if (ckpt / MANIFEST).exists() else {}
+    except (OSError, ValueError, KeyError):
+        return f"its {MANIFEST} does not parse"
+    for name, size in sizes.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes where the save wrote {size} (truncated or overwritten)"
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return "trainer_state.json is missing or not valid JSON"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read it means the checkpoint cannot load
+        return f"its DCP metadata (.metadata) does not load ({type(exc).__name__})"
+    return None
+
+
+def newest_good_checkpoint(output_dir: str | Path, say: Callable[[str], None] = print) -> Path | None:
+    """The newest published checkpoint that is whole; each damaged newer one is named through
+    ``say``. None when there is no checkpoint at all; a ``ValueError`` listing what is wrong with
+    each when there are some and none is whole."""
+    damaged = []
+    for ckpt in reversed(complete_checkpoints(output_dir)):
+        problem = damage(ckpt)
+        if problem is None:
+            if damaged:
+                say(f"hf-tp: using {ckpt.name}, the newest checkpoint that is whole")
+            return ckpt
+        damaged.append(f"{ckpt.name}: {problem}")
+        say(f"hf-tp: checkpoint {ckpt} is damaged ({problem}); trying the one before")
+    if damaged:
+        raise ValueError(
+            f"no checkpoint in {checkpoint_root(output_dir)} is whole ({'; '.join(damaged)}); restore one, or "
+            "start again without --resume in a new --output-dir"
+        )
+    return None
