@@ -80,6 +80,8 @@ def _drop_skipped(docs: datasets.Dataset, label: str, report: Callable[[str], No
     from hf_tp.data.formats.rows import SKIPPED, skipped_summary
 
     lines = [line for line in docs[SKIPPED] if line]
+    if lines and len(lines) == len(docs):
+        raise ValueError(f"--skip-bad-rows would drop every row of dataset {label}; the first: {lines[0]}")
     if lines:
         docs = docs.filter(lambda why: not why, input_columns=SKIPPED, desc="Dropping bad rows")
         if report is not None:

@@ -208,3 +208,9 @@ def test_a_split_names_rows_by_their_number_in_the_file() -> None:
     assert part[ROW_COLUMN].index(13) != 13
     with pytest.raises(ValueError, match=r"^row 13 of dataset .*: column 'text' holds null"):
         tokenize_dataset(part, chat_tokenizer(), seq_len=8)
+
+
+def test_skip_refuses_to_drop_every_row() -> None:
+    ds = datasets.Dataset.from_list([{"prompt": "a", "completion": ""}, {"prompt": "b", "completion": " "}])
+    with pytest.raises(ValueError, match=r"would drop every row of dataset .*; the first: row 0 .*completion is empty"):
+        tokenize_dataset(ds, chat_tokenizer(), seq_len=8, skip_bad_rows=True)
