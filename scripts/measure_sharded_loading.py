@@ -1,15 +1,18 @@
 """Peak host memory per rank when loading a model for training: sharded loading vs from_pretrained.
 
-    python scripts/measure_sharded_loading.py            # builds a ~450 MB fp32 Llama in a temp dir
+    python scripts/measure_sharded_loading.py                       # a ~430 MB fp32 Llama, one file
+    python scripts/measure_sharded_loading.py --max-shard-size 50MB --meshes 1x2,2x2,1x4
 
-For tp in 1, 2, 4 it starts tp ranks (torchrun, gloo, CPU) that each either (a) build the model on
-the meta device, parallelize it and read their shards from the safetensors (hf_tp's path), or
-(b) load the whole model with from_pretrained and then parallelize it. Each rank reports its peak
-RSS above its RSS after imports; the table shows the maximum over ranks.
+For each tp x dp mesh it starts tp * dp ranks (torchrun, gloo, CPU) that each either (a) build the
+model on the meta device, parallelize it (TP, then FSDP2 over dp) and read their shards from the
+safetensors files (hf_tp's path), or (b) load the whole model with from_pretrained and then
+parallelize it. Each rank reports its peak RSS and peak anonymous memory above its values after
+imports; the table shows the maximum over ranks, and the rank's share (its local parameters).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -52,9 +55,10 @@ class AnonPeak:
         return max(self.peak, anon_mib())
 
 
-def worker(model_dir: str, mode: str) -> None:
+def worker(model_dir: str, mode: str, tp: int, dp: int) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     import hf_tp
@@ -64,17 +68,16 @@ def worker(model_dir: str, mode: str) -> None:
     dist.init_process_group("gloo")
     base, anon_base = rss_mib(), anon_mib()
     sampler = AnonPeak()
-    tp = dist.get_world_size()
-    mesh = hf_tp.build_mesh(tp=tp, device_type="cpu")
+    mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
     if mode == "sharded":
-        cfg = TrainConfig(model=model_dir, dataset="unused", tp=tp, dp=1, seq_len=128).resolve()
+        cfg = TrainConfig(model=model_dir, dataset="unused", tp=tp, dp=dp, seq_len=128).resolve()
         model = build_parallel_model(cfg, mesh, torch.device("cpu"))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf_tp.parallelize(model, mesh)
     anon_peak = sampler.stop() - anon_base
-    local = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
-    out = [None] * tp
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()) * 4 / 2**20
+    out = [None] * dist.get_world_size()
     dist.all_gather_object(
         out, {"peak_above_base_mib": rss_mib() - base, "anon_peak_mib": anon_peak, "local_params_mib": local}
     )
@@ -83,58 +86,58 @@ def worker(model_dir: str, mode: str) -> None:
     hf_tp.shutdown(exit_code=0)  # leave together, then exit without finalization (see its docstring)
 
 
-def main() -> None:
+def build_model(folder: Path, layers: int, hidden: int, vocab: int, max_shard_size: str) -> tuple[float, int]:
+    """A random fp32 Llama saved to ``folder``; returns its size in MiB and its safetensors file count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tmp = Path(tempfile.mkdtemp())
     config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
-    )
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    size = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    model.save_pretrained(tmp / "model")
-    del model
-    print(f"model: {size:.0f} MiB fp32 ({config.num_hidden_layers} layers, hidden {config.hidden_size})")
-    print(
-        "| tp | sharded: peak RSS | sharded: peak anon | from_pretrained: peak RSS | from_pretrained: peak anon | local params |"
-    )
-    print("|---|---|---|---|---|---|")
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    return sum(p.numel() for p in model.parameters()) * 4 / 2**20, len(list(folder.glob("*.safetensors")))
+
+
+def run_mesh(model_dir: Path, mode: str, tp: int, dp: int) -> list[dict]:
+    """Every rank's figures for one load on a tp x dp mesh."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for tp in (1, 2, 4):
-        row = {}
-        for mode in ("sharded", "full"):
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={tp}",
-                __file__,
-                "--worker",
-                str(tmp / "model"),
-                mode,
-            ]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-            row[mode] = json.loads(line[len("RESULT ") :])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * dp}"]
+    cmd += [__file__, "--worker", str(model_dir), mode, str(tp), str(dp)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors file size of the saved model")
+    parser.add_argument("--meshes", default="1x1,2x1,4x1", help="tp x dp meshes, comma-separated")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp()) / "model"
+    size, files = build_model(folder, args.layers, args.hidden, args.vocab, args.max_shard_size)
+    print(f"model: {size:.0f} MiB fp32 ({args.layers} layers, hidden {args.hidden}) in {files} safetensors files")
+    print("| tp x dp | sharded: peak RSS | sharded: peak anon | from_pretrained: peak RSS | from_pretrained: peak anon "
+          "| rank's share |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for mesh in args.meshes.split(","):
+        tp, dp = (int(x) for x in mesh.split("x"))
+        row = {mode: run_mesh(folder, mode, tp, dp) for mode in ("sharded", "full")}
         peak = {m: max(r["peak_above_base_mib"] for r in v) for m, v in row.items()}
         anon = {m: max(r["anon_peak_mib"] for r in v) for m, v in row.items()}
         print(
-            f"| {tp} | {peak['sharded']:.0f} | {anon['sharded']:.0f} | {peak['full']:.0f} | {anon['full']:.0f} | "
-            f"{row['sharded'][0]['local_params_mib']:.0f} |"
+            f"| {tp} x {dp} | {peak['sharded']:.0f} | {anon['sharded']:.0f} | {peak['full']:.0f} | "
+            f"{anon['full']:.0f} | {max(r['local_params_mib'] for r in row['sharded']):.0f} |"
         )
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
         main()
