@@ -13,6 +13,7 @@ from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
+from hf_tp.parallel.lora import check_lora, install_dropouts, keep_frozen, lora_adapter, unwrap_peft
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
@@ -40,7 +41,7 @@ def parallelize(
     With ``loss_parallel=True`` the logits are a DTensor sharded on the vocab: compute the loss and
     call backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
     depends only on the config and the mesh shape, so a bad input raises the same ``ValueError``
-    on every rank.
+    on every rank. A ``peft.PeftModel`` with LoRA adapters is taken too (:mod:`hf_tp.parallel.lora`).
 
     ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each
     decoder layer after TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for
@@ -53,13 +54,15 @@ def parallelize(
     group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
     (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp and the number of experts.
     """
-    adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(model, mesh, sequence_parallel, loss_parallel, ep)
+    outer = model
+    model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
     tp = tp_mesh.size() > 1
     if tp:
-        apply_tensor_parallel(model, adapter, tp_mesh, opts)
+        with keep_frozen(model):  # some styles re-register parameters as trainable
+            apply_tensor_parallel(model, adapter, tp_mesh, opts)
     whole = odd_dtype_params(model, adapter) if fsdp else set()  # kept whole on every dp rank
     if tp and adapter.moe:
         model.loss_function = local_loss_function(model.loss_function)
@@ -83,15 +86,21 @@ def parallelize(
             averaged=whole,
             fused=fuse_partial_grads and tp,
         )
-    model.hf_tp_options = opts  # marks the model as parallelized (checked above) and records how
+    _mark_parallelized(model, opts)
+    return outer
+
+
+def _mark_parallelized(model: nn.Module, opts: PlanOptions) -> None:
+    model.hf_tp_options = opts  # marks the model as parallelized (checked in _check) and records how
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
-    return model
 
 
-def _check(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
-    """Every check of :func:`parallelize`, before any collective: (adapter, plan options, dp mesh,
-    tp mesh, ep mesh or None)."""
+def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
+    """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
+    dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
+    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`)."""
+    model, peft = unwrap_peft(outer)
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")
@@ -112,7 +121,11 @@ def _check(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
         ep_mesh = build_ep_mesh(mesh, ep)
     if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
-    return adapter, opts, dp_mesh, tp_mesh, ep_mesh
+    if peft:
+        check_lora(model, adapter, opts, tp_mesh.size(), ep)
+        adapter = lora_adapter(adapter)
+        install_dropouts(model)
+    return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 
 def _generate(model: nn.Module, inputs=None, **kwargs):

@@ -1,0 +1,112 @@
+"""peft LoRA models under :func:`hf_tp.parallelize`: unwrap, check, and LoRA-aware plans.
+
+``parallelize`` takes a ``peft.PeftModel`` and works on the HF model inside it
+(``peft_model.base_model.model``), so the adapters' plan paths stay the HF model's. Every LoRA
+layer must be a ``lora.Linear`` over an ``nn.Linear`` that a plan shards column- or row-wise
+(:mod:`hf_tp.styles.lora` shards its branch like the base); anything else is refused before any
+collective, naming the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.styles import ReplicatedKVProjection
+from hf_tp.styles.dropout import ShardAwareDropout
+from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
+
+
+def unwrap_peft(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the HF model, whether ``model`` was a peft model). Refuses peft tuners other than LoRA."""
+    if not type(model).__module__.startswith("peft."):
+        return model, False
+    tuner = getattr(model, "base_model", None)
+    inner = getattr(tuner, "model", None)
+    if type(tuner).__name__ != "LoraModel" or not isinstance(inner, nn.Module):
+        raise ValueError(
+            f"hf_tp.parallelize takes peft models with LoRA adapters only, got a {type(tuner).__name__}; "
+            "create it with peft.get_peft_model(model, peft.LoraConfig(...))"
+        )
+    return inner, True
+
+
+def _peft_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module peft put into ``model`` (tuner layers, modules_to_save wrappers...), by path."""
+    return {name: m for name, m in model.named_modules() if type(m).__module__.startswith("peft.")}
+
+
+def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
+    """Why the LoRA module at ``path`` cannot be sharded, or None."""
+    if type(module).__name__ == "ParamWrapper":
+        return "peft's target_parameters (fused MoE experts, router weights) are not sharded by hf_tp"
+    if not is_lora_linear(module) or type(module.base_layer) is not nn.Linear:
+        base = type(getattr(module, "base_layer", module)).__name__
+        return f"a peft {type(module).__name__} over {base}: hf_tp shards LoRA on nn.Linear projections only"
+    if style is None:
+        return (
+            "it is outside the decoder layers' tp plan (embedding, lm_head, routers, whole-run regions): "
+            "hf_tp shards LoRA on projections the plan splits column- or row-wise"
+        )
+    if isinstance(style, ReplicatedKVProjection):
+        return "its KV heads are replicated over tp (tp > num_key_value_heads): use tp <= num_key_value_heads"
+    if not shards_lora(style):
+        return f"the plan runs it with {type(style).__name__}, which has no LoRA rule"
+    if module.lora_variant or any(module.lora_magnitude_vector.keys()):
+        return "LoRA variants (DoRA, aLoRA, ...) are not supported under tp; use plain LoRA"
+    if module.merged or getattr(module, "fan_in_fan_out", False):
+        return "merged adapters or fan_in_fan_out layers are not supported; unmerge, or target nn.Linear"
+    return None
+
+
+def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
+    """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
+    ``ep``. At tp = 1 nothing is tensor-parallel and every ``lora.Linear`` runs as in plain peft;
+    with ep > 1 LoRA on expert parameters is refused too."""
+    if tp == 1 and ep == 1:
+        return
+    plan, prefix = adapter.layer_plan(opts) if tp > 1 else {}, f"{adapter.layers_path}."
+    for path, module in _peft_modules(model).items():
+        if tp == 1 and is_lora_linear(module):
+            continue
+        sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
+        reason = _refusal(module, plan.get(sub))
+        if reason is not None:
+            raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
+
+
+def lora_adapter(adapter: Adapter) -> Adapter:
+    """``adapter`` with every column/row-parallel style made LoRA-aware (:func:`lora_aware`)."""
+
+    def wrap(plan_fn):
+        return lambda opts: {path: lora_aware(style) for path, style in plan_fn(opts).items()}
+
+    return dataclasses.replace(adapter, layer_plan=wrap(adapter.layer_plan), top_plan=wrap(adapter.top_plan))
+
+
+def install_dropouts(model: nn.Module) -> None:
+    """Replace peft's ``nn.Dropout`` in every LoRA layer by :class:`ShardAwareDropout` (same p)."""
+    index = 0
+    for module in model.modules():
+        if not is_lora_linear(module):
+            continue
+        for name, drop in list(module.lora_dropout.items()):
+            if isinstance(drop, nn.Dropout):
+                module.lora_dropout[name] = ShardAwareDropout(drop.p, index)
+            index += 1
+
+
+@contextlib.contextmanager
+def keep_frozen(model: nn.Module) -> Iterator[None]:
+    """Parameters frozen on entry (a LoRA model's base) are frozen again on exit: some styles
+    (torch's ``SequenceParallel``) re-register the parameters they distribute as trainable."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    yield
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
