@@ -10,14 +10,18 @@ from hf_tp.lazy import lazy_names
 
 # public name -> module that defines it
 _PUBLIC: dict[str, str | tuple[str, str]] = {
+    "Cluster": "hf_tp.estimate.speed",
     "CommStat": "hf_tp.estimate.comm",
     "Estimate": "hf_tp.estimate.api",
     "MemoryBreakdown": "hf_tp.estimate.api",
     "MoEStats": "hf_tp.estimate.moe",
+    "Speed": "hf_tp.estimate.speed",
     "Sweep": "hf_tp.estimate.sweep",
     "bundled_models": "hf_tp.estimate.bundled",
     "estimate": "hf_tp.estimate.api",
+    "get_gpu": "hf_tp.estimate.gpus",
     "parse_memory": "hf_tp.estimate.sweep",
+    "predict": "hf_tp.estimate.speed",
     "resolve_model_config": "hf_tp.estimate.configs",
     "sweep": "hf_tp.estimate.sweep",
 }
