@@ -37,10 +37,12 @@ def reference_run(
     eval_split: float = 0.0,
     eval_steps: tuple[int, ...] = (),
     eval_rows: int | None = None,
+    wrap=None,
 ) -> tuple[list[float], list[float], dict[int, float]]:
     """Losses, grad norms and, after each step of ``eval_steps``, the loss over the held-out
     ``eval_split`` of the documents (split as hf-tp does: ``train_test_split`` seeded with ``seed``),
-    over its first ``eval_rows`` rows (all by default)."""
+    over its first ``eval_rows`` rows (all by default). ``wrap(model)``, if given, returns the model
+    to train (a peft LoRA model of it)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     raw = load_text_dataset(dataset)
     held_out = None
@@ -50,6 +52,7 @@ def reference_run(
         held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
     data = tokenize_dataset(raw, tok, seq_len=seq_len)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = wrap(model) if wrap is not None else model
     model.train()
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)
     collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -78,7 +79,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = _train_state(model, optimizer)
     failure: BaseException | None = None
     try:
         dcp.save(state, checkpoint_id=str(tmp))  # collective: a rank's write error is raised on every rank
@@ -183,11 +184,20 @@ def save(
     return save_checkpoint(output_dir, step, model, optimizer, state, [f for f in files if f is not None], keep=keep)
 
 
+def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds: the trainable tensors and their optimizer state. Frozen weights (a
+    LoRA run's base) are left out: every run reads them from the model folder."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    model_state = {k: v for k, v in model_state.items() if k not in frozen}  # a tied alias of a frozen one too
+    return {"model": model_state, "optim": get_optimizer_state_dict(model, optimizer)}
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: load model and optimizer into the current (possibly different) mesh; DCP reshards."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = _train_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])

@@ -67,7 +67,9 @@ def export_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        config = _write_weights(ckpt, tmp, chosen or "fp32", max_shard_size)
+        run = state.get("config") or {}  # a LoRA run exports a peft adapter folder (checkpoint.lora_export)
+        write = _write_adapter if run.get("lora_r") else _write_weights
+        config = write(ckpt, tmp, chosen or "fp32", max_shard_size)
         for f in (ckpt / "model_files").iterdir():  # tokenizer files and the source's generation config
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
@@ -99,6 +101,18 @@ def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | i
     config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
     return config
+
+
+def _write_adapter(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int):
+    """The peft adapter folder of a LoRA run into ``folder``; returns the base model's config."""
+    import torch
+    from transformers import AutoConfig
+
+    from hf_tp.checkpoint.lora_export import write_adapter
+
+    run = load_trainer_state(ckpt)["config"]
+    write_adapter(ckpt, folder, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype], run)
+    return AutoConfig.from_pretrained(ckpt / "model_files")
 
 
 def base_source(state: dict) -> str | None:

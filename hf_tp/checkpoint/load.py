@@ -95,7 +95,9 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
-    state = get_model_state_dict(model)
+    # A LoRA model: the factors are not in the files (initialised by the caller); a wrapped base
+    # projection's weight is the file's under its own name (peft adds ``.base_layer``).
+    state = {k.replace(".base_layer.", "."): v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
     in_file = file_keys(model, keys)
     tied_alias = "lm_head.weight" if tied else None
     missing = sorted(k for k in state if k not in in_file and k != tied_alias)

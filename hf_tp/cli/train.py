@@ -103,6 +103,20 @@ def _sizes_and_optimizer(p) -> None:
         f"as the HF Trainer does ({d('aux_loss_over')})",
     )
     p.add_argument("--seed", type=int, help=f"seed of the data order and of random init ({d('seed')})")
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        metavar="R",
+        help=f"train LoRA adapters of rank R on a frozen base (peft; pip install hf_tp[lora]); 0: every weight "
+        f"({d('lora_r')})",
+    )
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scaling alpha / r (default: 2 x r)")
+    p.add_argument("--lora-dropout", type=float, metavar="P", help=f"dropout on the LoRA input ({d('lora_dropout')})")
+    p.add_argument(
+        "--lora-target-modules",
+        metavar="NAMES",
+        help=f"all-linear or comma-separated projection names, e.g. q_proj,v_proj ({d('lora_target_modules')})",
+    )
 
 
 def _output_and_checkpoints(p) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -110,3 +112,22 @@ def keep_frozen(model: nn.Module) -> Iterator[None]:
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
+
+
+def lora_init_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full (unsharded) initial LoRA factors of every ``lora.Linear`` in ``model``: peft's default
+    init (``lora_A`` Kaiming-uniform with ``a = sqrt(5)``, ``lora_B`` and its bias zero) drawn in
+    module order from a generator seeded with ``seed``, so every rank, and a single-process peft
+    model given the same state, starts from the same adapters whatever the sharding."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not is_lora_linear(module):
+            continue
+        for adapter, a in module.lora_A.items():
+            w = torch.empty(a.weight.shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+            out[f"{name}.lora_A.{adapter}.weight"] = w.to(a.weight.dtype)
+            for pname, p in module.lora_B[adapter].named_parameters():
+                out[f"{name}.lora_B.{adapter}.{pname}"] = torch.zeros(p.shape, dtype=p.dtype)
+    return out

@@ -68,6 +68,11 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder layer
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
+    # LoRA (peft): lora_r > 0 freezes the base and trains LoRA adapters (pip install hf_tp[lora])
+    lora_r: int = 0
+    lora_alpha: float | None = None  # scaling is alpha / r; None: 2 x r
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"  # "all-linear" or comma-separated module names
     # optimisation
     batch_size: int | None = None
     grad_accum: int = 1
@@ -152,6 +157,7 @@ class TrainConfig:
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
         self._validate_data()
+        self._validate_lora()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -165,6 +171,24 @@ class TrainConfig:
             raise ValueError(
                 f"tp*dp ({self.tp * self.dp}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 0:
+            raise ValueError(f"--lora-r must be a non-negative integer (0: train every weight), got {self.lora_r!r}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_targets():
+            raise ValueError("--lora-target-modules is empty; use all-linear or names such as q_proj,v_proj")
+        if not self.lora_r and (self.lora_alpha is not None or self.lora_dropout):
+            raise ValueError("--lora-alpha/--lora-dropout need --lora-r R (the LoRA rank)")
+
+    def lora_targets(self) -> str | list[str]:
+        """peft's ``target_modules``: ``"all-linear"`` or the list of names."""
+        if self.lora_target_modules.strip() == "all-linear":
+            return "all-linear"
+        return [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
 
     def _validate_data(self) -> None:
         if not 0 <= self.eval_split < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -21,6 +22,7 @@ from hf_tp.checkpoint.load import (
     safetensors_keys,
 )
 from hf_tp.parallel import parallelize
+from hf_tp.parallel.lora import lora_init_state
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.validate import validate_model_config
@@ -54,8 +56,9 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     if not sharded:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
+    lora = with_lora(model, cfg)
     parallelize(
-        model,
+        lora,
         mesh,
         sequence_parallel=cfg.sequence_parallel,
         loss_parallel=cfg.loss_parallel,
@@ -66,4 +69,30 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     )
     if sharded:
         materialize_and_load(model, model_dir, device)
+    if cfg.lora_r:
+        init_lora(model, cfg.seed)
     return model
+
+
+def with_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """``model`` wrapped in peft LoRA adapters (in place: ``model`` then holds ``lora.Linear``
+    layers over its frozen projections) when ``cfg.lora_r`` > 0; else ``model``."""
+    if not cfg.lora_r:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ValueError("--lora-r needs peft: pip install 'hf_tp[lora]'") from exc
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r
+    config = LoraConfig(
+        r=cfg.lora_r, lora_alpha=alpha, lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets()
+    )
+    return get_peft_model(model, config)
+
+
+def init_lora(model: torch.nn.Module, seed: int) -> None:
+    """Every rank's LoRA factors from the same full initial state (:func:`lora_init_state`),
+    each rank keeping its shards."""
+    set_model_state_dict(
+        model, lora_init_state(model, seed), options=StateDictOptions(full_state_dict=True, strict=False)
+    )

@@ -1,0 +1,56 @@
+"""Export of a LoRA run (``hf-tp train --lora-r``) as a peft adapter folder.
+
+A LoRA checkpoint holds only the adapters (and their optimizer state); the frozen base stays in
+the model folder it was read from. The export writes what ``PeftModel.from_pretrained(base, OUT)``
+loads: ``adapter_config.json`` (peft's ``LoraConfig`` of the run) and ``adapter_model.safetensors``
+with peft's key names (``base_model.model.<module>.lora_A.weight``, adapter name left out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"  # the adapter name hf-tp train gives peft
+
+
+def peft_key(model_key: str) -> str:
+    """peft's saved name of a LoRA tensor of the HF model's state dict."""
+    return PEFT_PREFIX + model_key.replace(f".{ADAPTER}.", ".")
+
+
+def read_lora_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor of the checkpoint, whole (DCP gathers the shards; no process group)."""
+    metadata = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and ".lora_" in key
+    }
+    if not state:
+        raise ValueError(f"{ckpt} holds no LoRA tensors although its run trained with --lora-r")
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    return {key[len("model.") :]: t for key, t in state.items()}
+
+
+def write_adapter(ckpt: Path, folder: Path, dtype: torch.dtype, run: dict[str, Any]) -> None:
+    """``adapter_config.json`` and ``adapter_model.safetensors`` of the run into ``folder``."""
+    from peft import LoraConfig
+
+    tensors = {peft_key(k): t.to(dtype).contiguous() for k, t in read_lora_tensors(ckpt).items()}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = run.get("lora_target_modules") or "all-linear"
+    config = LoraConfig(
+        r=run["lora_r"],
+        lora_alpha=run.get("lora_alpha") or 2 * run["lora_r"],
+        lora_dropout=run.get("lora_dropout") or 0.0,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        base_model_name_or_path=run.get("model"),
+        task_type="CAUSAL_LM",
+    )
+    config.save_pretrained(str(folder))
