@@ -20,9 +20,8 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
+# torch is imported inside the functions: the launching processes read the constants and must
+# answer `hf-tp train --help` and bad flags without loading it.
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "try again later"; scripts/slurm_train.sh requeues on it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_FILE = "preempted.json"  # in the launcher's error folder: tells the launching process
@@ -46,8 +45,11 @@ class Faults:
     def _note(self, signum: int, frame: object) -> None:
         self.received = signal.Signals(signum).name
 
-    def stop_agreed(self, device: torch.device) -> bool:
+    def stop_agreed(self, device) -> bool:
         """Collective: whether any rank has received a stop signal (all ranks answer alike)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -69,6 +71,8 @@ def apply_collective_timeout(seconds: float) -> None:
 
 def heartbeat(step: int) -> None:
     """Record in the process group's store that this rank starts ``step`` (1-based)."""
+    import torch.distributed as dist
+
     store = _store()
     if store is not None:
         store.set(_HEARTBEAT.format(rank=dist.get_rank()), str(step))
@@ -97,6 +101,8 @@ def timeout_error(step: int, seconds: float) -> CollectiveTimeout:
 
 
 def _ranks_behind(step: int) -> list[tuple[int, int]]:
+    import torch.distributed as dist
+
     store = _store()
     if store is None:
         return []
@@ -124,6 +130,8 @@ def _store():
 def register_rank(folder: str | None) -> None:
     """Under ``hf-tp train``'s launcher: tell it this rank's pid (it forwards stop signals to the
     ranks and ends ranks left behind by a failed one)."""
+    import torch.distributed as dist
+
     if folder:
         Path(folder, f"pid-rank{dist.get_rank()}").write_text(str(os.getpid()))
 
