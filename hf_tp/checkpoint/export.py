@@ -45,6 +45,7 @@ def export_checkpoint(
     dtype: str | None = None,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    merge: bool = False,
 ) -> Path:
     """Write ``out_dir`` with safetensors weights, config, generation config, tokenizer and a card.
 
@@ -53,7 +54,8 @@ def export_checkpoint(
     not recorded) and written to safetensors files of at most ``max_shard_size`` as they fill, with
     an index when there are several (:mod:`hf_tp.checkpoint.stream`): host memory follows the shard
     size, not the model. Tied weights are stored once. The folder is built next to ``out_dir`` and
-    renamed into place, so a crash never leaves half an export.
+    renamed into place, so a crash never leaves half an export. A LoRA run exports a peft adapter
+    folder, or with ``merge`` the base weights with the adapters merged in (docs/lora.md).
     """
     ckpt = resolve_checkpoint(checkpoint)
     if dtype is not None and dtype not in DTYPES:
@@ -67,8 +69,10 @@ def export_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        run = state.get("config") or {}  # a LoRA run exports a peft adapter folder (checkpoint.lora_export)
-        write = _write_adapter if run.get("lora_r") else _write_weights
+        lora = bool((state.get("config") or {}).get("lora_r"))  # a LoRA run: a peft adapter folder, or merged
+        if merge and not lora:
+            raise ValueError(f"{ckpt} is not from a LoRA run (hf-tp train --lora-r); --merge applies to LoRA runs only")
+        write = _write_adapter if lora and not merge else _write_weights
         config = write(ckpt, tmp, chosen or "fp32", max_shard_size)
         for f in (ckpt / "model_files").iterdir():  # tokenizer files and the source's generation config
             if f.is_file() and f.name != "config.json":
@@ -95,7 +99,13 @@ def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | i
     config = AutoConfig.from_pretrained(ckpt / "model_files")
     with torch.device("meta"):  # names, shapes, ties and weight conversions; no memory
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    write_shards(ckpt, model, folder, torch_dtype, max_shard_size)
+    run = load_trainer_state(ckpt).get("config") or {}
+    read = None
+    if run.get("lora_r"):  # merged: base weights from the run's model folder plus the adapters
+        from hf_tp.checkpoint.lora_export import merged_reader
+
+        read = merged_reader(ckpt, model, run)
+    write_shards(ckpt, model, folder, torch_dtype, max_shard_size, read)
     config = model.config
     config.dtype = torch_dtype
     config.architectures = [type(model).__name__]

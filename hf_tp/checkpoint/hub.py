@@ -14,7 +14,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
     network, no permission) raises one clear ``RuntimeError``; the local folder is never touched.
     """
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
+    if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):  # model or adapter
         raise ValueError(f"{folder} is not an exported model folder (no config.json); run hf-tp export first")
     api = HfApi(token=token)
     try:

@@ -54,3 +54,41 @@ def write_adapter(ckpt: Path, folder: Path, dtype: torch.dtype, run: dict[str, A
         task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(folder))
+
+
+def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
+    """For :func:`hf_tp.checkpoint.stream.write_shards`: the keys of one module -> their merged
+    tensors, the base weight read from the run's model folder (one tensor at a time) plus
+    ``alpha / r * lora_B @ lora_A`` where the run trained an adapter on it (peft's merge)."""
+    from safetensors import safe_open
+
+    from hf_tp.checkpoint.load import file_keys, files_match_model, local_model_dir
+
+    base_dir = local_model_dir(run["model"])
+    if not files_match_model(model, base_dir):
+        raise ValueError(
+            f"--merge reads the base weights from {base_dir}, whose safetensors do not hold the model's tensors as "
+            "they are (e.g. one tensor per expert); export the adapter and merge with peft's merge_and_unload"
+        )
+    files = {}
+    for f in sorted(base_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            files.update(dict.fromkeys(st.keys(), f))
+    in_file = file_keys(model, set(files))
+    lora = read_lora_tensors(ckpt)
+    scaling = (run.get("lora_alpha") or 2 * run["lora_r"]) / run["lora_r"]
+
+    def read(group: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key in group:
+            name = in_file[key]
+            with safe_open(str(files[name]), framework="pt") as st:
+                tensor = st.get_tensor(name).float()
+            prefix = key.removesuffix(".weight")
+            a, b = lora.get(f"{prefix}.lora_A.{ADAPTER}.weight"), lora.get(f"{prefix}.lora_B.{ADAPTER}.weight")
+            if a is not None and b is not None:
+                tensor = tensor + (b.float() @ a.float()) * scaling
+            out[key] = tensor
+        return out
+
+    return read

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import Metadata
 
+GroupReader = Callable[[list[str]], dict[str, torch.Tensor]]
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -116,21 +117,30 @@ def _read_group(reader: _Reader, metadata: Metadata, hf: dict[str, torch.Tensor]
     return {k: t.view(hf[k].shape) for k, t in stored.items()}  # packed halves: the same numbers in order
 
 
-def _converted(ckpt: Path, model: torch.nn.Module, groups: list[list[str]], dtype: torch.dtype) -> Iterator[dict]:
+def _converted(
+    ckpt: Path, model: torch.nn.Module, groups: list[list[str]], dtype: torch.dtype, read: GroupReader | None
+) -> Iterator[dict]:
     reader = _Reader(ckpt)
     metadata = reader.read_metadata()
     hf = model.state_dict()
     for group in groups:
-        tensors = _revert(model, _read_group(reader, metadata, hf, group))
+        tensors = _revert(model, read(group) if read else _read_group(reader, metadata, hf, group))
         yield {k: v.to(dtype).contiguous() for k, v in tensors.items()}
 
 
 def write_shards(
-    ckpt: Path, model: torch.nn.Module, out_dir: Path, dtype: torch.dtype, max_shard_size: int | str
+    ckpt: Path,
+    model: torch.nn.Module,
+    out_dir: Path,
+    dtype: torch.dtype,
+    max_shard_size: int | str,
+    read: GroupReader | None = None,
 ) -> list[str]:
     """Write ``model``'s tensors from the DCP checkpoint ``ckpt`` (``model`` on the meta device)
     into ``out_dir`` as safetensors shards of at most ``max_shard_size`` (an index when several).
-    Returns the file names written."""
+    ``read`` (keys of one module -> their tensors in HF's shape) replaces the checkpoint as the
+    source (a LoRA run's merged weights: :mod:`hf_tp.checkpoint.lora_export`). Returns the file
+    names written."""
     max_bytes = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     if max_bytes <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
@@ -142,7 +152,7 @@ def write_shards(
     files = _shard_names(len(shards))
     where = {name: i for i, names in enumerate(shards) for name in names}
     current, pending = 0, {}
-    for tensors in _converted(ckpt, model, groups, dtype):
+    for tensors in _converted(ckpt, model, groups, dtype, read):
         for name, tensor in tensors.items():
             if where[name] != current:
                 save_file(pending, str(out_dir / files[current]), metadata={"format": "pt"})

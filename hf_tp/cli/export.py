@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="5GB",
         help="largest safetensors file (also about the export's peak host memory); bigger models get several and an index",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write full weights with the adapters merged in (default: adapter)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -41,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
+            merge=args.merge,
         )
     except ValueError as exc:
         print(f"hf-tp export: error: {exc}", file=sys.stderr)

@@ -73,3 +73,16 @@ def test_lora_tp2_dp2_gives_plain_peft_loss_curve(setup, tmp_path) -> None:  # n
     assert len(trained) == 2 * 7 * 2
     for key, t in trained.items():
         assert torch.equal(state[f"base_model.model.{key}"], t), key
+
+    # --merge: full weights (base from the model folder + alpha/r * B @ A) that transformers loads,
+    # giving the adapter model's logits.
+    from hf_tp.checkpoint.export import export_checkpoint
+
+    merged_dir = export_checkpoint(resumed, tmp_path / "merged", merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    ids = torch.randint(3, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want_logits = loaded.eval()(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, want_logits, rtol=1e-5, atol=1e-5)
+        base_logits = AutoModelForCausalLM.from_pretrained(model_dir).eval()(input_ids=ids).logits
+    assert (base_logits - want_logits).abs().max() > 1e-4  # the adapters changed the model
