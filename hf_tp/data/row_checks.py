@@ -85,6 +85,6 @@ def check_json_lines(source: str, files: list[Path]) -> None:
                         continue
                     problem = f"is a JSON {type(row).__name__} ({line.strip()[:40]}), not an object of columns"
                 raise ValueError(
-                    f"dataset '{source}': line {number} of {file} {problem}; such a row cannot be read, so it "
-                    "cannot be skipped: fix or delete that line"
+                    f"cannot read dataset '{source}' as json files (line {number} of {file} {problem}); such a row "
+                    "cannot be read, so it cannot be skipped: fix or delete that line"
                 )
