@@ -6,6 +6,7 @@ family grid.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -50,10 +51,18 @@ def lora(model: torch.nn.Module, targets: list[str] | str = "all-linear", dropou
 
 
 def run_lora(
-    peft_model: torch.nn.Module, tp: int = 2, dp: int = 1, steps: int = 1, b: int = 2, micro: int = 1
+    peft_model: torch.nn.Module,
+    tp: int = 2,
+    dp: int = 1,
+    steps: int = 1,
+    b: int = 2,
+    micro: int = 1,
+    sp: bool = True,
+    ep: int = 1,
 ) -> dict[str, int]:
-    """Parity of ``peft_model`` parallelized at (tp, dp) against itself in one process; returns
-    counts of what was checked (LoRA tensors, frozen tensors)."""
+    """Parity of ``peft_model`` parallelized at (tp, dp) (``sp``: sequence and loss parallel)
+    against itself in one process; returns counts of what was checked (LoRA tensors, frozen
+    tensors)."""
     vocab = peft_model.config.vocab_size
     data = batch(vocab, b=b, s=13, pad="right" if dp == 1 else None)
     want = train_steps(copy.deepcopy(peft_model), data, steps=steps)
@@ -64,14 +73,15 @@ def run_lora(
     def rank_fn(rank: int) -> None:
         model = candidates[rank]
         mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
-        assert hf_tp.parallelize(model, mesh) is model
+        assert hf_tp.parallelize(model, mesh, sequence_parallel=sp, loss_parallel=sp, ep=ep) is model
         rows = slice(None)
         if dp > 1:
             per = b // dp
             rows = slice(mesh.get_local_rank("dp") * per, (mesh.get_local_rank("dp") + 1) * per)
         local = {k: v[rows] for k, v in data.items()}
         dp_group = mesh["dp"].get_group() if dp > 1 else None
-        got = train_steps(model, local, steps=steps, ctx=hf_tp.loss_parallel, dp_group=dp_group, micro=micro)
+        ctx = hf_tp.loss_parallel if sp else contextlib.nullcontext
+        got = train_steps(model, local, steps=steps, ctx=ctx, dp_group=dp_group, micro=micro)
         assert_parity(got, want, rows)
         for name, w in want.start.items():
             if name not in want.grads:  # frozen: bit for bit, and no gradient

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
-from hf_tp.styles import ReplicatedKVProjection
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
 
@@ -55,8 +54,6 @@ def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
             "it is outside the decoder layers' tp plan (embedding, lm_head, routers, whole-run regions): "
             "hf_tp shards LoRA on projections the plan splits column- or row-wise"
         )
-    if isinstance(style, ReplicatedKVProjection):
-        return "its KV heads are replicated over tp (tp > num_key_value_heads): use tp <= num_key_value_heads"
     if not shards_lora(style):
         return f"the plan runs it with {type(style).__name__}, which has no LoRA rule"
     if module.lora_variant or any(module.lora_magnitude_vector.keys()):
@@ -68,14 +65,17 @@ def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
 
 def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
     """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
-    ``ep``. At tp = 1 nothing is tensor-parallel and every ``lora.Linear`` runs as in plain peft;
-    with ep > 1 LoRA on expert parameters is refused too."""
-    if tp == 1 and ep == 1:
+    ``ep``. At tp = 1 nothing is tensor-parallel and every peft module runs as in plain peft;
+    ep > 1 is refused (its expert hooks expect trainable experts)."""
+    if ep > 1 and _peft_modules(model):
+        raise ValueError(
+            f"LoRA with ep={ep}: expert parallelism over a frozen MoE base is not supported yet; "
+            "use ep=1 (the experts are then split over tp)"
+        )
+    if tp == 1:
         return
-    plan, prefix = adapter.layer_plan(opts) if tp > 1 else {}, f"{adapter.layers_path}."
+    plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."
     for path, module in _peft_modules(model).items():
-        if tp == 1 and is_lora_linear(module):
-            continue
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
         reason = _refusal(module, plan.get(sub))
         if reason is not None:

@@ -23,10 +23,14 @@ from __future__ import annotations
 import copy
 from functools import partial
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -67,17 +71,76 @@ _CLASSES: dict[type, type] = {}
 
 def lora_aware(style: ParallelStyle) -> ParallelStyle:
     """A copy of ``style`` that also shards peft ``lora.Linear`` modules (module docstring), or
-    ``style`` itself when it is not a column/row-parallel linear style."""
+    ``style`` itself when it is not a column/row-parallel or KV-replicated linear style."""
     base = type(style)
-    if not issubclass(base, (ColwiseParallel, RowwiseParallel)) or issubclass(base, _LoraBranch):
+    if issubclass(base, (_LoraBranch, _LoraKVHeads)):
+        return style
+    if issubclass(base, ReplicatedKVProjection):
+        mixin = _LoraKVHeads
+    elif issubclass(base, (ColwiseParallel, RowwiseParallel)):
+        mixin = _LoraBranch
+    else:
         return style
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Lora{base.__name__}", (_LoraBranch, base), {"__module__": __name__})
+        _CLASSES[base] = type(f"Lora{base.__name__}", (mixin, base), {"__module__": __name__})
     out = _CLASSES[base].__new__(_CLASSES[base])
     out.__dict__.update(copy.copy(style.__dict__))
     return out
 
 
 def shards_lora(style: ParallelStyle) -> bool:
-    """Whether :func:`lora_aware` gives ``style`` a LoRA rule (column/row-parallel linears)."""
-    return isinstance(style, (ColwiseParallel, RowwiseParallel))
+    """Whether :func:`lora_aware` gives ``style`` a LoRA rule."""
+    return isinstance(style, (ColwiseParallel, RowwiseParallel, ReplicatedKVProjection))
+
+
+class _LoraKVHeads:
+    """Mixin for :class:`~hf_tp.styles.kv_heads.ReplicatedKVProjection`: the base and both factors
+    whole on every rank; ``lora_A`` computed whole, ``lora_B`` only on this rank's KV-head rows,
+    as the base. Every weight gradient is one rank's term of a sum over tp (``Partial``, fused), and
+    the input's gradient too (reduce-scattered with the query projection's under SP)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_lora_linear(module):
+            return super()._apply(module, device_mesh)
+        base = super()._apply(module.base_layer, device_mesh)
+        for sub in (*module.lora_A.values(), *module.lora_B.values()):
+            distribute_module(sub, device_mesh)  # replicated
+        for a in module.lora_A.values():
+            a.__class__ = WholeLinearPartialGrads
+        for b in module.lora_B.values():
+            b.__class__ = KVHeadRowsOfLocalInput
+            b.head_start, b.head_dim = base.head_start, base.head_dim
+        module.register_forward_pre_hook(_replicated_input)  # one input for base, dropout and branch
+        return module
+
+
+def _replicated_input(module: nn.Module, args: tuple) -> tuple:
+    """Without sequence parallelism the input is a plain tensor, whole on every rank: make it a
+    ``Replicate`` DTensor, so the dropout draws the tp group's mask and the base and the branch
+    add their input gradients before the one all-reduce."""
+    x, *rest = args
+    if isinstance(x, DTensor):
+        return args
+    mesh = module.base_layer.weight.device_mesh
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *rest)
+
+
+class WholeLinearPartialGrads(nn.Linear):
+    """``lora_A`` of a KV-replicated projection: the whole product on every rank from a replicated
+    weight and input, both handed to autograd as ``Partial`` (this rank's gradient term)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not all(p.is_replicate() for p in x.placements):
+            x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+        local = x.to_local(grad_placements=[Partial()] * x.device_mesh.ndim)
+        return F.linear(local, self.weight.to_local(grad_placements=[Partial()]))
+
+
+class KVHeadRowsOfLocalInput(KVHeadLinear):
+    """``lora_B`` of a KV-replicated projection: this rank's KV-head rows of a replicated weight
+    applied to a local input (``lora_A``'s output), no collective."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        rows = slice(self.head_start, self.head_start + self.head_dim)
+        bias = self.bias.to_local(grad_placements=[Partial()])[rows] if self.bias is not None else None
+        return F.linear(h, self.weight.to_local(grad_placements=[Partial()])[rows], bias)

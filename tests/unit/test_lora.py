@@ -36,6 +36,13 @@ def test_lora_under_fsdp2_tp2_dp2_with_micro_batches() -> None:
     assert counts["lora"] == 28
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_lora_on_replicated_kv_heads_holds_parity(sp: bool) -> None:
+    # 1 KV head at tp=2: k_proj/v_proj whole on both ranks, each computing its KV head's rows; their
+    # LoRA factors too (lora_B on the head's rows), with and without sequence parallelism.
+    assert run_lora(lora(_tiny(kv_heads=1)), sp=sp)["lora"] == 28
+
+
 def test_base_weights_get_no_gradient_and_no_optimizer_state() -> None:
     peft_model = lora(_tiny())
     copies = [copy.deepcopy(peft_model) for _ in range(2)]
@@ -75,13 +82,11 @@ def _refusal(model: torch.nn.Module, tp: int = 2) -> str:
     [
         (["lm_head"], {}, r"LoRA on lm_head: .*outside the decoder layers' tp plan.*target_modules"),
         (["embed_tokens"], {}, r"LoRA on model.embed_tokens: a peft Embedding over .*nn.Linear projections only"),
-        (["k_proj"], {"kv_heads": 1}, r"LoRA on model.layers.0.self_attn.k_proj: .*KV heads are replicated"),
         (["q_proj"], {"use_dora": True}, r"LoRA on model.layers.0.self_attn.q_proj: LoRA variants"),
     ],
 )
 def test_unsupported_lora_targets_are_refused_naming_the_module(targets, kw, match) -> None:
-    kv = kw.pop("kv_heads", 2)
-    model = _tiny(kv_heads=kv)
+    model = _tiny()
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=targets, **kw))
     with pytest.raises(ValueError, match=match):
         raise ValueError(_refusal(peft_model))
@@ -122,9 +127,28 @@ def test_lora_grid_sample_holds_parity_at_tp2(model_type: str) -> None:
 
 
 def test_moe_attention_lora_holds_parity_and_expert_lora_is_refused() -> None:
-    # Qwen3-MoE at tp=2: LoRA on the attention projections next to an expert-parallel-ready MoE
-    # region; peft's all-linear also wraps the fused experts (target_parameters): refused.
-    model = grid_model(grid_config("qwen3_moe"))
-    assert run_lora(lora(copy.deepcopy(model), plan_targets(model, 2)))["lora"] == 16
+    # Qwen3-MoE at tp2 x dp2 (FSDP2): LoRA on the attention projections next to frozen MoE regions; peft's all-linear also wraps the fused experts (target_parameters): refused.
+    model = grid_model(grid_config("qwen3_moe", vocab_size=300))
+    assert run_lora(lora(copy.deepcopy(model), plan_targets(model, 2)), tp=2, dp=2, b=4)["lora"] == 16
     with pytest.raises(ValueError, match=r"LoRA on model.layers.0.mlp.experts: peft's target_parameters"):
         raise ValueError(_refusal(lora(model)))
+
+
+def test_lora_generic_plan_at_tp4_with_replicated_kv_heads() -> None:
+    # Granite (generic plan): 8 heads, 2 KV heads at tp=4, all-linear LoRA.
+    model = grid_model(grid_config("granite", heads=8, kv=2))
+    assert run_lora(lora(model), tp=4)["lora"] == 28
+
+
+def test_lora_with_expert_parallelism_is_refused() -> None:
+    model = lora(grid_model(grid_config("qwen3_moe")), ["q_proj", "v_proj"])
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    errors: dict[int, str] = {}
+
+    def rank_fn(rank: int) -> None:
+        with pytest.raises(ValueError, match=r"LoRA with ep=2: expert parallelism over a frozen MoE base") as exc:
+            hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=1, dp=2, device_type="cpu"), ep=2)
+        errors[rank] = str(exc.value)
+
+    run_threaded(2, rank_fn)
+    assert len(errors) == 2

@@ -15,15 +15,16 @@ from tests.unit.test_comm import TP, _assert_first_layer_is_the_sp_minimum, _nam
 pytest.importorskip("peft")
 
 
-def _lora_llama():
+def _lora_llama(kv: int = 2):
     from tests.lora_grid import lora
 
-    config = tiny_config("llama", attention_bias=False, mlp_bias=False)
+    config = tiny_config("llama", kv_heads=kv, attention_bias=False, mlp_bias=False)
     return config, lora(tiny_model(config))
 
 
-def test_a_lora_decoder_layer_is_the_megatron_sp_minimum(fake_world) -> None:  # noqa: F811
-    _, peft_model = _lora_llama()
+@pytest.mark.parametrize("kv", [2, 1])  # kv=1 < tp: k/v and their LoRA factors whole on both ranks
+def test_a_lora_decoder_layer_is_the_megatron_sp_minimum(kv: int, fake_world) -> None:  # noqa: F811
+    _, peft_model = _lora_llama(kv)
     hf_tp.parallelize(peft_model, hf_tp.build_mesh(tp=TP, device_type="cpu"))
     _assert_first_layer_is_the_sp_minimum(peft_model.base_model.model)
 
