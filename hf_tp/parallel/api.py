@@ -13,7 +13,14 @@ from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
-from hf_tp.parallel.lora import check_lora, install_dropouts, keep_frozen, lora_adapter, unwrap_peft
+from hf_tp.parallel.lora import (
+    check_dropout_recompute,
+    check_lora,
+    install_dropouts,
+    keep_frozen,
+    lora_adapter,
+    unwrap_peft,
+)
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
@@ -141,6 +148,7 @@ def _generate(model: nn.Module, inputs=None, **kwargs):
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """HF's per-decoder-layer checkpointing (non-reentrant: works with DTensor activations)."""
+    check_dropout_recompute(model)
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # its name in recent transformers 5.x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

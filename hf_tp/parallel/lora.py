@@ -103,6 +103,18 @@ def install_dropouts(model: nn.Module) -> None:
             index += 1
 
 
+def check_dropout_recompute(model: nn.Module) -> None:
+    """LoRA dropout draws from generators of its own, which activation checkpointing does not
+    restore for the recompute (it restores torch's default ones): the recomputed mask would differ
+    from the forward's, so the combination is refused."""
+    drops = [m for m in model.modules() if isinstance(m, ShardAwareDropout) and m.p > 0]
+    if drops:
+        raise ValueError(
+            f"LoRA dropout (p={drops[0].p}) with activation checkpointing is not supported: the recompute would "
+            "draw other masks; set lora_dropout=0 or turn activation checkpointing off"
+        )
+
+
 @contextlib.contextmanager
 def keep_frozen(model: nn.Module) -> Iterator[None]:
     """Parameters frozen on entry (a LoRA model's base) are frozen again on exit: some styles

@@ -79,3 +79,16 @@ def test_streams_differ_by_module_and_repeat_by_seed() -> None:
     a, b, a2 = (ShardAwareDropout(0.5, index=i, base_seed=7).train() for i in (0, 1, 0))
     assert not torch.equal(a(x), b(x))
     assert torch.equal(ShardAwareDropout(0.5, index=0, base_seed=7)(x), a2(x))
+
+
+def test_lora_dropout_with_activation_checkpointing_is_refused() -> None:
+    # The recompute would not replay the dropout's own generators.
+    from tests.lora_grid import lora
+
+    copies = [lora(tiny_model(tiny_config("llama")), dropout=0.1) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        with pytest.raises(ValueError, match=r"LoRA dropout \(p=0.1\) with activation checkpointing is not"):
+            hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=2, device_type="cpu"), activation_checkpointing=True)
+
+    run_threaded(2, rank_fn)
