@@ -19,6 +19,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_tp.train.supervise import STRAGGLERS_FILE
+
 ERROR_DIR_ENV = "HF_TP_ERROR_DIR"
 VERBOSE_ENV = "HF_TP_VERBOSE"
 LAUNCHER_FILE = "launcher.json"
@@ -103,7 +105,7 @@ def explain_failure(folder: Path, launcher_code: int) -> tuple[str, int]:
         failures = []
     reported = {r["rank"] for r in records}
     try:  # ranks the launcher wrapper itself killed, left waiting by a failed rank (hf_tp.train.supervise)
-        reported |= set(json.loads((Path(folder) / "stragglers.json").read_text()))
+        reported |= set(json.loads((Path(folder) / STRAGGLERS_FILE).read_text()))
     except (OSError, ValueError):
         pass
     # A rank killed from outside (SIGKILL by the OOM killer, a segfault) leaves no error of its own;

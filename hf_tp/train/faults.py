@@ -79,9 +79,10 @@ def heartbeat(step: int) -> None:
 
 
 def is_timeout(exc: BaseException) -> bool:
-    """A collective gave up waiting (gloo: "Timed out waiting ...ms"; NCCL's blocking wait alike)."""
+    """A collective gave up waiting (gloo: "Timed out waiting ...ms for recv"; NCCL: "Watchdog caught
+    collective operation timeout")."""
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return isinstance(exc, RuntimeError) and ("timed out waiting" in text or "collective operation timeout" in text)
 
 
 def timeout_error(step: int, seconds: float) -> CollectiveTimeout:

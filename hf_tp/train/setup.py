@@ -5,7 +5,7 @@ result (:class:`Run`), which the loop (:mod:`hf_tp.train.loop`) reads between st
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,10 +46,10 @@ class Run:
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
+    faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
     start_step: int = 0
     flops_per_token: float = 0.0
     peak_flops: float | None = None
-    faults: Faults = field(default_factory=Faults)  # stop signals noted from set-up on
 
     @property
     def is_main(self) -> bool:

@@ -95,6 +95,7 @@ def corpus(tmp_path_factory) -> Path:
         (["--report-to", "mlflow"], "--report-to takes tensorboard, wandb, none"),
         (["--text-column", "a", "--messages-column", "b"], "pass either --text-column or --messages-column"),
         (["--split", "test[:5%]"], r"local data files form one split, 'train'; got --split test\[:5%\]"),
+        (["--collective-timeout", "0"], "--collective-timeout must be a positive number of seconds, got 0.0"),
     ],
 )
 def test_bad_input_is_one_clear_line(flags, message, qwen_dir, corpus, tmp_path, capsys) -> None:
