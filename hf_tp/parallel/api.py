@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.inference.generate import generate as parallel_generate
+from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
 from hf_tp.parallel.lora import (
@@ -22,7 +23,7 @@ from hf_tp.parallel.lora import (
     unwrap_peft,
 )
 from hf_tp.parallel.loss import local_loss_function
-from hf_tp.parallel.mesh import split_mesh
+from hf_tp.parallel.mesh import cp_mesh, split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
 
@@ -42,9 +43,9 @@ def parallelize(
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
-    ``mesh`` is 1-D (all tp) or 2-D with dims ``("dp", "tp")``; with a dp dim of size > 1 the model
-    is also sharded with FSDP2 over ``mesh["dp"]`` (at dp=1 too when ``mp_policy`` asks for FSDP2's
-    mixed precision). Works on a model from ``from_pretrained`` or one built on the meta device.
+    ``mesh`` is 1-D (all tp), 2-D with dims ``("dp", "tp")`` or 3-D ``("dp", "cp", "tp")``
+    (:func:`hf_tp.build_mesh`); with a dp (or cp) dim of size > 1 the model is also sharded with
+    FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for FSDP2's mixed precision). Works on a model from ``from_pretrained`` or one built on the meta device.
     With ``loss_parallel=True`` the logits are a DTensor sharded on the vocab: compute the loss and
     call backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
     depends only on the config and the mesh shape, so a bad input raises the same ``ValueError``
@@ -60,6 +61,11 @@ def parallelize(
     ``ep`` > 1 (mixture-of-experts models) places whole experts on ranks borrowed from dp: each
     group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
     (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp and the number of experts.
+
+    A ``cp`` mesh dim > 1 splits each row's tokens over cp (:mod:`hf_tp.parallel.context`): pass
+    every rank of a cp x tp group the same full rows (length a multiple of 2 x cp x tp); the
+    logits that come back are this rank's tokens (:func:`hf_tp.parallel.context.Layout.indices`
+    says which), a ``labels=`` loss is the whole rows' loss on every rank.
     """
     outer = model
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep)
@@ -81,6 +87,8 @@ def parallelize(
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
+    if cp_mesh(mesh) is not None:
+        install_context_parallel(model, adapter.layers_path, cp_mesh(mesh), tp_mesh.size())
     expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
     if fsdp:
         apply_fsdp(
@@ -120,6 +128,13 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
         kv_replicas=adapter.kv_replicas(config, tp_mesh.size()),
     )
     check_plan_paths(model, adapter, opts)
+    cp = cp_mesh(mesh)
+    if cp is not None:
+        if ep > 1:
+            raise ValueError(
+                f"context parallelism (cp={cp.size()}) with expert parallelism (ep={ep}) is not supported yet; use ep=1"
+            )
+        check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
     if ep > 1:
         if not adapter.moe:

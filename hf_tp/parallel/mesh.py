@@ -1,4 +1,5 @@
-"""The ("dp", "tp") device mesh: building it and reading a user's mesh back."""
+"""The ("dp", "tp") device mesh (("dp", "cp", "tp") with context parallelism): building it and
+reading a user's mesh back."""
 
 from __future__ import annotations
 
@@ -12,27 +13,44 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(tp: int, dp: int = 1, device_type: str | None = None) -> DeviceMesh:
-    """A 2-D mesh named ``("dp", "tp")`` over the whole world; tp ranks are adjacent (fast links).
+def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1) -> DeviceMesh:
+    """A mesh named ``("dp", "tp")`` over the whole world, ``("dp", "cp", "tp")`` when ``cp`` > 1;
+    tp ranks are adjacent (fast links), then cp.
 
     The process group must already be initialised (torchrun, accelerate launch, or
-    ``dist.init_process_group``). Raises ``ValueError`` if ``tp * dp`` is not the world size.
+    ``dist.init_process_group``). Raises ``ValueError`` if ``dp * cp * tp`` is not the world size.
+    With ``cp`` > 1 every rank of a cp x tp group is given the same full rows (a dp rank's
+    rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.parallel.context`).
     """
-    if tp < 1 or dp < 1:
-        raise ValueError(f"tp and dp must be positive integers, got tp={tp}, dp={dp}")
+    if tp < 1 or dp < 1 or cp < 1:
+        raise ValueError(f"tp, cp and dp must be positive integers, got tp={tp}, cp={cp}, dp={dp}")
     if not dist.is_initialized():
         raise ValueError(
             "build_mesh needs an initialised process group: start the ranks with `hf-tp train`, "
             "`torchrun`, `accelerate launch` or accelerate.notebook_launcher"
         )
     world = dist.get_world_size()
-    if tp * dp != world:
-        raise ValueError(f"world size ({world}) must equal tp*dp ({tp}*{dp}={tp * dp})")
-    return init_device_mesh(device_type or default_device_type(), (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp * cp * dp != world:
+        if cp == 1:
+            raise ValueError(f"world size ({world}) must equal tp*dp ({tp}*{dp}={tp * dp})")
+        raise ValueError(f"world size ({world}) must equal tp*cp*dp ({tp}*{cp}*{dp}={tp * cp * dp})")
+    device_type = device_type or default_device_type()
+    if cp == 1:
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
+    return mesh
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ``cp`` dim of a mesh from :func:`build_mesh`, or None without context parallelism."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["cp"] if "cp" in names and mesh["cp"].size() > 1 else None
 
 
 def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
-    """Return ``(dp_mesh or None, tp_mesh)`` of a 1-D (tp) or 2-D ``("dp", "tp")`` mesh.
+    """Return ``(dp_mesh or None, tp_mesh)`` of a 1-D (tp) or 2-D ``("dp", "tp")`` mesh; of a 3-D
+    ``("dp", "cp", "tp")`` one the dp mesh is dp x cp flattened (FSDP2 shards over both).
 
     Checks are local (no collectives), so every rank raises the same error.
     """
@@ -51,7 +69,9 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
         return None, mesh
     if mesh.ndim == 2 and names is not None and set(names) == {"dp", "tp"}:
         return mesh["dp"], mesh["tp"]
+    if mesh.ndim == 3 and names == ("dp", "cp", "tp"):
+        return mesh["dp", "cp"]._flatten("dp_cp"), mesh["tp"]
     raise ValueError(
-        f"the mesh must be 1-D (tp) or 2-D with dims named ('dp', 'tp'), got ndim={mesh.ndim}, "
-        f"mesh_dim_names={names}; build it with hf_tp.build_mesh(tp=..., dp=...)"
+        f"the mesh must be 1-D (tp), 2-D with dims named ('dp', 'tp') or 3-D ('dp', 'cp', 'tp'), got "
+        f"ndim={mesh.ndim}, mesh_dim_names={names}; build it with hf_tp.build_mesh(tp=..., cp=..., dp=...)"
     )

@@ -1,0 +1,153 @@
+"""Turning a model context parallel: the checks, the attention function, and the forward hooks
+that give each rank its tokens (:mod:`hf_tp.parallel.context` has the mechanism)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.context import (
+    ATTENTION_NAME,
+    ContextState,
+    cp_attention,
+    shift_labels,
+    state_of,
+    sum_over_cp,
+)
+
+# Sequence mixers that are not attention: their tokens meet outside the attention function, so a
+# rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
+# attention all carry a causal conv1d or a recurrent state).
+_NOT_ATTENTION = ("mamba", "deltanet", "shortconv", "linearattention", "lightning", "ssm", "rwkv", "retention")
+_KERNELS = ("sdpa", "eager")
+
+
+def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
+    """Refuse, before anything changes, a model whose attention context parallelism cannot make
+    exact: token mixing outside attention, chunked attention, a kernel other than SDPA or eager."""
+    config = model.config
+    kind = config.model_type
+    base = getattr(config, "_attn_implementation", None) or "eager"
+    if base not in _KERNELS:
+        raise ValueError(
+            f"context parallelism (cp={cp}) runs the model's attention as 'sdpa' or 'eager', but this model "
+            f"uses attn_implementation='{base}'; load it with attn_implementation='sdpa'"
+        )
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(
+            f"cp={cp}: {kind} uses chunked attention (attention_chunk_size), which hf_tp's cp does not mask"
+        )
+    for name, module in model.get_submodule(layers_path).named_modules():
+        cls = type(module).__name__.lower()
+        if isinstance(module, nn.Conv1d) or any(word in cls for word in _NOT_ATTENTION):
+            raise ValueError(
+                f"cp={cp}: {kind} mixes tokens outside attention ({type(module).__name__} at layers.{name}), which "
+                "needs the whole sequence on one rank; use --cp 1 (tensor parallelism still splits it)"
+            )
+
+
+def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: DeviceMesh, tp: int) -> ContextState:
+    """Make ``model`` context parallel over ``cp_mesh`` (after tensor parallelism, before FSDP2)."""
+    from transformers import AttentionInterface
+
+    state = ContextState(
+        mesh=cp_mesh, base=model.config._attn_implementation or "eager", multiple=2 * cp_mesh.size() * tp
+    )
+    AttentionInterface.register(ATTENTION_NAME, cp_attention)
+    model.config._attn_implementation = ATTENTION_NAME
+    layers = model.get_submodule(layers_path)
+    for module in layers.modules():
+        module.__dict__["hf_tp_cp"] = state  # read by cp_attention (not a submodule, not a parameter)
+    model.__dict__["hf_tp_cp"] = state
+    model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True)
+    model.get_decoder().register_forward_hook(_check_attention_ran(state, list(layers)))
+    model.register_forward_pre_hook(_split_labels(state, model), with_kwargs=True)
+    model.register_forward_hook(_whole_loss)
+    return state
+
+
+def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids of packed rows (a new document wherever the position does not go up by one),
+    None when every row is one document: HF's rule for position_ids without an attention_mask.
+    (Written out: transformers' own helper is private and absent from some 5.x releases.)"""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    docs = (step != 1).cumsum(-1)
+    return None if bool((docs[:, -1] == 0).all()) else docs
+
+
+def _split_inputs(state: ContextState):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        kwargs = dict(kwargs)
+        if args:  # decoder(input_ids, ...) called positionally
+            kwargs["input_ids"], args = args[0], args[1:]
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            raise ValueError("context parallelism trains on whole rows; it takes no KV cache (generate with cp=1)")
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        x = ids if ids is not None else embeds
+        mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"context parallelism takes a 2-D attention_mask (padding), got {mask.dim()}-D")
+        docs = packed_documents(pos) if pos is not None and mask is None else None
+        if pos is None:
+            pos = torch.arange(x.shape[1], device=x.device)[None]
+        state.start(x.shape[1], mask, docs, x.device)
+        kwargs.update(attention_mask=None, position_ids=state.layout.take(pos), use_cache=False)
+        kwargs.pop("cache_position", None)
+        if ids is not None:
+            kwargs["input_ids"] = state.layout.take(ids)
+        else:
+            kwargs["inputs_embeds"] = state.layout.take(embeds)
+        return args, kwargs
+
+    return hook
+
+
+def _check_attention_ran(state: ContextState, layers: list[nn.Module]):
+    """After a forward: every decoder layer attended through hf_tp's function (else its tokens
+    would have met some other way, or not at all)."""
+
+    def hook(module: nn.Module, args, output) -> None:
+        missing = [i for i, layer in enumerate(layers) if not any(id(m) in state.called for m in layer.modules())]
+        if missing:
+            raise ValueError(
+                f"context parallelism: decoder layers {missing[:8]} of {type(module).__name__} did not call "
+                "transformers' attention interface, so cp cannot split their sequence; use --cp 1"
+            )
+
+    return hook
+
+
+def _split_labels(state: ContextState, model: nn.Module):
+    """``labels`` -> this rank's shifted targets (``shift_labels``), the count over whole rows."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        labels = kwargs.get("labels")
+        if labels is None:
+            return None
+        if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+            raise ValueError(
+                "with cp > 1 the router aux loss HF adds inside forward would cover this rank's tokens only; "
+                "train with hf_tp.fit / hf-tp train (which reduce it over the whole rows) or pass output_router_logits=False"
+            )
+        kwargs = dict(kwargs)
+        shifted = kwargs.get("shift_labels")
+        shifted = shift_labels(labels) if shifted is None else shifted
+        if kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+        local = state.layout.take(shifted)
+        kwargs.update(labels=local, shift_labels=local)
+        return args, kwargs
+
+    return hook
+
+
+def _whole_loss(module: nn.Module, args, output):
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        output.loss = sum_over_cp(module, loss)
+    return output
+
+
+__all__ = ["check_context_parallel", "install_context_parallel", "packed_documents", "state_of"]
