@@ -21,8 +21,8 @@ def quant_method(config: PretrainedConfig) -> str | None:
     """The checkpoint's ``quantization_config.quant_method`` (a dict in config.json, an object
     once transformers has read it), or None for full-precision weights."""
     q = getattr(config, "quantization_config", None)
-    if not q:
-        return None
+    if not q:  # (an old-style config may carry transformers' load_in_4bit / load_in_8bit flags)
+        return "bitsandbytes" if _bnb_bits(config) else None
     method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
     return str(getattr(method, "value", method) or "unknown")
 
@@ -32,6 +32,8 @@ def check_not_quantized(config: PretrainedConfig) -> None:
     method = quant_method(config)
     if method is None:
         return
+    if method == "bitsandbytes":
+        raise ValueError(_bnb_refusal(config))
     what = f"this {config.model_type} checkpoint is quantized (quant_method '{method}'); hf_tp trains full-precision weights"
     if method in DEQUANTIZING:
         cls = DEQUANTIZING[method]
@@ -45,11 +47,34 @@ def check_not_quantized(config: PretrainedConfig) -> None:
     raise ValueError(f"{what}: train its unquantized base model instead")
 
 
+def _bnb_bits(config_or_q) -> int | None:
+    """4 or 8 for a bitsandbytes ``load_in_4bit`` / ``load_in_8bit`` flag (a dict or an object)."""
+    for bits in (4, 8):
+        key = f"load_in_{bits}bit"
+        if (config_or_q.get(key) if isinstance(config_or_q, dict) else getattr(config_or_q, key, False)) is True:
+            return bits
+    return None
+
+
+def _bnb_refusal(config: PretrainedConfig) -> str:
+    """The one line for a bitsandbytes (QLoRA) base."""
+    q = getattr(config, "quantization_config", None)
+    bits = _bnb_bits(q) if q else _bnb_bits(config)
+    return (
+        f"this {config.model_type} model is quantized with bitsandbytes ({bits or '4- or 8'}-bit, QLoRA): its packed "
+        "weights do not compose with DTensor sharding today; train LoRA on the bf16 base under tp (hf-tp train --lora-r R "
+        "on the unquantized checkpoint, --dtype bf16), or QLoRA with peft + bitsandbytes on one GPU"
+    )
+
+
 def full_precision(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` without its quantization (a copy): the model its dequantized copy is, which is
     what hf_tp would train (``hf-tp estimate`` sizes that for a quantized Hub checkpoint)."""
     if quant_method(config) is None:
         return config
     out = copy.deepcopy(config)
-    del out.quantization_config
+    if getattr(out, "quantization_config", None):
+        del out.quantization_config
+    for flag in ("load_in_4bit", "load_in_8bit"):
+        out.__dict__.pop(flag, None)
     return out

@@ -128,7 +128,7 @@ def apply_expert_parallel(
             mine = value[rank * local : (rank + 1) * local].clone()  # a copy: a view would keep every expert alive
             dt = DTensor.from_local(mine, ep_mesh, [Replicate(), Shard(0), tp_placement], run_check=False)
             new = nn.Parameter(dt, param.requires_grad)
-            if out_mesh.size() == 1:  # else FSDP2 shards it over dp_out and reduces its gradient
+            if out_mesh.size() == 1 and new.requires_grad:  # else FSDP2 reduces it, or it is frozen (LoRA)
                 new.register_hook(_average_over_dp(dp, tp_group))
             experts.register_parameter(name, new)
             params.append(new)

@@ -45,7 +45,11 @@ def _peft_modules(model: nn.Module) -> dict[str, nn.Module]:
 def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
     """Why the LoRA module at ``path`` cannot be sharded, or None."""
     if type(module).__name__ == "ParamWrapper":
-        return "peft's target_parameters (fused MoE experts, router weights) are not sharded by hf_tp"
+        return (
+            "peft's target_parameters (LoRA on fused 3-D MoE expert weights or a router's weight; peft's "
+            "all-linear adds them on MoE models) are not sharded by hf_tp: the experts stay frozen; name the "
+            "projections in target_modules instead (e.g. q_proj,k_proj,v_proj,o_proj)"
+        )
     if not is_lora_linear(module) or type(module.base_layer) is not nn.Linear:
         base = type(getattr(module, "base_layer", module)).__name__
         return f"a peft {type(module).__name__} over {base}: hf_tp shards LoRA on nn.Linear projections only"
@@ -65,21 +69,21 @@ def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
 
 def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
     """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
-    ``ep``. At tp = 1 nothing is tensor-parallel and every peft module runs as in plain peft;
-    ep > 1 is refused (its expert hooks expect trainable experts)."""
-    if ep > 1 and _peft_modules(model):
-        raise ValueError(
-            f"LoRA with ep={ep}: expert parallelism over a frozen MoE base is not supported yet; "
-            "use ep=1 (the experts are then split over tp)"
-        )
-    if tp == 1:
+    ``ep``. At tp = 1 and ep = 1 nothing is sharded and every peft module runs as in plain peft;
+    with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them."""
+    if tp == 1 and ep == 1:
         return
     plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."
     for path, module in _peft_modules(model).items():
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
-        reason = _refusal(module, plan.get(sub))
+        reason = _refusal(module, plan.get(sub)) if tp > 1 else _refusal_at_tp1(module)
         if reason is not None:
             raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
+
+
+def _refusal_at_tp1(module: nn.Module) -> str | None:
+    """At tp = 1 with ep > 1 only peft's wrappers of the expert-parallel experts are refused."""
+    return _refusal(module, None) if type(module).__name__ == "ParamWrapper" else None
 
 
 def lora_adapter(adapter: Adapter) -> Adapter:

@@ -16,7 +16,7 @@ from transformers import CONFIG_MAPPING  # noqa: E402
 import hf_tp  # noqa: E402
 from tests.family_grid import grid_config, grid_model  # noqa: E402
 from tests.helpers import FAMILIES, parity_dtype, run_threaded, tiny_config, tiny_model  # noqa: E402
-from tests.lora_grid import lora, plan_targets, run_lora  # noqa: E402
+from tests.lora_grid import attention_targets, lora, plan_targets, run_lora  # noqa: E402
 
 
 def _tiny(family: str = "llama", **kw) -> torch.nn.Module:
@@ -140,15 +140,25 @@ def test_lora_generic_plan_at_tp4_with_replicated_kv_heads() -> None:
     assert run_lora(lora(model), tp=4)["lora"] == 28
 
 
-def test_lora_with_expert_parallelism_is_refused() -> None:
-    model = lora(grid_model(grid_config("qwen3_moe")), ["q_proj", "v_proj"])
+def test_lora_with_expert_parallelism_holds_parity() -> None:
+    # Frozen experts placed over ep (tokens by all-to-all), LoRA on the projections around them:
+    # Qwen3-MoE attention at tp2 x dp2 x ep2 (experts also split over tp), DeepSeek-V3's MLA
+    # attention at tp1 x dp2 x ep2. `python -m tests.lora_grid --moe` runs the whole MoE set.
+    model = grid_model(grid_config("qwen3_moe", vocab_size=300))
+    assert run_lora(lora(model, plan_targets(model, 2)), tp=2, dp=2, ep=2, b=4)["lora"] == 16
+    model = grid_model(grid_config("deepseek_v3"))
+    assert run_lora(lora(model, attention_targets(model)), tp=1, dp=2, ep=2, b=4)["lora"] == 20
+
+
+def test_lora_on_expert_parameters_is_refused_under_expert_parallelism() -> None:
+    model = lora(grid_model(grid_config("qwen3_moe")))  # peft's all-linear adds the experts on MoE models
     copies = [copy.deepcopy(model) for _ in range(2)]
     errors: dict[int, str] = {}
 
     def rank_fn(rank: int) -> None:
-        with pytest.raises(ValueError, match=r"LoRA with ep=2: expert parallelism over a frozen MoE base") as exc:
+        with pytest.raises(ValueError, match=r"LoRA on model.layers.0.mlp.experts: peft's target_parameters") as exc:
             hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=1, dp=2, device_type="cpu"), ep=2)
         errors[rank] = str(exc.value)
 
     run_threaded(2, rank_fn)
-    assert len(errors) == 2
+    assert len(errors) == 2 and "name the projections in target_modules" in errors[0]

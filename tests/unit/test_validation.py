@@ -105,12 +105,19 @@ def test_mesh_and_model_errors_on_every_rank() -> None:
     run_threaded(2, rank_fn2)
 
 
+_QLORA = (
+    r"qwen2 model is quantized with bitsandbytes \(4-bit, QLoRA\): .* do not compose with DTensor sharding today; "
+    r"train LoRA on the bf16 base under tp .*or QLoRA with peft \+ bitsandbytes on one GPU"
+)
+
+
 @pytest.mark.parametrize(
     ("model_type", "quantization", "message"),
     [
         ("gpt_oss", {"quant_method": "mxfp4"}, r"quant_method 'mxfp4'.*Mxfp4Config\(dequantize=True\)"),
         ("qwen2", {"quant_method": "fp8", "weight_block_size": [128, 128]}, r"FineGrainedFP8Config\(dequantize=True\)"),
-        ("qwen2", {"quant_method": "bitsandbytes", "load_in_4bit": True}, r"'bitsandbytes'.*unquantized base model"),
+        ("qwen2", {"quant_method": "bitsandbytes", "load_in_4bit": True}, _QLORA),
+        ("qwen2", {"quant_method": "bitsandbytes", "load_in_8bit": True}, _QLORA.replace("4", "8")),
     ],
 )
 def test_quantized_checkpoints_are_refused_with_the_fix(model_type: str, quantization: dict, message: str) -> None:
@@ -127,8 +134,19 @@ def test_quantized_checkpoints_are_refused_with_the_fix(model_type: str, quantiz
     def rank_fn(rank: int) -> None:
         model = tiny_model(tiny_config("qwen2"))
         model.config.quantization_config = quantization
-        with pytest.raises(ValueError, match=r"hf_tp trains full-precision weights"):
-            hf_tp.parallelize(model, hf_tp.build_mesh(tp=2, device_type="cpu"))
+        with pytest.raises(ValueError, match=message):  # a peft LoRA model over it too (QLoRA)
+            hf_tp.parallelize(lora(model) if rank else model, hf_tp.build_mesh(tp=2, device_type="cpu"))
 
     if quantization["quant_method"] == "bitsandbytes":  # (parallelize's check is the same for all)
+        from tests.lora_grid import lora
+
         run_threaded(2, rank_fn)
+
+
+def test_old_style_load_in_4bit_flag_is_refused_before_loading() -> None:
+    from transformers import AutoConfig
+
+    from hf_tp.train.validate import validate_model_config
+
+    with pytest.raises(ValueError, match=_QLORA):
+        validate_model_config(AutoConfig.for_model("qwen2", load_in_4bit=True), tp=1, seq_len=16)
