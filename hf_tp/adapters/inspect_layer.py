@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import moe_blocks, moe_region
-from hf_tp.adapters.modules import is_linear, is_norm, shapes
+from hf_tp.adapters.modules import expert_holders, is_linear, is_norm, shapes
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
@@ -25,6 +25,11 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mla}
     moe = moe_blocks(layer, layer_styles)
+    if not moe and (holders := expert_holders(layer, config)):  # (transformers added expert plans in 5.21)
+        raise refuse(
+            mt,
+            f"its tp plan does not shard the routed experts in {holders[0]} (transformers' plan for it has no moe_tp_experts entry)",
+        )
     regions = {b: moe_region(mt, config, layer, b, layer_styles, routers) for b in moe}
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in moe}
     head_dim = head_dim_of(layer, config)

@@ -40,3 +40,15 @@ def num_experts(config) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def expert_holders(module: nn.Module, config) -> list[str]:
+    """Submodules of ``module`` that hold routed experts: an ``experts`` child, or own parameters
+    stacked one per expert (3-D, leading dim the config's expert count)."""
+    count = num_experts(config)
+    out = []
+    for path, sub in module.named_modules():
+        stacked = any(p.dim() == 3 and p.shape[0] == count for p in sub.parameters(recurse=False))
+        if path.rsplit(".", 1)[-1] == "experts" or (count and stacked):
+            out.append(path)
+    return out

@@ -14,6 +14,7 @@ from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED
+from hf_tp.compat import UnsupportedRelease, family_refusal
 
 _REGISTRY: dict[str, Adapter] = {}
 HOW_TO_REGISTER = (
@@ -54,6 +55,8 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
+    if refusal := family_refusal(model_type):  # the installed transformers is older than the family needs
+        raise UnsupportedRelease(refusal)
     how = HOW_TO_REGISTER.format(mt=model_type)
     if model_type in REFUSED:
         raise ValueError(

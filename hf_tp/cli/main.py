@@ -7,6 +7,7 @@ import sys
 
 from hf_tp.cli import estimate, export, train
 from hf_tp.cli.formatting import HelpFormatter
+from hf_tp.compat import below_floor
 
 # name -> (module with add_arguments(parser) and run(args), one-line help)
 SUBCOMMANDS = {
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if lines := below_floor():  # a release older than CI's compat run proves: one line each, nothing built
+        print("\n".join(f"hf-tp: {line}" for line in lines), file=sys.stderr)
+        return 2
     return SUBCOMMANDS[args.command][0].run(args)
 
 

@@ -73,6 +73,13 @@ def _sizes_and_optimizer(p) -> None:
         f"--dp and the expert count ({d('ep')})",
     )
     p.add_argument(
+        "--cp",
+        type=int,
+        metavar="N",
+        help=f"context parallelism for long sequences: each row's tokens split over N ranks; tp*cp*dp "
+        f"processes run; rows padded to a multiple of 2*cp*tp ({d('cp')})",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         metavar="N",

@@ -120,10 +120,12 @@ def unmasked_causal_attention() -> Iterator[None]:
 
     original = masking_utils._ignore_causal_mask_sdpa
 
-    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None) -> bool:
+    # Only the first argument (the padding mask) is read: the rest pass through as given, since
+    # their number changed across releases (5.9 has no q_offset; later releases add it).
+    def ignore(padding_mask, *args, **kwargs) -> bool:
         if padding_mask is not None and is_fake_tensor(padding_mask):
             padding_mask = None  # the estimate's masks are all ones
-        return original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size)
+        return original(padding_mask, *args, **kwargs)
 
     masking_utils._ignore_causal_mask_sdpa = ignore
     try:

@@ -39,7 +39,9 @@ def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None
     root = weight.device_mesh._get_root_mesh()  # private DeviceMesh API; torch has no public one
     if root.ndim == 2 and set(root.mesh_dim_names or ()) == {"dp", "tp"}:
         return root["dp"], root["tp"]
-    return None, root  # parallelize accepts only these two: 2-D (dp, tp) or 1-D tp
+    if root.ndim == 3 and root.mesh_dim_names == ("dp", "cp", "tp"):
+        return root["dp"], root["tp"]  # the cp ranks of a dp rank share its rows
+    return None, root  # parallelize accepts only these: 3-D (dp, cp, tp), 2-D (dp, tp) or 1-D tp
 
 
 def comm_device(mesh: DeviceMesh) -> torch.device:
@@ -180,6 +182,11 @@ def generate(
     training loop can continue right after. Returns what ``model.generate`` returns; a returned
     cache holds each rank's own heads, and hidden states (if asked for) are DTensors.
     """
+    if getattr(model, "hf_tp_cp", None) is not None:
+        raise ValueError(
+            "hf_tp.generate does not decode with context parallelism (each rank holds part of every row); "
+            "generate from a model parallelized on a mesh without cp, e.g. after hf-tp export"
+        )
     _, tp_mesh = model_meshes(model)
     if attention_mask is not None:
         generate_kwargs["attention_mask"] = attention_mask

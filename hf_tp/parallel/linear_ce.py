@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hf_tp.adapters import get_adapter
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
 
@@ -280,6 +280,8 @@ def causal_lm_loss(
 
     The decoder and the loss run as the model's own forward (so FSDP2's hooks on the root module
     gather and free its parameters as in a normal call); the model's ``forward`` is restored after.
+    With context parallelism (full rows on every cp rank) each rank scores its own tokens and the
+    result is the whole rows' loss (:mod:`hf_tp.parallel.context`).
     """
     if not fusable(model):
         raise ValueError(
@@ -296,13 +298,14 @@ def causal_lm_loss(
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # HF: position i predicts token i+1
-        return linear_cross_entropy(hidden, head.weight, shifted, num_items_in_batch)
+        shifted = shift_labels(labels)  # HF: position i predicts token i+1, over the whole row
+        count = num_items_in_batch if num_items_in_batch is not None else (shifted != IGNORE_INDEX).sum().item()
+        return linear_cross_entropy(hidden, head.weight, local_tokens(model, shifted), count)
 
     # An instance attribute; nn.Module.__call__ runs the hooks around it. The tensors go through
     # the call (FSDP2's root hook moves its inputs to the device and expects at least one).
     model.forward = forward
     try:
-        return model(input_ids, attention_mask, labels, position_ids)
+        return sum_over_cp(model, model(input_ids, attention_mask, labels, position_ids))
     finally:
         del model.forward

@@ -62,6 +62,7 @@ class TrainConfig:
     tp: int | None = None
     dp: int | None = None
     ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
+    cp: int = 1  # context parallelism: each row's tokens split over cp ranks (long sequences)
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
@@ -131,7 +132,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
-        for name in ("tp", "dp", "ep", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
+        for name in ("tp", "dp", "ep", "cp", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -139,6 +140,8 @@ class TrainConfig:
             raise ValueError(
                 f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
             )
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"--cp {self.cp} with --ep {self.ep} is not supported yet; use one of them")
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
         if self.lr is not None and not self.lr > 0:
@@ -167,9 +170,9 @@ class TrainConfig:
             raise ValueError(f"--profile-steps {self.profile_steps} goes past --max-steps {self.max_steps}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
-        if self.tp is not None and self.dp is not None and (self.tp * self.dp) % self.nnodes:
+        if self.tp is not None and self.dp is not None and self.world_size % self.nnodes:
             raise ValueError(
-                f"tp*dp ({self.tp * self.dp}) processes cannot be split evenly over --nnodes {self.nnodes}"
+                f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
 
     def _validate_lora(self) -> None:
@@ -233,7 +236,18 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return (self.tp or 1) * (self.dp or 1)
+        return (self.tp or 1) * self.cp * (self.dp or 1)
+
+    @property
+    def layout_name(self) -> str:
+        """ "tp*dp" or "tp*cp*dp": how the processes are counted, for messages."""
+        return "tp*cp*dp" if self.cp > 1 else "tp*dp"
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows are padded to a multiple of this: tp (sequence parallelism), 2 x cp x tp with
+        context parallelism (each cp rank keeps two equal chunks, each split over tp)."""
+        return (self.tp or 1) * (2 * self.cp if self.cp > 1 else 1)
 
     @property
     def global_batch(self) -> int:

@@ -27,14 +27,15 @@ def build_batches(
     cfg: TrainConfig, tokenizer: Any, dp_rank: int, device: torch.device
 ) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | None]:
     """What the loop reads: this dp rank's batches of every step, and the evaluation set (or None).
-    Rows are padded to a multiple of tp (the sequence is split over the tp ranks)."""
+    Rows are padded to a multiple of tp (the sequence is split over the tp ranks; 2 x cp x tp
+    with context parallelism)."""
     data, eval_data = build_data(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp, row_lengths=True)
+    train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple, row_lengths=True)
     batches = batch_source(cfg, data, train_collate, dp_rank, device)
     if eval_data is None:
         return batches, None
-    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.tp)
+    collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple)
     sizes = (cfg.batch_size, cfg.global_batch, cfg.eval_batches)
     return batches, EvalSet(eval_data, collate, dp_rank, cfg.dp, *sizes, device)
 

@@ -46,7 +46,7 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     )
     verb = "launching" if launching else "running in this process:" if cfg.world_size == 1 else "running in place:"
     return (
-        f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''} "
+        f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''} "
         f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} sequence"
         f"{'s' if cfg.global_batch > 1 else ''} ({split}) = "
         f"{'up to ' if not cfg.pack else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"

@@ -125,14 +125,16 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     # first (each micro-step's term is then its share: weight 1); or, --aux-loss-over micro-batch,
     # over each micro-step's rows, the micro-steps weighing equally (1/grad_accum).
     routing = (
-        step_routing(model, batches.micro_batches, run.dp_group) if micro > 1 and cfg.aux_loss_over == "step" else None
+        step_routing(model, batches.micro_batches, run.route_group)
+        if micro > 1 and cfg.aux_loss_over == "step"
+        else None
     )
     weight = 1.0 if routing is not None else 1 / micro
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
         with loss_context(cfg.loss_parallel):
             loss, aux = training_loss(
-                model, batch, batches.num_targets, run.fused, run.dp_group, aux_weight=weight, routing=routing
+                model, batch, batches.num_targets, run.fused, run.route_group, aux_weight=weight, routing=routing
             )
             if aux is not None:
                 aux_sum += aux.float() * weight

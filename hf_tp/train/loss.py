@@ -10,6 +10,7 @@ from torch import nn
 
 from hf_tp.adapters.modules import num_experts
 from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
+from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
 
@@ -37,16 +38,21 @@ def training_loss(
     unweighted term returned as ``aux``. ``routing`` (:func:`step_routing`) makes the term this
     micro-batch's share of the whole step's aux loss; without it the term is over this micro-step's
     rows of every dp rank. A ``row_lengths`` entry (the collator's) is no model input: it marks
-    the tp padding, which the aux loss leaves out."""
+    the tp padding, which the aux loss leaves out. With context parallelism ``dp_group`` is the
+    dp x cp group (each cp rank routes its own tokens) and both terms come back summed over cp."""
     inputs, mask = _aux_inputs(batch)
     batch = {k: v for k, v in batch.items() if k != "row_lengths"}
     if standard_aux_loss(model):
         config = model.config
         out = model(**inputs, output_router_logits=True, use_cache=False)
-        lm = model.loss_function(out.logits, batch["labels"], config.vocab_size, num_items_in_batch=num_items_in_batch)
+        labels = batch["labels"]
+        local = {"shift_labels": local_tokens(model, shift_labels(labels))} if state_of(model) else {}
+        lm = model.loss_function(out.logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch, **local)
         experts = num_experts(config)
+        mask = local_tokens(model, mask) if mask is not None else None
         aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group, routing)
-        return lm + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
+        aux = sum_over_cp(model, aux)
+        return sum_over_cp(model, lm) + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
             model,
@@ -78,6 +84,7 @@ def step_routing(
     with torch.no_grad():
         for batch in micro_batches:
             inputs, mask = _aux_inputs(batch)
+            mask = local_tokens(model, mask) if mask is not None else None
             out = model(**inputs, output_router_logits=True, use_cache=False)
             counts, _, rows = routing_totals(out.router_logits, num_experts(config), config.num_experts_per_tok, mask)
             parts.append((counts, rows))

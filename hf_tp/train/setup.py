@@ -17,6 +17,7 @@ from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel import build_mesh
+from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, with_document_masking_checked
@@ -47,6 +48,7 @@ class Run:
     fingerprint: dict
     fused: bool
     faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
+    route_group: dist.ProcessGroup | None = None  # the ranks whose tokens differ: dp, or dp x cp (MoE aux loss)
     start_step: int = 0
     flops_per_token: float = 0.0
     peak_flops: float | None = None
@@ -68,7 +70,7 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, device_type=device.type)
+    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model))
@@ -89,6 +91,7 @@ def set_up(cfg: TrainConfig) -> Run:
         batches=batches,
         eval_set=eval_set,
         dp_group=mesh["dp"].get_group(),
+        route_group=split_mesh(mesh)[0].get_group(),  # dp, or dp x cp
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),
         flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),

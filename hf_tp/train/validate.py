@@ -135,7 +135,7 @@ def check_devices(cfg: TrainConfig, device_type: str) -> None:
     have = torch.cuda.device_count()
     if per_node > have:
         raise ValueError(
-            f"tp*dp = {cfg.tp}*{cfg.dp} = {cfg.world_size} processes need {per_node} GPUs per node, but {have} "
+            f"{cfg.layout_name} = {cfg.world_size} processes need {per_node} GPUs per node, but {have} "
             f"are visible; lower --tp/--dp or use --device cpu"
         )
 
