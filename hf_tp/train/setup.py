@@ -17,8 +17,8 @@ from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.parallel import build_mesh
-from hf_tp.parallel.mesh import split_mesh
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.mesh import split_mesh
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
