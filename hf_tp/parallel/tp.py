@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
+from hf_tp.parallel.dropout import install_model_dropout
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
 
@@ -74,6 +75,7 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
+    install_model_dropout(model, adapter, opts, tp_mesh)  # the model's own dropout: masks right under tp
     if tied:
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.

@@ -1,0 +1,93 @@
+"""Install :class:`~hf_tp.styles.model_dropout.ModelDropout` on a parallelized model whose config
+or modules ask for dropout: each module of the plan gets its region kind (see that module)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.adapters.modules import has_submodule
+from hf_tp.styles.dropout import ShardAwareDropout
+from hf_tp.styles.experts import DenseOrMoE, MoERegion
+from hf_tp.styles.heads import Compose, ReplicatedToSequenceShards
+from hf_tp.styles.kv_heads import ReplicatedKVProjection
+from hf_tp.styles.model_dropout import REPLICATE, SHARD, ModelDropout
+
+_REPLICATED_STYLES = (MoERegion, DenseOrMoE, ReplicatedToSequenceShards)
+
+
+def dropout_probabilities(model: nn.Module) -> dict[str, float]:
+    """The model's own dropout probabilities > 0: config fields named ``*dropout*`` / ``*pdrop*``
+    and ``nn.Dropout`` modules (LoRA's own dropouts excluded: they have their streams)."""
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    found = {
+        k: float(v)
+        for k, v in config.items()
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and 0.0 < v < 1.0
+    }
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Dropout) and not isinstance(m, ShardAwareDropout) and m.p > 0 and ".lora_" not in name:
+            found[name] = m.p
+    return found
+
+
+def _replicated(style: ParallelStyle) -> bool:
+    if isinstance(style, Compose):
+        return any(_replicated(s) for s in style.styles)
+    return isinstance(style, _REPLICATED_STYLES) or type(style).__name__ == "LocalParamViews"
+
+
+def region_kinds(plan: dict[str, ParallelStyle], sequence_parallel: bool) -> dict[str, str]:
+    """Module path (relative to a decoder layer, "" for the layer) -> region kind: the layer's
+    residual stream is sharded under SP; a module whose projections the plan splits (attention,
+    MLP) runs on head or feature shards; a MoE or whole-run region on the gathered sequence."""
+    kinds = {"": SHARD if sequence_parallel else REPLICATE}
+    split = (ColwiseParallel, RowwiseParallel, ReplicatedKVProjection)
+    for path, style in plan.items():
+        parent = path.rpartition(".")[0]
+        if parent and isinstance(style, split) and not (parent in plan and _replicated(plan[parent])):
+            kinds.setdefault(parent, SHARD)
+    for path, style in plan.items():
+        if _replicated(style):
+            kinds[path] = REPLICATE
+    return kinds
+
+
+def install_model_dropout(
+    model: nn.Module, adapter: Adapter, opts: PlanOptions, tp_mesh: DeviceMesh
+) -> ModelDropout | None:
+    """Streams for the model's own dropout (None, and nothing installed, when it has none)."""
+    if not dropout_probabilities(model):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    streams = ModelDropout(torch.initial_seed(), rank, int(tp_mesh.mesh.flatten()[0]))
+    plan = adapter.layer_plan(opts)
+    kinds = region_kinds(plan, opts.sequence_parallel)
+    rows = [p for p, s in plan.items() if isinstance(s, RowwiseParallel) and kinds.get(p.rpartition(".")[0]) == SHARD]
+    _region(model, streams, kinds[""], lambda: False)  # embedding dropout, the model's own code
+    for layer in model.get_submodule(adapter.layers_path):
+        checkpointed = _checkpointed(layer)
+        for path, kind in kinds.items():
+            try:
+                module = layer.get_submodule(path) if path else layer
+            except AttributeError:
+                continue
+            _region(module, streams, kind, checkpointed)
+        for path in rows:  # after a row-parallel projection: its reduced output, on sequence shards or whole
+            if has_submodule(layer, path):
+                layer.get_submodule(path).register_forward_hook(lambda *_: streams.set_kind(kinds[""]))
+    model.hf_tp_dropout = streams
+    return streams
+
+
+def _checkpointed(layer: nn.Module):
+    return lambda: bool(getattr(layer, "gradient_checkpointing", False))
+
+
+def _region(module: nn.Module, streams: ModelDropout, kind: str, checkpointed) -> None:
+    module.register_forward_pre_hook(lambda mod, args: streams.enter(mod, kind, checkpointed()))
+    module.register_forward_hook(lambda mod, args, out: streams.leave(), always_call=True)
