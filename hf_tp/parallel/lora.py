@@ -108,15 +108,12 @@ def install_dropouts(model: nn.Module) -> None:
 
 
 def check_dropout_recompute(model: nn.Module) -> None:
-    """LoRA dropout draws from generators of its own, which activation checkpointing does not
-    restore for the recompute (it restores torch's default ones): the recomputed mask would differ
-    from the forward's, so the combination is refused."""
-    drops = [m for m in model.modules() if isinstance(m, ShardAwareDropout) and m.p > 0]
-    if drops:
-        raise ValueError(
-            f"LoRA dropout (p={drops[0].p}) with activation checkpointing is not supported: the recompute would "
-            "draw other masks; set lora_dropout=0 or turn activation checkpointing off"
-        )
+    """Under activation checkpointing: every LoRA dropout keeps its masks' keys for the recompute
+    (which torch's checkpoint runs with torch's default generators restored, not these), so the
+    recompute redraws the forward's masks."""
+    for m in model.modules():
+        if isinstance(m, ShardAwareDropout):
+            m.checkpointed = True
 
 
 @contextlib.contextmanager

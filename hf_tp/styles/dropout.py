@@ -8,10 +8,13 @@ Each :class:`ShardAwareDropout` draws from its own generator, seeded from the pr
 seed, the module's index and the ranks that share its tensor: the first global rank of the tp
 group when the tensor is replicated over tp, the rank's own global rank otherwise. No collective
 is involved and the streams do not depend on how other random ops consumed torch's default
-generator (which uneven shards make rank-dependent).
+generator (which uneven shards make rank-dependent). Each call's mask is keyed by its call count;
+under activation checkpointing the recompute replays the forward's keys.
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,9 @@ class ShardAwareDropout(nn.Module):
         self.p = p
         self.index = index
         self.base_seed = torch.initial_seed() if base_seed is None else base_seed
-        self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self.calls = 0  # masks drawn so far: each call's key
+        self.checkpointed = False  # set under activation checkpointing: keys kept for the recompute
+        self._replay: collections.deque[int] = collections.deque()
 
     def extra_repr(self) -> str:
         return f"p={self.p}, index={self.index}"
@@ -56,14 +61,19 @@ class ShardAwareDropout(nn.Module):
         return dist.get_rank() if dist.is_initialized() else 0
 
     def generator(self, x: torch.Tensor) -> torch.Generator:
-        owner = self.owner(x)
+        """This call's generator: seeded from the stream's owner and the call's key (the next one,
+        or inside an activation-checkpointing recompute, which runs in the backward, the key its
+        forward used: the recompute redraws the forward's mask)."""
+        if torch._C._current_graph_task_id() != -1 and self._replay:
+            key = self._replay.popleft()
+        else:
+            key, self.calls = self.calls, self.calls + 1
+            if self.checkpointed and torch.is_grad_enabled():
+                self._replay.append(key)
         device = x.device if not isinstance(x, DTensor) else x.to_local().device
-        key = (str(device), owner)
-        if key not in self._generators:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(stream_seed(self.base_seed, self.index, owner))
-            self._generators[key] = gen
-        return self._generators[key]
+        gen = torch.Generator(device=device)
+        gen.manual_seed(stream_seed(stream_seed(self.base_seed, self.index, self.owner(x)), key, 0))
+        return gen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:

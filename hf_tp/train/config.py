@@ -184,11 +184,6 @@ class TrainConfig:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if not self.lora_targets():
             raise ValueError("--lora-target-modules is empty; use all-linear or names such as q_proj,v_proj")
-        if self.lora_dropout and self.activation_checkpointing:
-            raise ValueError(
-                "--lora-dropout with --activation-checkpointing is not supported (the recompute would draw other "
-                "masks); drop one of them"
-            )
         if not self.lora_r and (self.lora_alpha is not None or self.lora_dropout):
             raise ValueError("--lora-alpha/--lora-dropout need --lora-r R (the LoRA rank)")
 

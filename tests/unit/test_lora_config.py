@@ -21,7 +21,6 @@ def test_lora_targets_parse() -> None:
         (dict(lora_r=4, lora_dropout=1.0), r"--lora-dropout must be in \[0, 1\)"),
         (dict(lora_r=4, lora_target_modules=" , "), r"--lora-target-modules is empty"),
         (dict(lora_dropout=0.1), r"--lora-alpha/--lora-dropout need --lora-r"),
-        (dict(lora_r=4, lora_dropout=0.1, activation_checkpointing=True), r"--lora-dropout with --activation-ch"),
     ],
 )
 def test_bad_lora_settings_are_refused(kw: dict, match: str) -> None:

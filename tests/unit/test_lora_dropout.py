@@ -1,7 +1,8 @@
 """LoRA dropout under tp (issue 26, item 3): the mask of a tensor replicated over tp (the input of
 a column-parallel projection's LoRA branch) is the same on every tp rank and differs over dp; the
 mask of a sharded tensor (a row-parallel projection's input features) differs between tp ranks;
-the keep rate is 1 - p within 3 sigma; p = 0 and eval mode are the identity."""
+the keep rate is 1 - p within 3 sigma; p = 0 and eval mode are the identity; the activation-checkpointing
+recompute redraws the forward's masks."""
 
 from __future__ import annotations
 
@@ -81,14 +82,30 @@ def test_streams_differ_by_module_and_repeat_by_seed() -> None:
     assert torch.equal(ShardAwareDropout(0.5, index=0, base_seed=7)(x), a2(x))
 
 
-def test_lora_dropout_with_activation_checkpointing_is_refused() -> None:
-    # The recompute would not replay the dropout's own generators.
+def test_lora_dropout_under_activation_checkpointing_redraws_the_forward_masks() -> None:
+    # The recompute (in the backward) replays each LoRA dropout's keys: loss and every LoRA
+    # gradient equal the run without checkpointing, bit for bit.
+    from tests.helpers import full_grads
     from tests.lora_grid import lora
 
-    copies = [lora(tiny_model(tiny_config("llama")), dropout=0.1) for _ in range(2)]
+    peft_model = lora(tiny_model(tiny_config("llama")), dropout=P)
+    ids = torch.arange(3, 19)[None]
+    got: dict[tuple[bool, int], tuple] = {}
 
-    def rank_fn(rank: int) -> None:
-        with pytest.raises(ValueError, match=r"LoRA dropout \(p=0.1\) with activation checkpointing is not"):
-            hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=2, device_type="cpu"), activation_checkpointing=True)
+    def run(ac: bool) -> None:
+        copies = [copy.deepcopy(peft_model) for _ in range(2)]
 
-    run_threaded(2, rank_fn)
+        def rank_fn(rank: int) -> None:
+            mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
+            model = hf_tp.parallelize(copies[rank], mesh, activation_checkpointing=ac)
+            with hf_tp.loss_parallel():
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+            got[ac, rank] = (loss.full_tensor().detach(), full_grads(model))
+
+        run_threaded(2, rank_fn)
+
+    run(False)
+    run(True)
+    assert torch.equal(got[True, 0][0], got[False, 0][0])
+    assert got[True, 0][1] and all(torch.equal(g, got[False, 0][1][n]) for n, g in got[True, 0][1].items())
