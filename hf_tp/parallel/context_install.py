@@ -20,7 +20,8 @@ from hf_tp.parallel.context import (
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
 # attention all carry a causal conv1d or a recurrent state).
-_NOT_ATTENTION = ("mamba", "deltanet", "shortconv", "linearattention", "lightning", "ssm", "rwkv", "retention")
+# Matched case-sensitively in class names ("SSM" must not match "CompassMLP").
+_NOT_ATTENTION = ("Mamba", "DeltaNet", "ShortConv", "LinearAttention", "Lightning", "SSM", "Rwkv", "RWKV", "Retention")
 _KERNELS = ("sdpa", "eager")
 
 
@@ -40,7 +41,7 @@ def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
             f"cp={cp}: {kind} uses chunked attention (attention_chunk_size), which hf_tp's cp does not mask"
         )
     for name, module in model.get_submodule(layers_path).named_modules():
-        cls = type(module).__name__.lower()
+        cls = type(module).__name__
         if isinstance(module, nn.Conv1d) or any(word in cls for word in _NOT_ATTENTION):
             raise ValueError(
                 f"cp={cp}: {kind} mixes tokens outside attention ({type(module).__name__} at layers.{name}), which "
