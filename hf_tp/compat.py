@@ -16,10 +16,12 @@ from packaging.version import Version
 # package -> the lowest release CI's compat run passes the unit suite with (pyproject.toml agrees)
 FLOORS: dict[str, str] = {
     "torch": "2.13.0",
-    "transformers": "5.9.0",
+    "transformers": "5.17.0",
     "accelerate": "1.10.0",
     "datasets": "3.0.0",
 }
+# the lora extra's floor (peft is optional: checked where LoRA is used, not at start-up)
+PEFT_FLOOR = "0.21.0"
 
 # model_type -> (the first transformers release that serves it, what that release added): the
 # families a release inside the supported range cannot serve. Read off each release's configs

@@ -16,7 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import PretrainedConfig
 
+from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
+from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate.comm import CommCounter, CommStat
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
 from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
@@ -90,6 +92,8 @@ def validate_inputs(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
+    if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
+        raise UnsupportedRelease(refusal)
     if dp % ep:
         raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
-from tests.family_grid import grid_config, grid_model
+from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import batch, run_threaded
 from tests.parity import assert_parity, train_steps
 
@@ -55,6 +55,8 @@ def test_expert_parallel_parity(model_type: str, tp: int, idle_rank: bool) -> No
     # idle_rank: one ep rank's experts receive no row at all in layer 0. Its backward must still
     # join the all-to-alls and the gradient reductions the other ranks run (else a hang under
     # NCCL), and its experts get HF's zero gradients (AdamW still decays them).
+    if needs_later_release(model_type):  # (Qwen2-MoE before transformers 5.21)
+        return
     skewed = model_type != "mixtral"  # (Qwen2-MoE with its shared expert, OLMoE: not renormalised either)
     ref, data = _case(model_type, skewed=skewed, idle_rank=idle_rank)
     dp, ep = 2, 2

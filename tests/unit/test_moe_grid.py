@@ -16,7 +16,7 @@ from transformers import CONFIG_MAPPING
 import hf_tp
 from hf_tp.adapters.census import tensor_parallel_causal_lm_types
 from hf_tp.adapters.support import MOE, REFUSED
-from tests.family_grid import grid_config, run_family, run_family_ep
+from tests.family_grid import grid_config, needs_later_release, run_family, run_family_ep
 
 # transformers' MoE families with a tp plan, and those hf_tp writes one for (GPT-OSS)
 # (support.py may name families an older transformers lacks: those are not run)
@@ -27,6 +27,8 @@ ISSUE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "
 
 @pytest.mark.parametrize("model_type", MIXTURES)
 def test_moe_family_tp2(model_type: str) -> None:
+    if needs_later_release(model_type):  # refused naming the release (hf_tp.compat.FAMILY_RELEASES)
+        return
     if model_type in REFUSED:
         with pytest.raises(ValueError, match="register_adapter"):
             hf_tp.get_adapter(grid_config(model_type))
@@ -41,6 +43,8 @@ def test_moe_family_tp2(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", INSTALLED_MOE)
 def test_moe_family_ep2(model_type: str) -> None:
     # Every supported family's experts placed on 2 dp ranks, tokens moved by all-to-all.
+    if needs_later_release(model_type):
+        return
     run_family_ep(model_type)
 
 
@@ -73,6 +77,8 @@ def test_moe_tp4() -> None:
 def test_whole_attention_needs_no_kv_split_at_tp4(model_type: str) -> None:
     # 2 KV heads at tp=4: OLMoE's attention is gathered (transformers' plan), Granite-MoE's has no
     # plan and runs whole; neither splits KV heads, so tp need not fit them (it was refused).
+    if needs_later_release(model_type):
+        return
     assert run_family(model_type, tp=4, heads=8, kv=2, hidden_size=128).status == "parity"
 
 
@@ -93,11 +99,14 @@ def test_linear_attention_heads_need_not_divide_tp() -> None:
 def test_expert_widths_not_divisible_by_tp_name_the_parameter(model_type: str, sizes: dict, path: str) -> None:
     from hf_tp.train.validate import validate_model_config
 
+    if needs_later_release(model_type):
+        return
     config = grid_config(model_type, **sizes)
     with pytest.raises(ValueError, match=f"tp must divide the 33 features that {re.escape(path)} splits"):
         validate_model_config(config, tp=2, seq_len=16)
 
 
+@pytest.mark.skipif("beam" not in CONFIG_MAPPING, reason="this transformers has no Beam (added in 5.21)")
 def test_tp2_ep2_held_out_sizes() -> None:
     # Sizes the grid does not use: 6 heads (3 per tp rank, 1 KV head each), 96 hidden, 48-wide
     # experts. Beam computes its softmax, expert activations and router in fp32 inside this float64

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build a venv with a given set of releases and run hf_tp's unit suite there.
+#
+#   scripts/compat.sh floor                          # the floors of hf_tp/compat.py (what CI runs)
+#   scripts/compat.sh transformers==5.17.0 accelerate==1.10.0 ...
+#   COMPAT_VENV=/tmp/v COMPAT_PYTEST="-x -k grid" scripts/compat.sh floor
+#
+# torch is the CPU wheel 2.13.0 unless a torch==X is given (older torch wheels are CUDA builds).
+# The venv (COMPAT_VENV, default /tmp/hf_tp-compat-<versions>) is reused when it already holds
+# exactly these releases. Prints the releases installed, then pytest's summary; exit status is pytest's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${COMPAT_PYTHON:-python3.11}
+
+specs=()
+for arg in "$@"; do
+    if [ "$arg" = floor ]; then
+        # hf_tp/compat.py's FLOORS and PEFT_FLOOR, read without importing hf_tp (no packages needed)
+        mapfile -t floors < <("$python" - <<'EOF'
+import ast
+tree = ast.parse(open("hf_tp/compat.py").read())
+for node in tree.body:
+    if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "FLOORS":
+        for k, v in ast.literal_eval(node.value).items():
+            print(f"{k}=={v}")
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PEFT_FLOOR":
+        print(f"peft=={ast.literal_eval(node.value)}")
+EOF
+        )
+        specs+=("${floors[@]}")
+    else
+        specs+=("$arg")
+    fi
+done
+[ ${#specs[@]} -gt 0 ] || { echo "usage: scripts/compat.sh floor | PACKAGE==VERSION ..." >&2; exit 2; }
+printf '%s\n' "${specs[@]}" | grep -q '^torch==' || specs+=("torch==2.13.0")
+torch_spec=$(printf '%s\n' "${specs[@]}" | grep '^torch==')
+
+venv=${COMPAT_VENV:-/tmp/hf_tp-compat-$(printf '%s_' "${specs[@]}" | tr -c 'A-Za-z0-9._\n' '_')}
+stamp="$venv/.hf_tp-compat"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${specs[*]}" ]; then
+    rm -rf "$venv"
+    "$python" -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q "$torch_spec"  # first alone: otherwise pip may pick a CUDA build
+    "$venv/bin/pip" install -q -e ".[test]" "${specs[@]}"
+    echo "${specs[*]}" >"$stamp"
+fi
+"$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft|huggingface.hub|safetensors) '
+# shellcheck disable=SC2086  # COMPAT_PYTEST is a list of pytest flags
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider ${COMPAT_PYTEST:-} tests/unit
