@@ -72,6 +72,10 @@ def run_case(case: CPCase, steps: int = 2) -> str:
 
     extra = {"sliding_window": WINDOW} if "sliding_window" in grid_config(case.family).to_dict() else {}
     config = grid_config(case.family, **extra)
+    try:  # parallelize's first checks, before a refused family's (possibly large) model is built
+        hf_tp.get_adapter(config).validate(config, case.tp)
+    except ValueError as exc:
+        return f"refused: {exc}"
     if is_moe(config):
         config.output_router_logits = False  # HF's own aux loss is per forward (hf_tp.fit reduces it globally)
     ref = grid_model(config)
@@ -103,7 +107,7 @@ def run_cases(cases: list[CPCase], out: Path, timeout: float = 900, show: bool =
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     proc = subprocess.run([*cmd, str(WORKER), str(spec)], env=env, capture_output=not show, text=True, timeout=timeout)
     results = out / "results.json"
-    if not results.exists():
+    if not results.exists() or proc.returncode != 0 and not show:
         raise AssertionError(f"the cp worker wrote no results (exit {proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
     return json.loads(results.read_text())
 
@@ -123,10 +127,9 @@ def _worker(spec: Path) -> None:
         dist.all_gather_object(outcomes, outcome)
         failed = [o for o in outcomes if o.startswith("FAILED")]
         results[case.name] = failed[0] if failed else outcomes[0]
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # after every case: a crash of the world keeps the cases before it
             print(f"{case.name}: {results[case.name].splitlines()[0][:160]}", flush=True)
-    if dist.get_rank() == 0:
-        (spec.parent / "results.json").write_text(json.dumps(results, indent=1))
+            (spec.parent / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -135,8 +138,23 @@ def main() -> None:
     from hf_tp.adapters.census import tensor_parallel_causal_lm_types
 
     names = sys.argv[1:] or sorted(tensor_parallel_causal_lm_types())
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_cases([CPCase(n) for n in names], Path(tmp), timeout=7200, show=True)
+    results: dict[str, str] = {}
+    todo = [CPCase(n) for n in names]
+    while todo:  # a world killed by one case (out of memory, say) goes on with the next
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                results.update(run_cases(todo, Path(tmp), timeout=7200, show=True))
+            except AssertionError:
+                pass
+            done = json.loads((Path(tmp) / "results.json").read_text()) if (Path(tmp) / "results.json").exists() else {}
+        results.update(done)
+        rest = [c for c in todo if c.name not in results]
+        if rest:
+            results[rest[0].name] = "FAILED: the torchrun world died in this case"
+        todo = rest[1:]
+    for name, outcome in results.items():
+        if outcome.startswith("FAILED"):
+            print(f"\n{name}:\n" + "\n".join(outcome.splitlines()[-12:]))
     held = sum(r == "parity" for r in results.values())
     print(f"{held} of {len(results)} at parity")
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.modules import num_experts
@@ -25,6 +25,7 @@ from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, mo
 from hf_tp.estimate.simulate import simulation
 from hf_tp.estimate.step import DTYPES, build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
 from hf_tp.estimate.work import Work, WorkCounter
+from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import validate_model_config
 
 __all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "validate_inputs"]
@@ -58,10 +59,14 @@ class Estimate:
     moe: MoEStats | None = None
     seconds: float = 0.0
     work: Work | None = None
+    cp: int = 1  # context parallelism: each row's tokens over cp ranks (K/V all-gathered per layer)
+    lora_r: int = 0  # > 0: a LoRA run (frozen base in the compute dtype, fp32 adapters and their state)
+    lora_target_modules: str = ""
+    trainable_params: int = 0
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.cp * self.dp
 
     def sent_bytes(self, dim: str) -> int:
         """Bytes one rank sends per step over mesh dim ``dim`` (ring algorithms)."""
@@ -81,12 +86,19 @@ class Estimate:
 
 
 def validate_inputs(
-    config: PretrainedConfig, tp: int, dp: int, seq_len: int, batch_size: int, dtype: str, ep: int = 1
+    config: PretrainedConfig, tp: int, dp: int, seq_len: int, batch_size: int, dtype: str, ep: int = 1, cp: int = 1
 ) -> None:
     """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
     quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
     config = full_precision(config)
-    for name, value in (("tp", tp), ("dp", dp), ("ep", ep), ("seq_len", seq_len), ("batch_size", batch_size)):
+    for name, value in (
+        ("tp", tp),
+        ("dp", dp),
+        ("ep", ep),
+        ("cp", cp),
+        ("seq_len", seq_len),
+        ("batch_size", batch_size),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
     if dtype not in DTYPES:
@@ -96,6 +108,13 @@ def validate_inputs(
         raise UnsupportedRelease(refusal)
     if dp % ep:
         raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
+    if cp > 1 and ep > 1:
+        raise ValueError(f"cp={cp} with ep={ep} is not supported yet; use one of them")
+    if cp > 1 and seq_len % (2 * cp * tp):
+        raise ValueError(
+            f"seq_len ({seq_len}) must be a multiple of 2*cp*tp ({2 * cp * tp}): each cp rank keeps two equal "
+            "chunks of a row, each split over tp"
+        )
 
 
 def estimate(
@@ -108,29 +127,37 @@ def estimate(
     activation_checkpointing: bool = False,
     model_name: str | None = None,
     ep: int = 1,
+    lora_r: int = 0,
+    lora_target_modules: str = "all-linear",
+    cp: int = 1,
 ) -> Estimate:
     """Simulate one training step of ``config`` at (tp, dp) and return one rank's memory and comms.
 
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
     MoE layer's experts over ep of the dp ranks; its all-to-alls are simulated with balanced
-    routing (:func:`hf_tp.parallel.expert_parallel.balanced_routing`). Runs in this process on one CPU core, roughly 0.3 s
+    routing (:func:`hf_tp.parallel.expert_parallel.balanced_routing`). ``lora_r`` > 0 sizes a
+    LoRA run as ``hf-tp train --lora-r`` makes it (``lora_target_modules``: ``all-linear`` or
+    comma-separated names): the frozen base in the compute dtype with no gradients or optimizer
+    state, the adapters trainable with fp32 weights, gradients and AdamW state. Runs in this process on one CPU core, roughly 0.3 s
     per decoder layer (Qwen2-0.5B ~8 s, Llama-3.1-70B ~30 s); needs no GPU, weights or network.
     """
-    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep)
+    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp)
+    if lora_r:  # the checks of hf-tp train's --lora-r / --lora-target-modules
+        TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
     config = full_precision(config)  # (a quantized checkpoint: hf_tp trains its dequantized copy)
     start = time.perf_counter()
-    with simulation(tp * dp):
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        groups = {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}  # sliced outside fake
+    with simulation(tp * cp * dp):
+        mesh, groups = _mesh_and_groups(tp, cp, dp)
         # The gradient norm is one all-reduce over every rank (hf_tp.parallel.grad.clip_grad_norm).
         groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
         fake = FakeTensorMode()
         with fake:
-            model = model_from_config(config, mesh, dtype, activation_checkpointing, ep)
+            model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
             optimizer = build_optimizer(model)
             init_optimizer_state(model, optimizer)
             batch = make_batch(config.vocab_size, batch_size, seq_len)
         num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         experts = find_experts(model, config)
         all_to_all = {}
         for name, dim in ep_groups(experts).items():  # the ep mesh's tp dim is the tp ranks again
@@ -167,4 +194,21 @@ def estimate(
         moe=moe,
         seconds=time.perf_counter() - start,
         work=work.work,
+        lora_r=lora_r,
+        lora_target_modules=lora_target_modules if lora_r else "",
+        trainable_params=trainable,
+        cp=cp,
     )
+
+
+def _mesh_and_groups(tp: int, cp: int, dp: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
+    """The mesh hf_tp.build_mesh makes, and its groups by name -> (dim, size) for the comm counter
+    (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp"."""
+    if cp == 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return mesh, {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    groups = {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("cp", "tp")}
+    groups[flat.get_group().group_name] = ("dp", flat.size())
+    return mesh, groups

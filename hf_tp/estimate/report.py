@@ -32,9 +32,16 @@ def describe(est: Estimate) -> str:
     """One line naming the model and the run shape."""
     ac = "activation checkpointing" if est.activation_checkpointing else "no activation checkpointing"
     ep = f", ep={est.ep} (of dp's ranks)" if est.ep > 1 else ""
+    lora = ""
+    if est.lora_r:
+        lora = (
+            f", LoRA r={est.lora_r} on {est.lora_target_modules} ({_params(est.trainable_params)} trainable; "
+            f"frozen base in {est.dtype})"
+        )
     return (
-        f"{describe_model(est)}, tp={est.tp} x dp={est.dp} "
+        f"{describe_model(est)}, tp={est.tp}{f' x cp={est.cp}' if est.cp > 1 else ''} x dp={est.dp} "
         f"({est.world_size} ranks){ep}, seq {est.seq_len} x batch {est.batch_size} per dp rank, {est.dtype}, {ac}"
+        f"{lora}"
     )
 
 

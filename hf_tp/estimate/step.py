@@ -3,7 +3,9 @@ real-memory measurement (real tensors), so the two measure the same program."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from torch import nn
@@ -13,38 +15,62 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.lora import freeze_in_dtype
 from hf_tp.train import loss as train_loss
 from hf_tp.train import model as train_model
 from hf_tp.train import optim as train_optim
+from hf_tp.train.config import TrainConfig
 
 DTYPES = ("bf16", "fp32")
 
 
 def model_from_config(
-    config: PretrainedConfig, mesh: DeviceMesh, dtype: str, activation_checkpointing: bool, ep: int = 1
+    config: PretrainedConfig,
+    mesh: DeviceMesh,
+    dtype: str,
+    activation_checkpointing: bool,
+    ep: int = 1,
+    lora_r: int = 0,
+    lora_target_modules: str = "all-linear",
 ) -> nn.Module:
     """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does
     (``ep`` ranks of dp splitting the experts).
 
     bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
+    ``lora_r`` > 0: peft LoRA adapters on ``lora_target_modules`` as ``hf-tp train --lora-r`` wraps
+    them, the frozen base stored in the compute dtype, the adapters in fp32.
     """
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # (a copy: parallelize may change the config, e.g. the attention implementation under cp)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
     model.train()
-    mp = train_model.mixed_precision(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    parallelize(model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep)
-    return model
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if lora_r:
+        # peft moves each new module to its base layer's device and dtype, here already theirs (one
+        # device, fp32): a no-op, except that Module.to() cannot swap fake tensors, so it is skipped
+        with mock.patch.object(nn.Module, "to", lambda module, *args, **kwargs: module):
+            peft_model = train_model.with_lora(
+                model, TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules)
+            )
+        freeze_in_dtype(model, compute)
+    mp = train_model.mixed_precision(compute)
+    parallelize(
+        peft_model if lora_r else model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep
+    )
+    return model  # (a LoRA model in place: the loop too steps the HF model inside the peft model)
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """The loop's AdamW as it runs on GPUs (fused: one kernel, no temporaries of the parameters'
-    size; a foreach step would hold several)."""
-    return train_optim.build_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0, device=torch.device("cuda"))
+    size; a foreach step would hold several), over the trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return train_optim.build_optimizer(params, lr=1e-4, weight_decay=0.0, device=torch.device("cuda"))
 
 
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state with one step on zero gradients (cheaper than a warm-up forward)."""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

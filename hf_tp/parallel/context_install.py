@@ -31,6 +31,11 @@ def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
     config = model.config
     kind = config.model_type
     base = getattr(config, "_attn_implementation", None) or "eager"
+    if base == ATTENTION_NAME:
+        raise ValueError(
+            "this model's config object was already made context parallel by hf_tp (models built from one "
+            "config object share it); build each model from its own config (copy.deepcopy(config))"
+        )
     if base not in _KERNELS:
         raise ValueError(
             f"context parallelism (cp={cp}) runs the model's attention as 'sdpa' or 'eager', but this model "
