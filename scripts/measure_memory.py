@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--lora-r", type=int, default=0, help="a LoRA run of this rank (frozen base in --dtype)")
+    p.add_argument("--lora-target-modules", default="all-linear")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, nccl")
     p.add_argument("--steps", type=int, default=2, help="tracked real steps (the peak is over all of them)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -92,8 +94,16 @@ def measure_this_rank(args: argparse.Namespace) -> list[dict]:
     config, _ = model_config(args)
     try:
         mesh = hf_tp.build_mesh(tp=args.tp, dp=args.dp, device_type=args.device)
+        lora = dict(lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
         real = measure(
-            config, mesh, args.seq_len, args.batch_size, args.dtype, args.activation_checkpointing, steps=args.steps
+            config,
+            mesh,
+            args.seq_len,
+            args.batch_size,
+            args.dtype,
+            args.activation_checkpointing,
+            steps=args.steps,
+            **lora,
         )
         mine = {
             "peak": real.peak.to_dict(),
@@ -136,8 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, name = model_config(args)
         # First, in this process and before any real process group (it runs its own fake one).
+        lora = dict(lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
         est = estimate(
-            config, args.tp, args.dp, args.seq_len, args.batch_size, args.dtype, args.activation_checkpointing, name
+            config,
+            args.tp,
+            args.dp,
+            args.seq_len,
+            args.batch_size,
+            args.dtype,
+            args.activation_checkpointing,
+            name,
+            **lora,
         )
     except ValueError as exc:
         print(f"measure_memory: error: {exc}", file=sys.stderr)
@@ -147,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(ranks, key=lambda r: r["peak"]["total"])
     real_peak = MemoryBreakdown(**{k: v for k, v in worst["peak"].items() if k != "total"})
     ac = ", activation checkpointing" if args.activation_checkpointing else ""
+    ac += f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.lora_r else ""
     print(
         f"{name}: {est.num_params / 1e6:.1f}M params, tp={args.tp} dp={args.dp}, seq {args.seq_len} x batch "
         f"{args.batch_size}, {args.dtype}{ac}; torch {torch.__version__}"

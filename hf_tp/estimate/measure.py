@@ -58,12 +58,14 @@ def measure(
     steps: int = 1,
     seed: int = 0,
     ep: int = 1,
+    lora_r: int = 0,
+    lora_target_modules: str = "all-linear",
 ) -> Measurement:
     """Build the model on real tensors on the mesh's device (CPU, or this rank's GPU), run ``steps``
     tracked training steps, report this rank.
 
     ``mesh`` is the ("dp", "tp") mesh of an initialised process group (``ep`` of its dp ranks
-    splitting the experts). The optimizer state is
+    splitting the experts; ``lora_r`` > 0: a LoRA run as the estimate sizes it). The optimizer state is
     created before tracking starts, as in the estimate. On a GPU the caching allocator's own peak
     (``torch.cuda.max_memory_allocated``, reset after the optimizer state exists) is reported too.
     """
@@ -73,7 +75,7 @@ def measure(
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rss_before = _status_kib("VmRSS")
     with device:  # factory functions (the model's weights, the batch) allocate on the mesh's device
-        model = model_from_config(config, mesh, dtype, activation_checkpointing, ep)
+        model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
         optimizer = build_optimizer(model)
         init_optimizer_state(model, optimizer)
         batch = make_batch(config.vocab_size, batch_size, seq_len)

@@ -61,6 +61,17 @@ class PeakMemTracker(MemTracker):
         super().__init__()
         self._watched: tuple[nn.Module, ...] = ()
 
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # torch's tracker hooks every parameter's gradient, and a frozen one (a LoRA run's base)
+        # refuses a hook: mark those hooked already (they never get a gradient). Looked up at each
+        # call: FSDP2 swaps in unsharded parameters around a forward.
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if install_grad_hooks and handles is not None:
+            for p in module.parameters():
+                if not p.requires_grad and handles.get(p, None) is None:
+                    handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
     def watch(self, modules: Iterable[nn.Module]) -> None:
         """Keep the forward and backward peaks of ``modules`` too."""
         self._watched = tuple(modules)
@@ -82,3 +93,10 @@ class PeakMemTracker(MemTracker):
                 if stats.local_peak.get(device, 0) < snap.get("Total", 0):
                     stats.local_peak[device] = snap["Total"]
                     stats.snapshots[peak_state][-1][device] = dict(snap)
+
+
+class _NoHook:
+    """Stands for a hook handle that was never registered (removing it does nothing)."""
+
+    def remove(self) -> None:
+        pass

@@ -127,6 +127,19 @@ def keep_frozen(model: nn.Module) -> Iterator[None]:
             p.requires_grad_(False)
 
 
+def freeze_in_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen floating-point parameter (a LoRA model's base) in ``dtype``, the compute
+    dtype: FSDP2's mixed precision would cast it to that for every forward anyway, and a frozen
+    weight needs no fp32 master copy (FSDP2 asks for one dtype among trainable parameters only).
+    Returns the number of parameters converted. Call it before ``parallelize``."""
+    done = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            done += 1
+    return done
+
+
 def lora_init_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Full (unsharded) initial LoRA factors of every ``lora.Linear`` in ``model``: peft's default
     init (``lora_A`` Kaiming-uniform with ``a = sqrt(5)``, ``lora_B`` and its bias zero) drawn in

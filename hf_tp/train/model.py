@@ -22,7 +22,7 @@ from hf_tp.checkpoint.load import (
     safetensors_keys,
 )
 from hf_tp.parallel import parallelize
-from hf_tp.parallel.lora import lora_init_state
+from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.validate import validate_model_config
@@ -57,6 +57,8 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     lora = with_lora(model, cfg)
+    if cfg.lora_r:  # the frozen base in the compute dtype: no fp32 master copy of weights never updated
+        freeze_in_dtype(lora, compute_dtype(cfg, device))
     parallelize(
         lora,
         mesh,
