@@ -18,7 +18,7 @@ FLOORS: dict[str, str] = {
     "torch": "2.13.0",
     "transformers": "5.17.0",
     "accelerate": "1.10.0",
-    "datasets": "3.0.0",
+    "datasets": "4.7.0",
 }
 # the lora extra's floor (peft is optional: checked where LoRA is used, not at start-up)
 PEFT_FLOOR = "0.21.0"
@@ -33,7 +33,7 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     **{mt: ("5.21.0", PLAN) for mt in (*_NO_PLAN_BEFORE_5_21, "nemotron", "phimoe")},
     # before 5.21 their plans shard attention and name no experts
     **{mt: ("5.21.0", EXPERTS) for mt in ("aria_text", "cohere2_moe", "exaone_moe", "qwen2_moe")},
-    "granite_swa": ("5.23.0", "a tensor-parallel plan of its attention sinks"),
+    **{mt: ("5.23.0", "a tensor-parallel plan of its attention sinks") for mt in ("granite_swa", "granitemoe_swa")},
     "codegen": ("5.24.0", PLAN),
 }
 

@@ -48,7 +48,9 @@ FAMILY_EXTRAS: dict[str, dict] = {
     # Its default config has no rope parameters for its layer type.
     "cohere_compass_text": dict(
         layer_types=["full_attention"] * 2,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        # Its rotary splits head_dim / 2 frequencies by mrope_section, whose default fits head_dim 128;
+        # the grid's 16 has 8 (transformers 5.17 cannot build the model with the default).
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
     ),
 }
 # Mixture-of-experts sizes (set where the config class has the field): 4 experts, 2 per token,
