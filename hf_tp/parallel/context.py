@@ -84,7 +84,8 @@ class ContextState:
     key_valid: torch.Tensor | None = None  # (B, S) bool, the padding mask
     docs: torch.Tensor | None = None  # (B, S) document ids of packed rows
     masks: dict = field(default_factory=dict)
-    called: set = field(default_factory=set)  # ids of the attention modules that ran in this forward
+    called: set = field(default_factory=set)
+    documents: bool = True  # the family masks packed documents (position_ids restarting) as HF does  # ids of the attention modules that ran in this forward
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.mesh.size(), self.mesh.get_local_rank())
@@ -134,7 +135,7 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     group = state.mesh.get_group()
     key = _all_gather(key.contiguous(), gather_dim=2, group=group)
     value = _all_gather(value.contiguous(), gather_dim=2, group=group)
-    mask = state.mask(query.shape[0], kw.get("sliding_window"), query.device)
+    mask = state.mask(query.shape[0], _window(module, kw), query.device)
     kw.pop("is_causal", None)
     if state.base == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -142,6 +143,16 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
     additive = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
     return family_eager(module)(module, query, key, value, additive, **kw)
+
+
+def _window(module: nn.Module, kw: dict) -> int | None:
+    """The sliding window of this call: the ``sliding_window`` the family passes, else the
+    module's or config's own (PhiMoE builds a windowed mask for every layer and passes none)."""
+    if "sliding_window" in kw:
+        window = kw["sliding_window"]
+    else:
+        window = getattr(module, "sliding_window", getattr(getattr(module, "config", None), "sliding_window", None))
+    return window or None  # Qwen2-MoE writes 0 for "no window"
 
 
 def family_eager(module: nn.Module) -> Callable:

@@ -3,10 +3,13 @@ that give each rank its tokens (:mod:`hf_tp.parallel.context` has the mechanism)
 
 from __future__ import annotations
 
+import ast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.adapters.source import source_tree
 from hf_tp.labels import IGNORE_INDEX
 from hf_tp.parallel.context import (
     ATTENTION_NAME,
@@ -47,6 +50,11 @@ def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
         )
     for name, module in model.get_submodule(layers_path).named_modules():
         cls = type(module).__name__
+        if "Indexer" in cls:
+            raise ValueError(
+                f"cp={cp}: {kind}'s sparse-attention indexer ({cls} at layers.{name}) selects keys from the whole "
+                "attention mask, which hf_tp's cp does not split; use --cp 1"
+            )
         if isinstance(module, nn.Conv1d) or any(word in cls for word in _NOT_ATTENTION):
             raise ValueError(
                 f"cp={cp}: {kind} mixes tokens outside attention ({type(module).__name__} at layers.{name}), which "
@@ -61,6 +69,7 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     state = ContextState(
         mesh=cp_mesh, base=model.config._attn_implementation or "eager", multiple=2 * cp_mesh.size() * tp
     )
+    state.documents = masks_documents(model.get_decoder())
     AttentionInterface.register(ATTENTION_NAME, cp_attention)
     model.config._attn_implementation = ATTENTION_NAME
     layers = model.get_submodule(layers_path)
@@ -72,6 +81,27 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     model.register_forward_pre_hook(_split_labels(state, model), with_kwargs=True)
     model.register_forward_hook(_whole_loss)
     return state
+
+
+def masks_documents(decoder: nn.Module) -> bool:
+    """Whether the decoder hands ``position_ids`` to transformers' mask builders, which then mask
+    packed documents from each other. Families that do not (GPT-OSS, AFMoE in 5.24) let
+    packed documents attend to each other in plain HF; cp keeps each family's own behaviour.
+    (Read from the forward's source: neither library says it. Unreadable: assumed to mask.)"""
+    tree = source_tree(type(decoder).forward)
+    if tree is None:
+        return True
+    dicts = {}  # mask_kwargs = {...}: name -> its keys
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            dicts.update({t.id: keys for t in node.targets if isinstance(t, ast.Name)})
+    builders = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and "mask" in ast.unparse(n.func)]
+    for call in builders:
+        for kw in call.keywords:
+            if kw.arg == "position_ids" or (kw.arg is None and "position_ids" in dicts.get(ast.unparse(kw.value), ())):
+                return True
+    return not builders
 
 
 def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -95,7 +125,7 @@ def _split_inputs(state: ContextState):
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if mask is not None and mask.dim() != 2:
             raise ValueError(f"context parallelism takes a 2-D attention_mask (padding), got {mask.dim()}-D")
-        docs = packed_documents(pos) if pos is not None and mask is None else None
+        docs = packed_documents(pos) if pos is not None and mask is None and state.documents else None
         if pos is None:
             pos = torch.arange(x.shape[1], device=x.device)[None]
         state.start(x.shape[1], mask, docs, x.device)
