@@ -12,6 +12,8 @@ rule (peak x 1.10 + 1 GiB). One sequence per dp rank. Prints a markdown table fo
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,11 +48,25 @@ def longest(config, cp: int, ac: bool, gpu: int, cap: int, say) -> tuple[int, ob
     return best, best_est
 
 
+def _run_one(name: str, cp: int, ac: bool, gpu_memory: str) -> tuple[int, dict | None]:
+    """One configuration's search in a fresh process: a second fake world with another mesh
+    shape in one process fails to resolve a process group inside DTensor (torch 2.13)."""
+    cmd = [sys.executable, __file__, "--one", f"{name}:{cp}:{int(ac)}", "--gpu-memory", gpu_memory]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, text=True).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    return found["seq"], found["estimate"]
+
+
+def _sent(est: dict | None, dim: str) -> int:
+    return sum(c["sent_bytes"] for c in est["comms"] if c["dim"] == dim) if est else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="llama-3.1-8b,llama-3.1-70b")
     p.add_argument("--gpu-memory", default="80GiB")
     p.add_argument("--cp", default="1,2,4,8")
+    p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     from hf_tp.estimate.configs import resolve_model_config
     from hf_tp.estimate.sweep import parse_memory
@@ -61,16 +77,22 @@ def main() -> int:
     def say(line: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f} s] {line}", file=sys.stderr, flush=True)
 
+    if args.one:  # one (model, cp, ac) in this process: see _run_one
+        name, cp, ac = args.one.split(":")
+        config, _ = resolve_model_config(name)
+        seq, est = longest(config, int(cp), ac == "1", gpu, config.max_position_embeddings, say)
+        print(json.dumps({"seq": seq, "estimate": est.to_dict() if est else None}))
+        return 0
     rows = []
     for name in args.models.split(","):
         config, _ = resolve_model_config(name)
         cap = config.max_position_embeddings
         for ac in (False, True):
             for cp in map(int, args.cp.split(",")):
-                seq, est = longest(config, cp, ac, gpu, cap, say)
-                cp_sent = est.sent_bytes("cp") / 2**30 if est else 0.0
-                tp_sent = est.sent_bytes("tp") / 2**30 if est else 0.0
-                peak = f"{est.peak.total / 2**30:.1f}" if est else "-"
+                seq, est = _run_one(name, cp, ac, args.gpu_memory)
+                cp_sent = _sent(est, "cp") / 2**30
+                tp_sent = _sent(est, "tp") / 2**30
+                peak = f"{est['peak']['total'] / 2**30:.1f}" if est else "-"
                 capped = " (max positions)" if seq == cap else ""
                 rows.append(
                     f"| {name} | {cp} | {FSDP // cp} | {'on' if ac else 'off'} | {seq // 1024}k{capped} | {peak} "
