@@ -89,5 +89,16 @@ def _checkpointed(layer: nn.Module):
 
 
 def _region(module: nn.Module, streams: ModelDropout, kind: str, checkpointed) -> None:
-    module.register_forward_pre_hook(lambda mod, args: streams.enter(mod, kind, checkpointed()))
-    module.register_forward_hook(lambda mod, args, out: streams.leave(), always_call=True)
+    """Region hooks, active in training mode only (eval and generate draw no masks and pay
+    nothing for the interception)."""
+
+    def enter(mod: nn.Module, args) -> None:
+        if mod.training:
+            streams.enter(mod, kind, checkpointed())
+
+    def leave(mod: nn.Module, args, out) -> None:
+        if mod.training:
+            streams.leave()
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
