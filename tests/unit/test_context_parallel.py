@@ -163,5 +163,5 @@ def test_estimate_cp_counts_the_kv_gathers() -> None:
     gathers = [c for c in est["comms"] if c["dim"] == "cp" and c["collective"] == "all_gather"]
     assert est["world_size"] == 4 and est["cp"] == 2
     assert gathers and gathers[0]["count"] == 2 * 16  # K and V, each of the 16 layers
-    with pytest.raises(ValueError, match=r"must be a multiple of 2\*cp\*tp \(8\)"):
-        validate_inputs(tiny_config("llama"), 2, 1, 1020, 1, "bf16", cp=2)
+    with pytest.raises(ValueError, match=r"seq_len \(124\) must be a multiple of 2\*cp\*tp \(8\)"):
+        validate_inputs(tiny_config("llama"), 2, 1, 124, 1, "bf16", cp=2)
