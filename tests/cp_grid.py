@@ -25,7 +25,8 @@ import torch
 
 WORLD = 4
 SEQ = 24  # a multiple of 2 x cp x tp at cp 2 x tp 2 (8)
-WINDOW = int(os.environ.get("CP_GRID_WINDOW", 5))  # sliding window (where the family has one): shorter than a cp chunk (6 tokens)
+# The sliding window (where the family has one): shorter than a cp chunk (6 tokens).
+WINDOW = int(os.environ.get("CP_GRID_WINDOW", 5))
 WORKER = Path(__file__).resolve()
 
 

@@ -13,11 +13,9 @@ from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.experts import DenseOrMoE, MoERegion
-from hf_tp.styles.heads import Compose, ReplicatedToSequenceShards
+from hf_tp.styles.heads import Compose, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import ReplicatedKVProjection
 from hf_tp.styles.model_dropout import REPLICATE, SHARD, ModelDropout
-
-_REPLICATED_STYLES = (MoERegion, DenseOrMoE, ReplicatedToSequenceShards)
 
 
 def dropout_probabilities(model: nn.Module) -> dict[str, float]:
@@ -35,10 +33,21 @@ def dropout_probabilities(model: nn.Module) -> dict[str, float]:
     return found
 
 
+def runs_whole(style: ParallelStyle) -> bool:
+    """Whether ``style`` runs its module whole on every tp rank (a whole-run region: Mamba mixers,
+    DeepSeek's MLA attention; every rank computes the same values from the gathered sequence)."""
+    if isinstance(style, Compose):
+        return any(runs_whole(s) for s in style.styles)
+    if isinstance(style, LocalParamViews):
+        return style.placement.is_replicate()
+    return isinstance(style, ReplicatedToSequenceShards)
+
+
 def _replicated(style: ParallelStyle) -> bool:
+    """A MoE region or a whole-run region: it runs on the gathered sequence."""
     if isinstance(style, Compose):
         return any(_replicated(s) for s in style.styles)
-    return isinstance(style, _REPLICATED_STYLES) or type(style).__name__ == "LocalParamViews"
+    return isinstance(style, (MoERegion, DenseOrMoE)) or runs_whole(style)
 
 
 def region_kinds(plan: dict[str, ParallelStyle], sequence_parallel: bool) -> dict[str, str]:

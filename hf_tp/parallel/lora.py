@@ -15,10 +15,12 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.parallel.dropout import runs_whole
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
 
@@ -42,7 +44,10 @@ def _peft_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if type(m).__module__.startswith("peft.")}
 
 
-def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
+_WHOLE_RUN = object()  # (the "style" of a module inside a whole-run region)
+
+
+def _refusal(module: nn.Module, style: ParallelStyle | object | None) -> str | None:
     """Why the LoRA module at ``path`` cannot be sharded, or None."""
     if type(module).__name__ == "ParamWrapper":
         return (
@@ -55,10 +60,10 @@ def _refusal(module: nn.Module, style: ParallelStyle | None) -> str | None:
         return f"a peft {type(module).__name__} over {base}: hf_tp shards LoRA on nn.Linear projections only"
     if style is None:
         return (
-            "it is outside the decoder layers' tp plan (embedding, lm_head, routers, whole-run regions): "
-            "hf_tp shards LoRA on projections the plan splits column- or row-wise"
+            "it is outside the decoder layers' tp plan (embedding, lm_head, routers, MoE shared experts): "
+            "hf_tp shards LoRA on projections the plan splits column- or row-wise or runs whole"
         )
-    if not shards_lora(style):
+    if style is not _WHOLE_RUN and not shards_lora(style):
         return f"the plan runs it with {type(style).__name__}, which has no LoRA rule"
     if module.lora_variant or any(module.lora_magnitude_vector.keys()):
         return "LoRA variants (DoRA, aLoRA, ...) are not supported under tp; use plain LoRA"
@@ -74,11 +79,17 @@ def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, e
     if tp == 1 and ep == 1:
         return
     plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."
+    whole = [p for p, style in plan.items() if runs_whole(style)]
     for path, module in _peft_modules(model).items():
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
-        reason = _refusal(module, plan.get(sub)) if tp > 1 else _refusal_at_tp1(module)
+        style = plan.get(sub)
+        if style is None and path.startswith(prefix) and any(sub.startswith(f"{p}.") for p in whole):
+            style = _WHOLE_RUN  # computed whole on every tp rank, as the region's own weights
+        reason = _refusal(module, style) if tp > 1 else _refusal_at_tp1(module)
         if reason is not None:
             raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
+        if style is _WHOLE_RUN:
+            module.hf_tp_whole_run_tp = tp  # its dropout: the tp group's mask (install_dropouts)
 
 
 def _refusal_at_tp1(module: nn.Module) -> str | None:
@@ -96,14 +107,19 @@ def lora_adapter(adapter: Adapter) -> Adapter:
 
 
 def install_dropouts(model: nn.Module) -> None:
-    """Replace peft's ``nn.Dropout`` in every LoRA layer by :class:`ShardAwareDropout` (same p)."""
+    """Replace peft's ``nn.Dropout`` in every LoRA layer by :class:`ShardAwareDropout` (same p).
+    A LoRA layer in a whole-run region (plain tensors, the same on every tp rank) draws the mask
+    of its tp group (ranks ``build_mesh`` puts adjacent)."""
     index = 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for module in model.modules():
         if not is_lora_linear(module):
             continue
+        tp = getattr(module, "hf_tp_whole_run_tp", None)
         for name, drop in list(module.lora_dropout.items()):
             if isinstance(drop, nn.Dropout):
-                module.lora_dropout[name] = ShardAwareDropout(drop.p, index)
+                owner = None if tp is None else rank - rank % tp
+                module.lora_dropout[name] = ShardAwareDropout(drop.p, index, owner=owner)
             index += 1
 
 

@@ -40,12 +40,13 @@ class ShardAwareDropout(nn.Module):
     of this rank. The mask enters as a ``DTensor`` with the input's placements, so the product's
     gradient keeps the input gradient's placement (no collective)."""
 
-    def __init__(self, p: float, index: int, base_seed: int | None = None) -> None:
+    def __init__(self, p: float, index: int, base_seed: int | None = None, owner: int | None = None) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
         self.index = index
+        self.fixed_owner = owner  # the stream's owner whatever the input (a whole-run region's tp group)
         self.base_seed = torch.initial_seed() if base_seed is None else base_seed
         self.calls = 0  # masks drawn so far: each call's key
         self.checkpointed = False  # set under activation checkpointing: keys kept for the recompute
@@ -56,6 +57,8 @@ class ShardAwareDropout(nn.Module):
 
     def owner(self, x: torch.Tensor) -> int:
         """The global rank that names the stream ``x`` draws from (see the module docstring)."""
+        if self.fixed_owner is not None:
+            return self.fixed_owner
         if isinstance(x, DTensor) and all(p.is_replicate() for p in x.placements):
             return int(x.device_mesh.mesh.flatten()[0])
         return dist.get_rank() if dist.is_initialized() else 0

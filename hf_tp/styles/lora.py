@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_tp.styles.heads import Compose, LocalParamViews
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection
 
 
@@ -73,9 +74,13 @@ def lora_aware(style: ParallelStyle) -> ParallelStyle:
     """A copy of ``style`` that also shards peft ``lora.Linear`` modules (module docstring), or
     ``style`` itself when it is not a column/row-parallel or KV-replicated linear style."""
     base = type(style)
-    if issubclass(base, (_LoraBranch, _LoraKVHeads)):
+    if issubclass(base, (_LoraBranch, _LoraKVHeads, _LoraWholeRun)):
         return style
-    if issubclass(base, ReplicatedKVProjection):
+    if isinstance(style, Compose):
+        return Compose(*(lora_aware(s) for s in style.styles))
+    if issubclass(base, LocalParamViews):
+        mixin = _LoraWholeRun
+    elif issubclass(base, ReplicatedKVProjection):
         mixin = _LoraKVHeads
     elif issubclass(base, (ColwiseParallel, RowwiseParallel)):
         mixin = _LoraBranch
@@ -86,6 +91,40 @@ def lora_aware(style: ParallelStyle) -> ParallelStyle:
     out = _CLASSES[base].__new__(_CLASSES[base])
     out.__dict__.update(copy.copy(style.__dict__))
     return out
+
+
+class _LoraWholeRun:
+    """Mixin for :class:`~hf_tp.styles.heads.LocalParamViews`: a region's weight ``p.weight``
+    whose module ``p`` is a ``lora.Linear`` stands for its base weight and both factors, so they
+    are distributed and viewed alike (whole on every rank with ``Replicate``: the LoRA branch is
+    computed whole, as the region)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        names = []
+        for name in self.names:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix and _has(module, prefix) else None
+            if owner is None or not is_lora_linear(owner):
+                names.append(name)
+                continue
+            names.append(f"{prefix}.base_layer.{leaf}")
+            if leaf == "weight":
+                names += [f"{prefix}.{kind}.{n}" for kind in ("lora_A", "lora_B") for n, _ in _params(owner, kind)]
+        out = copy.copy(self)
+        out.names = tuple(names)
+        return super(_LoraWholeRun, out)._apply(module, device_mesh)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _params(owner: nn.Module, kind: str) -> list[tuple[str, nn.Parameter]]:
+    return list(getattr(owner, kind).named_parameters())
 
 
 def shards_lora(style: ParallelStyle) -> bool:

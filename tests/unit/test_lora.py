@@ -152,6 +152,16 @@ def test_lora_with_expert_parallelism_holds_parity() -> None:
     assert run_lora(lora(model, attention_targets(model)), tp=1, dp=2, ep=2, b=4)["lora"] == 20
 
 
+def test_lora_in_whole_run_regions_holds_parity_at_tp2() -> None:
+    # Regions computed whole on every tp rank (DeepSeek-V3's MLA attention, Falcon-H1's Mamba mixer):
+    # their LoRA factors are whole too, gradients Partial over tp, dropout masks shared over tp.
+    model = grid_model(grid_config("deepseek_v3", vocab_size=300))
+    assert run_lora(lora(model, attention_targets(model)), tp=2)["lora"] == 20
+    model = grid_model(grid_config("falcon_h1"))
+    targets = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert run_lora(lora(model, targets), tp=2)["lora"] == 32  # (peft refuses LoRA on Mamba's out_proj)
+
+
 def test_lora_on_expert_parameters_is_refused_under_expert_parallelism() -> None:
     model = lora(grid_model(grid_config("qwen3_moe")))  # peft's all-linear adds the experts on MoE models
     copies = [copy.deepcopy(model) for _ in range(2)]

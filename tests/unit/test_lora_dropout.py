@@ -21,21 +21,26 @@ pytest.importorskip("peft")
 P = 0.3
 
 
-def _masks(tp: int, dp: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Per global rank, the local keep masks of layer 0's q_proj (column) and o_proj (row) LoRA
-    dropouts in one training forward (every rank gets the same batch)."""
+def _masks(
+    tp: int, dp: int, peft_model: torch.nn.Module | None = None, names: tuple[str, ...] = ("q_proj", "o_proj")
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Per global rank, the local keep masks of layer 0's LoRA dropouts on ``names`` (by default
+    a tiny Llama's q_proj (column) and o_proj (row)) in one training forward (every rank gets the
+    same batch)."""
     from tests.lora_grid import lora
 
-    peft_model = lora(tiny_model(tiny_config("llama", attention_bias=False, mlp_bias=False)), dropout=P)
+    if peft_model is None:
+        peft_model = lora(tiny_model(tiny_config("llama", attention_bias=False, mlp_bias=False)), dropout=P)
     copies = [copy.deepcopy(peft_model) for _ in range(tp * dp)]
-    ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    vocab = peft_model.config.vocab_size
+    ids = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     out: dict[int, dict[str, torch.Tensor]] = {}
 
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu"))
         attn = model.base_model.model.model.layers[0].self_attn
         seen: dict[str, torch.Tensor] = {}
-        for name in ("q_proj", "o_proj"):
+        for name in names:
             drop = getattr(attn, name).lora_dropout["default"]
             assert isinstance(drop, ShardAwareDropout) and drop.p == P
 
@@ -64,6 +69,19 @@ def test_masks_equal_where_replicated_distinct_where_sharded_and_over_dp() -> No
             n = keep.numel()
             sigma = math.sqrt(n * P * (1 - P))
             assert abs(int(keep.sum()) - n * (1 - P)) <= 3 * sigma, (rank, name, int(keep.sum()), n)
+
+
+def test_masks_in_a_whole_run_region_are_shared_over_tp() -> None:
+    # DeepSeek-V3's MLA attention runs whole on every tp rank (plain tensors): every LoRA dropout
+    # in it draws its tp group's mask; dp ranks their own.
+    from tests.family_grid import grid_config, grid_model
+    from tests.lora_grid import attention_targets, lora
+
+    model = grid_model(grid_config("deepseek_v3", vocab_size=300))
+    m = _masks(2, 2, lora(model, attention_targets(model), dropout=P), names=("q_a_proj", "o_proj"))
+    for name in ("q_a_proj", "o_proj"):
+        assert torch.equal(m[0][name], m[1][name]) and torch.equal(m[2][name], m[3][name]), name
+        assert not torch.equal(m[0][name], m[2][name]), name
 
 
 def test_zero_p_and_eval_are_the_identity() -> None:
