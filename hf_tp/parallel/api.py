@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.compat import check_releases
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
@@ -115,6 +116,7 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
     dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
     and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`)."""
+    check_releases()  # a release below the tested floors: one line naming it, before anything else
     model, peft = unwrap_peft(outer)
     config = getattr(model, "config", None)
     if config is None:

@@ -61,6 +61,16 @@ def test_a_release_below_the_floor_stops_hf_tp_with_one_line(monkeypatch, capsys
         compat.check_releases()
 
 
+def test_a_release_below_the_floor_stops_parallelize_with_one_line(monkeypatch) -> None:
+    from tests.helpers import tiny_config, tiny_model
+
+    _installed_as(monkeypatch, accelerate="1.9.0")
+    floor = compat.FLOORS["accelerate"]
+    want = f"hf_tp needs accelerate >= {floor}; found 1.9.0: pip install -U 'accelerate>={floor}'"
+    with pytest.raises(compat.UnsupportedRelease, match=re.escape(want)):
+        hf_tp.parallelize(tiny_model(tiny_config("llama")), mesh=None)  # before the mesh is read
+
+
 def test_a_local_tag_does_not_count_as_older(monkeypatch) -> None:
     _installed_as(monkeypatch, torch=f"{compat.FLOORS['torch']}+cpu")
     assert compat.below_floor() == []
