@@ -37,6 +37,11 @@ class CPCase:
     tp: int = 2
     rows: str = "packed"  # "packed" documents, or "right" / "left" padding
     ac: bool = False  # activation checkpointing
+    ep: int = 1  # expert parallelism (MoE families): ranks borrowed from dp x cp
+
+    def __post_init__(self) -> None:
+        if self.rows != "packed" and self.dp > 1:  # (train_steps' dp loss: the mean of equal rows' means)
+            raise ValueError(f"{self.name}: padded rows of different lengths need dp 1 to compare with plain HF")
 
     @property
     def dp(self) -> int:
@@ -44,7 +49,8 @@ class CPCase:
 
     @property
     def name(self) -> str:
-        return f"{self.family}-cp{self.cp}-tp{self.tp}-dp{self.dp}-{self.rows}{'-ac' if self.ac else ''}"
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.family}-cp{self.cp}-tp{self.tp}-dp{self.dp}{ep}-{self.rows}{'-ac' if self.ac else ''}"
 
 
 def cp_batch(vocab: int, rows: str, b: int) -> dict[str, torch.Tensor]:
@@ -85,7 +91,7 @@ def run_case(case: CPCase, steps: int = 2) -> str:
     want = train_steps(ref, data, steps=steps)
     mesh = hf_tp.build_mesh(tp=case.tp, cp=case.cp, dp=case.dp, device_type="cpu")
     try:
-        hf_tp.parallelize(model, mesh, activation_checkpointing=case.ac)
+        hf_tp.parallelize(model, mesh, activation_checkpointing=case.ac, ep=case.ep)
     except ValueError as exc:
         return f"refused: {exc}"
     d = mesh.get_local_rank("dp")

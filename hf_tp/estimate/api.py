@@ -106,10 +106,11 @@ def validate_inputs(
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
     if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
         raise UnsupportedRelease(refusal)
-    if dp % ep:
-        raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
-    if cp > 1 and ep > 1:
-        raise ValueError(f"cp={cp} with ep={ep} is not supported yet; use one of them")
+    if (dp * cp) % ep:
+        what = "dp x cp" if cp > 1 else "dp"
+        raise ValueError(
+            f"ep must divide {what} ({dp * cp}): expert parallelism borrows its ranks from {what}, got ep={ep}"
+        )
     if cp > 1 and seq_len % (2 * cp * tp):
         raise ValueError(
             f"seq_len ({seq_len}) must be a multiple of 2*cp*tp ({2 * cp * tp}): each cp rank keeps two equal "

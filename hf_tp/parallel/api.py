@@ -61,7 +61,8 @@ def parallelize(
 
     ``ep`` > 1 (mixture-of-experts models) places whole experts on ranks borrowed from dp: each
     group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
-    (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp and the number of experts.
+    (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp (dp x cp with a cp dim) and the
+    number of experts.
 
     A ``cp`` mesh dim > 1 splits each row's tokens over cp (:mod:`hf_tp.parallel.context`): pass
     every rank of a cp x tp group the same full rows (length a multiple of 2 x cp x tp); the
@@ -132,10 +133,6 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
     if cp is not None:
-        if ep > 1:
-            raise ValueError(
-                f"context parallelism (cp={cp.size()}) with expert parallelism (ep={ep}) is not supported yet; use ep=1"
-            )
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
     if ep > 1:

@@ -1,6 +1,7 @@
 """Expert parallelism: whole experts placed on ranks, tokens moved to them with all-to-all.
 
-EP borrows its ranks from data parallelism, as torchtitan does: with ``dp = dp_out * ep`` each
+EP borrows its ranks from data parallelism (dp x cp with context parallelism), as torchtitan
+does: with ``dp = dp_out * ep`` each
 group of ``ep`` consecutive dp ranks (same tp rank) splits a MoE layer's experts ``ep`` ways, so
 the world stays ``tp * dp``. Expert weights become DTensors on a ``("dp_out", "ep", "tp")`` mesh:
 ``Shard(0)`` over ep (each rank its ``experts / ep``), their tp split as before (expert tensor
@@ -29,6 +30,7 @@ estimate`` only (fake tensors have no values); every real run takes the path abo
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 from collections.abc import Iterator
 
@@ -73,15 +75,39 @@ def _even_split(total: int, parts: int) -> list[int]:
 
 
 def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The ``("dp_out", "ep", "tp")`` mesh over the same ranks as the ``("dp", "tp")`` ``mesh``."""
-    dp, tp = (mesh["dp"].size(), mesh["tp"].size()) if mesh.ndim == 2 else (1, mesh.size())
+    """The ``("dp_out", "ep", "tp")`` mesh over the same ranks as the ``("dp", "tp")`` ``mesh``.
+
+    With context parallelism (a ``("dp", "cp", "tp")`` mesh) ep borrows from dp x cp: the cp ranks
+    of a row hold distinct tokens, as dp ranks do, and FSDP2 averages over both (the loss's backward
+    scales by cp, :mod:`hf_tp.parallel.context`), so an ep group may span them alike."""
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        dp, tp, what = 1, mesh.size(), "dp"
+    else:
+        dp, tp = mesh["dp"].size() * (mesh["cp"].size() if "cp" in names else 1), mesh["tp"].size()
+        what = "dp x cp" if "cp" in names else "dp"
     if ep < 1 or dp % ep:
-        raise ValueError(f"ep must divide dp ({dp}): expert parallelism borrows its ranks from dp, got ep={ep}")
+        raise ValueError(f"ep must divide {what} ({dp}): expert parallelism borrows its ranks from {what}, got ep={ep}")
     ranks = mesh.mesh.tolist()  # (tolist, not tensor ops: also answers inside hf-tp estimate's fake mode)
-    if (ranks if mesh.ndim == 1 else [r for row in ranks for r in row]) != list(range(dist.get_world_size())):
+    for _ in range(mesh.ndim - 1):
+        ranks = [r for row in ranks for r in row]
+    if ranks != list(range(dist.get_world_size())):
         raise ValueError("expert parallelism needs the mesh hf_tp.build_mesh makes (ranks in order, tp adjacent)")
+    # One mesh object per world and shape: DTensor's sharding propagation caches output specs by
+    # mesh equality, so a second model's expert weights may come back on the first model's (equal)
+    # mesh, and FSDP2's SPMD path then refuses a mesh that is not the very object it was given.
+    world = dist.distributed_c10d._get_default_group()
+    key = (threading.get_ident(), mesh.device_type, dp // ep, ep, tp)  # (threaded test worlds: a mesh per thread)
+    cached = _EP_MESHES.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
     # looked up at call time: hf-tp estimate builds meshes from real rank tensors inside its fake mode
-    return device_mesh.init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
+    out = device_mesh.init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
+    _EP_MESHES[key] = (world, out)  # (the group kept alive with it: a new world is never taken for it)
+    return out
+
+
+_EP_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 
 
 def check_experts(model: nn.Module, layers_path: str, paths: tuple[str, ...], ep: int) -> None:

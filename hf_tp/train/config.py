@@ -136,12 +136,15 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.dp is not None and self.ep > 1 and self.dp % self.ep:
+        if self.dp is not None and self.ep > 1 and (self.dp * self.cp) % self.ep:
+            if self.cp == 1:
+                raise ValueError(
+                    f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
+                )
             raise ValueError(
-                f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
+                f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
+                f"dp x cp, got {self.ep}"
             )
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"--cp {self.cp} with --ep {self.ep} is not supported yet; use one of them")
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
         if self.lr is not None and not self.lr > 0:

@@ -31,6 +31,9 @@ CASES = [
     CPCase("phi3", rows="left"),
     CPCase("qwen3_moe"),
     CPCase("mixtral", tp=1),
+    CPCase("qwen3_moe", ep=2, rows="right"),  # ep over the cp ranks, experts also split over tp
+    CPCase("mixtral", tp=1, ep=4),  # ep over dp x cp
+    CPCase("olmoe", tp=1, ep=2),  # dp_out 2: experts also sharded by FSDP2
     CPCase("deepseek_v3"),  # latent attention: its up-projected K/V are gathered
     CPCase("gpt_oss"),  # attention sinks, sliding window
 ]

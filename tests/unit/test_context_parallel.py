@@ -94,9 +94,10 @@ def test_families_that_do_not_mask_packed_documents_are_read_from_source() -> No
         assert masks_documents(model.get_decoder()) is masks, family
 
 
-def test_config_refuses_cp_with_ep_and_counts_cp_in_the_world() -> None:
-    with pytest.raises(ValueError, match="--cp 2 with --ep 2 is not supported"):
-        TrainConfig(tp=1, dp=2, cp=2, ep=2).validate()
+def test_config_counts_cp_in_the_world_and_lends_it_to_ep() -> None:
+    TrainConfig(tp=1, dp=1, cp=2, ep=2).validate()  # ep borrows from dp x cp
+    with pytest.raises(ValueError, match=r"--ep must divide --dp x --cp \(4\): .* from dp x cp, got 8"):
+        TrainConfig(tp=1, dp=2, cp=2, ep=8).validate()
     with pytest.raises(ValueError, match="--cp must be a positive integer"):
         TrainConfig(tp=1, dp=1, cp=0).validate()
     cfg = TrainConfig(tp=2, dp=3, cp=2)
@@ -120,7 +121,9 @@ def test_refusals_name_the_problem() -> None:
     _refused(grid("lfm2"), r"lfm2 mixes tokens outside attention \(Lfm2ShortConv")
     _refused(grid("falcon_h1"), "falcon_h1 mixes tokens outside attention")
     config = tiny_config("llama")
-    _refused(lambda: tiny_model(config, attn="eager"), "context parallelism .cp=2. with expert", ep=2)
+    _refused(lambda: tiny_model(config, attn="eager"), "ep=2 needs a mixture-of-experts model", ep=2)
+    moe = lambda: AutoModelForCausalLM.from_config(grid_config("qwen3_moe", num_hidden_layers=2))  # noqa: E731
+    _refused(moe, r"ep must divide dp x cp \(2\): expert parallelism borrows its ranks from dp x cp, got ep=4", ep=4)
 
     def flash():
         model = tiny_model(config)
@@ -165,3 +168,15 @@ def test_estimate_cp_counts_the_kv_gathers() -> None:
     assert gathers and gathers[0]["count"] == 2 * 16  # K and V, each of the 16 layers
     with pytest.raises(ValueError, match=r"seq_len \(124\) must be a multiple of 2\*cp\*tp \(8\)"):
         validate_inputs(tiny_config("llama"), 2, 1, 124, 1, "bf16", cp=2)
+
+
+def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
+    from hf_tp.estimate.api import estimate
+    from tests.unit.test_estimate_moe import tiny_moe
+
+    # cp 2 x dp 2: ep 4 spans dp x cp (no dp_out), ep 2 leaves dp_out 2 (experts sharded by FSDP2 there)
+    at4, at2 = (estimate(tiny_moe(), 1, 2, 64, 1, ep=ep, cp=2) for ep in (4, 2))
+    assert at4.sent_bytes("ep") > 0 and at4.sent_bytes("cp") > 0 and at4.sent_bytes("dp_out") == 0
+    assert at2.sent_bytes("dp_out") > 0
+    with pytest.raises(ValueError, match=r"ep must divide dp x cp \(4\): .* from dp x cp, got ep=8"):
+        validate_inputs(tiny_moe(), 1, 2, 64, 1, "bf16", ep=8, cp=2)
