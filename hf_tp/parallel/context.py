@@ -83,9 +83,9 @@ class ContextState:
     k_index: torch.Tensor | None = None
     key_valid: torch.Tensor | None = None  # (B, S) bool, the padding mask
     docs: torch.Tensor | None = None  # (B, S) document ids of packed rows
-    masks: dict = field(default_factory=dict)
-    called: set = field(default_factory=set)
-    documents: bool = True  # the family masks packed documents (position_ids restarting) as HF does  # ids of the attention modules that ran in this forward
+    masks: dict = field(default_factory=dict)  # this forward's masks, shared by its layers
+    called: set = field(default_factory=set)  # ids of the attention modules that ran in this forward
+    documents: bool = True  # the family masks packed documents (position_ids restarting) as HF does
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.mesh.size(), self.mesh.get_local_rank())
@@ -104,10 +104,16 @@ class ContextState:
         self.key_valid = attention_mask.bool() if attention_mask is not None else None
         self.docs = docs
 
-    def mask(self, batch: int, window: int | None, device) -> torch.Tensor:
-        """(B, 1, local tokens, all tokens) bool: HF's causal mask with padding, documents and
-        ``window``, in global indices, keys in all-gather order."""
-        key = (batch, window)
+    def mask(self, batch: int, window: int | None, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(B, 1, local tokens, all tokens): HF's causal mask with padding, documents and
+        ``window``, in global indices, keys in all-gather order; bool, or additive in ``dtype``
+        (0 where allowed, the dtype's min elsewhere).
+
+        Made once per forward and shared by every layer: SDPA given a bool mask makes an additive
+        copy per call and keeps it for backward (4 GiB per layer for a 64k row at cp 2), one
+        additive mask handed to all layers is kept once. Dropped at the end of the forward
+        (:meth:`finish`); autograd keeps what backward needs."""
+        key = (batch, window, dtype)
         if key not in self.masks:
             q, k = self.q_index[:, None], self.k_index[None, :]
             allowed = (k <= q)[None].expand(batch, -1, -1)
@@ -118,8 +124,25 @@ class ContextState:
             if self.docs is not None:
                 docs = self.docs.expand(batch, -1)
                 allowed = allowed & (docs[:, self.q_index][:, :, None] == docs[:, self.k_index][:, None, :])
-            self.masks[key] = allowed[:, None].to(device)
+            out = allowed[:, None].to(device)
+            if dtype is not None:
+                # Queries that may attend to nothing: only padding makes them (a query's own key is
+                # allowed otherwise); not tested for any (no data-dependent branch: hf-tp estimate).
+                empty = ~out.any(-1)[:, 0, :, None, None] if self.key_valid is not None else None
+                self.masks[("empty", batch, window)] = empty
+                out = torch.zeros((), dtype=dtype, device=device).masked_fill(~out, torch.finfo(dtype).min)
+            self.masks[key] = out
         return self.masks[key]
+
+    def empty_rows(self, batch: int, window: int | None) -> torch.Tensor | None:
+        """(B, local tokens, 1, 1) bool of the queries the last additive :meth:`mask` lets attend to
+        no key, or None for rows without padding (every query has a key). SDPA given a bool mask
+        returns zeros there; an additive mask would give the mean of the values instead."""
+        return self.masks.get(("empty", batch, window))
+
+    def finish(self) -> None:
+        """After a forward: drop its masks (an activation-checkpointing recompute rebuilds them)."""
+        self.masks = {}
 
 
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw):
@@ -135,14 +158,16 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     group = state.mesh.get_group()
     key = _all_gather(key.contiguous(), gather_dim=2, group=group)
     value = _all_gather(value.contiguous(), gather_dim=2, group=group)
-    mask = state.mask(query.shape[0], _window(module, kw), query.device)
+    window = _window(module, kw)
+    mask = state.mask(query.shape[0], window, query.device, dtype=query.dtype)
     kw.pop("is_causal", None)
     if state.base == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
-    additive = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
-    return family_eager(module)(module, query, key, value, additive, **kw)
+        out, weights = sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kw)
+        empty = state.empty_rows(query.shape[0], window)
+        return (out if empty is None else out.masked_fill(empty, 0)), weights
+    return family_eager(module)(module, query, key, value, mask, **kw)  # (eager HF masks additively too)
 
 
 def _window(module: nn.Module, kw: dict) -> int | None:

@@ -141,10 +141,11 @@ def _split_inputs(state: ContextState):
 
 
 def _check_attention_ran(state: ContextState, layers: list[nn.Module]):
-    """After a forward: every decoder layer attended through hf_tp's function (else its tokens
-    would have met some other way, or not at all)."""
+    """After a forward: its masks dropped, and every decoder layer attended through hf_tp's
+    function (else its tokens would have met some other way, or not at all)."""
 
     def hook(module: nn.Module, args, output) -> None:
+        state.finish()
         missing = [i for i, layer in enumerate(layers) if not any(id(m) in state.called for m in layer.modules())]
         if missing:
             raise ValueError(

@@ -3,6 +3,7 @@ layout, the mask against transformers' own, packed documents, and every refusal.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -180,3 +181,14 @@ def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
     assert at2.sent_bytes("dp_out") > 0
     with pytest.raises(ValueError, match=r"ep must divide dp x cp \(4\): .* from dp x cp, got ep=8"):
         validate_inputs(tiny_moe(), 1, 2, 64, 1, "bf16", ep=8, cp=2)
+
+
+def test_one_additive_mask_serves_every_layer() -> None:
+    # SDPA given a bool mask keeps an additive copy per layer for backward (quadratic in the row:
+    # 4 GiB a layer for a 64k row at cp 2); hf_tp hands every layer one additive mask per forward.
+    from hf_tp.estimate.api import estimate
+
+    config = tiny_config("llama", num_hidden_layers=4, max_position_embeddings=2048)
+    whole, split = (estimate(copy.deepcopy(config), 1, 1, 2048, 1, cp=cp, dtype="fp32") for cp in (1, 2))
+    mask = 1024 * 2048 * 4  # local queries x all keys, fp32
+    assert split.peak.activations < whole.peak.activations + 1.5 * mask, (split.peak, whole.peak)
