@@ -44,30 +44,23 @@ def parallelize(
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
 
-    ``mesh`` is 1-D (all tp), 2-D with dims ``("dp", "tp")`` or 3-D ``("dp", "cp", "tp")``
-    (:func:`hf_tp.build_mesh`); with a dp (or cp) dim of size > 1 the model is also sharded with
-    FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for FSDP2's mixed precision). Works on a model from ``from_pretrained`` or one built on the meta device.
-    With ``loss_parallel=True`` the logits are a DTensor sharded on the vocab: compute the loss and
-    call backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
-    depends only on the config and the mesh shape, so a bad input raises the same ``ValueError``
-    on every rank. A ``peft.PeftModel`` with LoRA adapters is taken too (:mod:`hf_tp.parallel.lora`).
+    ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")`` or ``("dp", "cp", "tp")``;
+    a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
+    a model from ``from_pretrained``, one built on meta, or a peft LoRA model
+    (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
+    and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
+    depends only on the config and the mesh shape: a bad input raises the same ``ValueError`` on
+    every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
+    :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism.
 
     ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each
     decoder layer after TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for
     the ``Partial`` gradients of weights replicated over tp (:mod:`hf_tp.parallel.partial_grads`).
-    tp must divide the attention heads and the MLP width; with fewer KV heads than tp ranks each
-    KV head is replicated on tp / num_key_value_heads ranks (:mod:`hf_tp.styles.kv_heads`). A tp
-    dim of size 1 applies no tensor parallelism (plain tensors, only FSDP2 when dp > 1).
-
-    ``ep`` > 1 (mixture-of-experts models) places whole experts on ranks borrowed from dp: each
-    group of ``ep`` dp ranks splits every MoE layer's experts, tokens reach them by all-to-all
-    (:mod:`hf_tp.parallel.expert_parallel`); ep must divide dp (dp x cp with a cp dim) and the
-    number of experts.
-
-    A ``cp`` mesh dim > 1 splits each row's tokens over cp (:mod:`hf_tp.parallel.context`): pass
-    every rank of a cp x tp group the same full rows (length a multiple of 2 x cp x tp); the
-    logits that come back are this rank's tokens (:func:`hf_tp.parallel.context.Layout.indices`
-    says which), a ``labels=`` loss is the whole rows' loss on every rank.
+    ``ep`` > 1 (MoE): whole experts on ranks borrowed from dp (dp x cp), tokens moved by
+    all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the experts.
+    A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a
+    cp x tp group passes the same full rows (a multiple of 2 x cp x tp long); the logits are this
+    rank's tokens (``Layout.indices`` says which), a ``labels=`` loss the whole rows' on every rank.
     """
     outer = model
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep)

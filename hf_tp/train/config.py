@@ -242,6 +242,12 @@ class TrainConfig:
         return "tp*cp*dp" if self.cp > 1 else "tp*dp"
 
     @property
+    def layout_sizes(self) -> str:
+        """ "2*4" or "2*2*4": the sizes :attr:`layout_name` names, for messages."""
+        sizes = (self.tp or 1, self.cp, self.dp or 1) if self.cp > 1 else (self.tp or 1, self.dp or 1)
+        return "*".join(map(str, sizes))
+
+    @property
     def row_multiple(self) -> int:
         """Rows are padded to a multiple of this: tp (sequence parallelism), 2 x cp x tp with
         context parallelism (each cp rank keeps two equal chunks, each split over tp)."""

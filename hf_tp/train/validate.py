@@ -135,8 +135,8 @@ def check_devices(cfg: TrainConfig, device_type: str) -> None:
     have = torch.cuda.device_count()
     if per_node > have:
         raise ValueError(
-            f"{cfg.layout_name} = {cfg.world_size} processes need {per_node} GPUs per node, but {have} "
-            f"are visible; lower --tp/--dp or use --device cpu"
+            f"{cfg.layout_name} = {cfg.layout_sizes} = {cfg.world_size} processes need {per_node} GPUs per node, "
+            f"but {have} are visible; lower --tp/--dp or use --device cpu"
         )
 
 
