@@ -18,7 +18,7 @@ FLOORS: dict[str, str] = {
     "torch": "2.13.0",
     "transformers": "5.17.0",
     "accelerate": "1.10.0",
-    "datasets": "4.7.0",
+    "datasets": "4.8.0",
 }
 # the lora extra's floor (peft is optional: checked where LoRA is used, not at start-up)
 PEFT_FLOOR = "0.21.0"

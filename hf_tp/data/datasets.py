@@ -131,7 +131,12 @@ def check_text_dataset(
         with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
-    except (DatasetsError, ValueError, OSError) as exc:
+    except (
+        DatasetsError,
+        ValueError,
+        OSError,
+        TypeError,
+    ) as exc:  # (TypeError: a JSON line that is a list, datasets < 5.1)
         if builder == "json":
             check_json_lines(source, files)
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
@@ -240,7 +245,7 @@ def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
     names = [str(f) for f in files]
     try:
         return datasets.load_dataset(builder, data_files=names, split=split)
-    except (DatasetsError, ValueError, OSError, StopIteration) as exc:
+    except (DatasetsError, ValueError, OSError, StopIteration, TypeError) as exc:  # (TypeError: see check_text_dataset)
         reason, maybe_empty = _reason(exc), isinstance(exc, ValueError)
     if "UnicodeDecodeError" in reason:
         check_utf8(source, files, builder)
@@ -288,6 +293,12 @@ def _data_files(source: str, path: Path) -> tuple[str, list[Path]]:
 
 def _has_no_rows(file: Path, builder: str) -> bool:
     if file.stat().st_size == 0:
+        return True
+    if builder == "json":  # blank lines only: datasets before 4.8.5 fails on them ("Expected object or value")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):  # (stops at the first chunk with a non-blank byte: the first, usually)
+                if chunk.strip():
+                    return False
         return True
     if builder == "parquet":
         try:
