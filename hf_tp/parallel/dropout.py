@@ -73,7 +73,10 @@ def install_model_dropout(
     if not dropout_probabilities(model):
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    streams = ModelDropout(torch.initial_seed(), rank, int(tp_mesh.mesh.flatten()[0]))
+    first = tp_mesh.mesh.tolist()  # (tolist, not tensor ops: also answers inside hf-tp estimate's fake mode)
+    while isinstance(first, list):
+        first = first[0]
+    streams = ModelDropout(torch.initial_seed(), rank, int(first))
     plan = adapter.layer_plan(opts)
     kinds = region_kinds(plan, opts.sequence_parallel)
     rows = [p for p, s in plan.items() if isinstance(s, RowwiseParallel) and kinds.get(p.rpartition(".")[0]) == SHARD]
