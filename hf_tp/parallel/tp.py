@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
@@ -76,7 +79,34 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
     install_model_dropout(model, adapter, opts, tp_mesh)  # the model's own dropout: masks right under tp
+    _say_if_mostly_whole(model, adapter, tp_mesh.size())
     if tied:
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+MOSTLY_WHOLE = 0.25  # below this share of sharded decoder-layer weights tp hardly splits the model
+
+
+def sharded_share(model: nn.Module, layers_path: str) -> float:
+    """The share of the decoder layers' weight elements that tensor parallelism splits (a
+    ``Shard`` placement); the rest runs whole on every tp rank."""
+    total = split = 0
+    for p in model.get_submodule(layers_path).parameters():
+        total += p.numel()
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+            split += p.numel()
+    return split / total if total else 1.0
+
+
+def _say_if_mostly_whole(model: nn.Module, adapter: Adapter, tp: int) -> None:
+    """One warning (rank 0) when the plan leaves most of the layers whole: the run is exact but
+    tp then buys little memory or speed, which a user would not guess from a run that works."""
+    share = sharded_share(model, adapter.layers_path)
+    if share < MOSTLY_WHOLE and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(
+            f"hf_tp: tp={tp} splits only {100 * share:.0f}% of {adapter.model_type}'s decoder-layer weights; the "
+            "rest runs whole on every tp rank, so memory and time hardly fall with tp (prefer dp/FSDP2 for it)",
+            stacklevel=3,
+        )

@@ -91,3 +91,31 @@ def test_meta_device_model_is_parallelized_without_memory() -> None:
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_activation_checkpointing_keeps_parity(family: str) -> None:
     _check(family, tied=family == "qwen2", ac=True)
+
+
+@pytest.mark.parametrize(("family", "says"), [("deepseek_v32", True), ("llama", False)])
+def test_a_plan_that_leaves_most_weights_whole_says_so(family: str, says: bool) -> None:
+    # The tiny DeepSeek-V3.2: its sparse-attention indexer (whole on every tp rank) outweighs the
+    # tiny experts, so tp=2 splits 6% of the layers' weights: exact, but worth one line.
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+
+    from tests.family_grid import grid_config, grid_model
+
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"{family} is not in this transformers release")
+    ref = grid_model(grid_config(family))
+    models = [clone(ref) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+
+    with warnings.catch_warnings(record=True) as caught:  # (process-wide: around both rank threads)
+        warnings.simplefilter("always")
+        run_threaded(2, rank_fn)
+    said = [str(w.message) for w in caught if str(w.message).startswith("hf_tp: tp=")]
+    if says:
+        assert len(said) == 1 and f"splits only 6% of {family}'s decoder-layer weights" in said[0], said
+    else:
+        assert said == []
