@@ -20,10 +20,12 @@ EPILOG = """examples:
   hf-tp estimate --model llama-3.1-8b --tp 2 --dp 4 --seq-len 8192 --batch-size 1 --gpu h100-sxm
   hf-tp estimate --model llama-3.1-70b --gpu h100-sxm --world-size 64 --seq-len 8192
   hf-tp estimate --model llama-3.1-70b --tp 8 --dp 1 --seq-len 4096 --lora-r 16
+  hf-tp estimate --model llama-3.1-8b --gpu h100-sxm --world-size 16 --cp 2 --seq-len 32768
 
 --gpu predicts step time, tokens/s per GPU and MFU (docs/estimate.md: the model, its published
 constants and how it compares with published runs); with --world-size it ranks the layouts that
-fit that GPU by predicted tokens/s.
+fit that GPU by predicted tokens/s, doubling the per-rank --batch-size (up to 8x) where memory
+allows; --cp, --ep and --lora-r stay fixed in a sweep.
 
 --ep simulates expert parallelism with balanced routing (every expert gets the same number of
 rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
@@ -44,19 +46,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cp", type=int, default=1, help="context-parallel size: each sequence's tokens split over cp ranks"
     )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per dp rank per micro-step (default 1)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="sequences per dp rank per micro-step (default 1); a --gpu sweep tries up to 8x it where memory allows",
+    )
     p.add_argument(
         "--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision, fp32 master weights"
     )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer")
-    p.add_argument(
-        "--lora-r", type=int, default=0, help="a LoRA run of rank R (frozen base in --dtype; one layout: --tp/--dp)"
-    )
+    p.add_argument("--lora-r", type=int, default=0, help="a LoRA run of rank R (frozen base in --dtype)")
     p.add_argument(
         "--lora-target-modules", default="all-linear", help="with --lora-r: all-linear or names such as q_proj,v_proj"
     )
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB: sweep (tp, dp) and recommend one")
-    p.add_argument("--world-size", type=int, help="GPUs to split into (tp, dp) for the sweep (default: tp*dp)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="GPUs to split into (tp, dp) for the sweep, --cp and --ep fixed (default: tp*cp*dp)",
+    )
     p.add_argument("--gpu", help=f"predict speed on this GPU: {', '.join(GPUS)}")
     p.add_argument(
         "--inter-node-gbps",
@@ -84,16 +93,14 @@ def run(args: argparse.Namespace) -> int:
             activation_checkpointing=args.activation_checkpointing,
             model_name=name,
             ep=args.ep,
+            cp=args.cp,
+            lora_r=args.lora_r,
+            lora_target_modules=args.lora_target_modules,
         )
         if args.gpu_memory is None and args.world_size is None:
-            lora = dict(lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
-            return print_single(estimate(config, args.tp, args.dp, cp=args.cp, **common, **lora), cluster, args.json)
-        if args.cp != 1:
-            raise ValueError("the --gpu-memory / --world-size sweep does not vary --cp yet; estimate one layout")
-        if args.lora_r:
-            raise ValueError("--lora-r sizes one layout: give --tp/--dp, without --gpu-memory/--world-size")
+            return print_single(estimate(config, args.tp, args.dp, **common), cluster, args.json)
         gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
-        world = args.world_size if args.world_size is not None else args.tp * args.dp
+        world = args.world_size if args.world_size is not None else args.tp * args.cp * args.dp
         start = time.perf_counter()
 
         def progress(message: str) -> None:

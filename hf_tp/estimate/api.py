@@ -135,12 +135,12 @@ def estimate(
     """Simulate one training step of ``config`` at (tp, dp) and return one rank's memory and comms.
 
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
-    MoE layer's experts over ep of the dp ranks; its all-to-alls are simulated with balanced
-    routing (:func:`hf_tp.parallel.expert_parallel.balanced_routing`). ``lora_r`` > 0 sizes a
-    LoRA run as ``hf-tp train --lora-r`` makes it (``lora_target_modules``: ``all-linear`` or
-    comma-separated names): the frozen base in the compute dtype with no gradients or optimizer
-    state, the adapters trainable with fp32 weights, gradients and AdamW state. Runs in this process on one CPU core, roughly 0.3 s
-    per decoder layer (Qwen2-0.5B ~8 s, Llama-3.1-70B ~30 s); needs no GPU, weights or network.
+    MoE layer's experts over ep of the dp (x cp) ranks, all-to-alls simulated with balanced routing
+    (:func:`hf_tp.parallel.expert_parallel.balanced_routing`); ``cp`` > 1 splits each row's tokens
+    over cp ranks. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run (``lora_target_modules``:
+    ``all-linear`` or comma-separated names): the frozen base in the compute dtype, fp32 adapters
+    with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer (Qwen2-0.5B ~8 s,
+    Llama-3.1-70B ~30 s); no GPU, weights or network.
     """
     validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp)
     if lora_r:  # the checks of hf-tp train's --lora-r / --lora-target-modules
@@ -160,24 +160,8 @@ def estimate(
         num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         experts = find_experts(model, config)
-        all_to_all = {}
-        for name, dim in ep_groups(experts).items():  # the ep mesh's tp dim is the tp ranks again
-            groups.setdefault(name, dim)
-            if dim[0] == "ep":  # named ep even where the ep ranks are all the dp ranks (one group)
-                all_to_all[(name, "all_to_all")] = dim
-        tracker = PeakMemTracker()
-        tracker.track_external(model, optimizer)
-        tracker.watch(experts)
-        routed = RoutedRows(experts)
-        counter = CommCounter(groups, all_to_all)
-        work = WorkCounter()
-        after: list[dict] = []
-        with fake, tracker, counter, work:
-            after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
-            train_step(model, optimizer, batch, dp, after_optimizer_step=after_step)
-        routed.remove()
-        peak = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
-        moe = moe_stats(model, config, experts, tracker, routed) if experts else None
+        counter = CommCounter(groups, _expert_groups(experts, groups), _functional_groups(mesh, cp))
+        peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, dp, config, experts, counter)
     return Estimate(
         model=model_name or getattr(config, "name_or_path", "") or config.model_type,
         model_type=config.model_type,
@@ -190,16 +174,60 @@ def estimate(
         dtype=dtype,
         activation_checkpointing=activation_checkpointing,
         peak=peak,
-        state=MemoryBreakdown.from_snapshot(after[0]),
+        state=state,
         comms=counter.stats(),
         moe=moe,
         seconds=time.perf_counter() - start,
-        work=work.work,
+        work=work,
         lora_r=lora_r,
         lora_target_modules=lora_target_modules if lora_r else "",
         trainable_params=trainable,
         cp=cp,
     )
+
+
+def _tracked_step(
+    fake: FakeTensorMode,
+    model,
+    optimizer,
+    batch: dict,
+    dp: int,
+    config: PretrainedConfig,
+    experts,
+    counter: CommCounter,
+) -> tuple[MemoryBreakdown, MemoryBreakdown, MoEStats | None, Work]:
+    """Run the training step under the memory tracker, ``counter`` and a work counter: the peak,
+    the state right after the optimizer step, the MoE figures (None for a dense model), the work."""
+    tracker = PeakMemTracker()
+    tracker.track_external(model, optimizer)
+    tracker.watch(experts)
+    routed = RoutedRows(experts)
+    work = WorkCounter()
+    after: list[dict] = []
+    with fake, tracker, counter, work:
+        after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
+        train_step(model, optimizer, batch, dp, after_optimizer_step=after_step)
+    routed.remove()
+    peak = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
+    moe = moe_stats(model, config, experts, tracker, routed) if experts else None
+    return peak, MemoryBreakdown.from_snapshot(after[0]), moe, work.work
+
+
+def _expert_groups(experts, groups: dict[str, tuple[str, int]]) -> dict[tuple[str, str], tuple[str, int]]:
+    """Add the ep mesh's groups to ``groups`` (its tp dim is the tp ranks again) and return the
+    all-to-alls to count as ep, named so even where the ep ranks are all the dp ranks (one group)."""
+    all_to_all = {}
+    for name, dim in ep_groups(experts).items():
+        groups.setdefault(name, dim)
+        if dim[0] == "ep":
+            all_to_all[(name, "all_to_all")] = dim
+    return all_to_all
+
+
+def _functional_groups(mesh: DeviceMesh, cp: int) -> dict[str, tuple[str, int]]:
+    """The cp group for the comm counter's functional collectives: cp's K/V gathers are functional,
+    FSDP2's over dp x cp are c10d ones, and at dp = 1 the two share one process group."""
+    return {mesh["cp"].get_group().group_name: ("cp", cp)} if cp > 1 else {}
 
 
 def _mesh_and_groups(tp: int, cp: int, dp: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:

@@ -84,16 +84,22 @@ class CommCounter(TorchDispatchMode):
 
     ``groups`` maps a process group name to ``(dim name, group size)``; ``by_collective`` maps
     ``(group name, collective)`` to the same and wins over ``groups`` (the ep all-to-alls when the
-    ep ranks are all the dp ranks, one process group); collectives on groups of size 1 move nothing
-    and are skipped.
+    ep ranks are all the dp ranks, one process group); ``functional`` maps a group name to the dim
+    of its other functional (``_c10d_functional``) collectives and wins over ``groups``: cp's K/V
+    gathers when the cp group is also FSDP2's dp x cp group (dp = 1), whose own are c10d ones.
+    Collectives on groups of size 1 move nothing and are skipped.
     """
 
     def __init__(
-        self, groups: dict[str, tuple[str, int]], by_collective: dict[tuple[str, str], tuple[str, int]] | None = None
+        self,
+        groups: dict[str, tuple[str, int]],
+        by_collective: dict[tuple[str, str], tuple[str, int]] | None = None,
+        functional: dict[str, tuple[str, int]] | None = None,
     ) -> None:
         super().__init__()
         self.groups = groups
         self.by_collective = by_collective or {}
+        self.functional = functional or {}
         self._stats: dict[tuple[str, str], list[int]] = {}
         self._sizes: dict[str, int] = {}
 
@@ -103,12 +109,12 @@ class CommCounter(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         key = (func.namespace, func.overloadpacket.__name__)
         if key in _OPS:
-            self._record(_OPS[key], args, kwargs or {}, result)
+            self._record(_OPS[key], args, kwargs or {}, result, func.namespace.startswith("_c10d_functional"))
         return result
 
-    def _record(self, op: tuple[str, int | str], args, kwargs, result) -> None:
+    def _record(self, op: tuple[str, int | str], args, kwargs, result, functional: bool = False) -> None:
         collective, where = op
-        dim, size = self._group_of(args, kwargs, collective)
+        dim, size = self._group_of(args, kwargs, collective, functional)
         if size <= 1:
             return
         full = result if where == "result" else args[where]
@@ -117,7 +123,7 @@ class CommCounter(TorchDispatchMode):
         entry[1] += _nbytes(full)
         self._sizes[dim] = size
 
-    def _group_of(self, args, kwargs, collective: str) -> tuple[str, int]:
+    def _group_of(self, args, kwargs, collective: str, functional: bool = False) -> tuple[str, int]:
         """``(dim name, group size)`` of the process group a collective names (by object or name)."""
         groups: list[ProcessGroup] = []
         names: list[str] = []
@@ -133,6 +139,9 @@ class CommCounter(TorchDispatchMode):
         for name in names:
             if (name, collective) in self.by_collective:
                 return self.by_collective[(name, collective)]
+        for name in names if functional else ():
+            if name in self.functional:
+                return self.functional[name]
         for name in names:
             if name in self.groups:
                 return self.groups[name]

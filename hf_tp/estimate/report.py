@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate, GiB, MiB
+from hf_tp.estimate.layouts import RANK_RULE, RULE, Sweep, fits
 from hf_tp.estimate.moe import BALANCED_NOTE_LINES
-from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits
 
 _CATEGORIES = (
     ("parameters", "parameters"),
@@ -104,24 +104,31 @@ def format_sweep(result: Sweep) -> str:
     """One row per (tp, dp) split, the recommendation and the rule behind it."""
     first = result.estimates[0]
     gpu = result.gpu_memory
+    cp = f"cp={result.cp} fixed, " if result.cp > 1 else ""
     lines = [f"hf-tp estimate: every (tp, dp) split of {result.world_size} ranks for {describe_model(first)}"]
     lines.append(
-        (f"ep={result.ep} (of dp's ranks), " if result.ep > 1 else "")
+        cp
+        + (f"ep={result.ep} (of dp's ranks), " if result.ep > 1 else "")
+        + (f"LoRA r={first.lora_r} on {first.lora_target_modules}, " if first.lora_r else "")
         + f"seq {first.seq_len} x batch {first.batch_size} per dp rank, {first.dtype}, "
         f"{'with' if first.activation_checkpointing else 'no'} activation checkpointing"
         + (f"; GPU memory {gpu / GiB:.1f} GiB" if gpu else "")
     )
     lines.append("")
-    header = f"{'tp':>4}{'dp':>5}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}"
+    header = (
+        f"{'tp':>4}{'dp':>5}{'batch':>6}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}"
+    )
     header += f"{'TP sent/step GiB':>18}{'DP sent/step GiB':>18}"
+    header += f"{'CP sent/step GiB':>18}" if result.cp > 1 else ""
     header += f"{'EP sent/step GiB':>18}" if result.ep > 1 else ""
     header += f"{'fits':>6}" if gpu else ""
     lines.append(header)
     for e in result.estimates:
         p = e.peak
-        row = f"{e.tp:>4}{e.dp:>5}{p.total / GiB:>10.2f}{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}"
+        row = f"{e.tp:>4}{e.dp:>5}{e.batch_size:>6}{p.total / GiB:>10.2f}{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}"
         row += f"{p.optimizer / GiB:>8.2f}{p.activations / GiB:>8.2f}{(p.temporary + p.other) / GiB:>8.2f}"
         row += f"{e.sent_bytes('tp') / GiB:>18.2f}{(e.sent_bytes('dp') + e.sent_bytes('dp_out')) / GiB:>18.2f}"
+        row += f"{e.sent_bytes('cp') / GiB:>18.2f}" if result.cp > 1 else ""
         row += f"{e.sent_bytes('ep') / GiB:>18.2f}" if result.ep > 1 else ""
         if gpu:
             row += f"{'yes' if fits(e, gpu) else 'no':>6}"
@@ -131,6 +138,11 @@ def format_sweep(result: Sweep) -> str:
             row += "  <- recommended"
         lines.append(row)
     lines.append("(memory columns: GiB per rank at the step's peak; sent: bytes one rank sends per step)")
+    if result.cp > 1:
+        lines.append(
+            f"cp={result.cp}: DP sent is FSDP2's traffic over dp x cp ranks; CP sent the K/V all-gathers and "
+            "dK/dV reduce-scatters of attention."
+        )
     if result.ep > 1:
         lines += [
             *BALANCED_NOTE_LINES,
@@ -143,7 +155,10 @@ def format_sweep(result: Sweep) -> str:
     elif result.recommended is not None:
         r = result.recommended
         ac = " --activation-checkpointing" if r.activation_checkpointing else ""
-        lines.append(f"Recommended: --tp {r.tp} --dp {r.dp}{ac} (peak {r.peak.total / GiB:.2f} GiB per rank).")
+        lines.append(
+            f"Recommended: --tp {r.tp}{f' --cp {r.cp}' if r.cp > 1 else ''} --dp {r.dp} --batch-size {r.batch_size}{ac} "
+            f"(peak {r.peak.total / GiB:.2f} GiB per rank)."
+        )
     else:
         lines.append(
             f"No split of {result.world_size} ranks fits {gpu / GiB:.1f} GiB: try --activation-checkpointing, "

@@ -31,10 +31,26 @@ def fake_world(world_size: int) -> Iterator[None]:
             "(before dist.init_process_group or after dist.destroy_process_group)"
         )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    _clear_sharding_caches()
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_sharding_caches()
+
+
+def _clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions between fake worlds.
+
+    DeviceMesh equality ignores process-group names, so an output spec cached in an earlier world
+    can carry that world's mesh, whose group names belong to other groups in this one (a cp sweep
+    then gathered tp activations over the old cp group). A no-op if torch moves the helper.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager

@@ -3,12 +3,14 @@
 An analytical model over what the traced step counted (:class:`hf_tp.estimate.work.Work`, the
 collectives of :class:`hf_tp.estimate.comm.CommStat`):
 
-- compute = matmul FLOPs / (peak x matmul efficiency) + attention FLOPs x 1/2 (causal) /
-  (peak x attention efficiency) + other kernels' bytes / (HBM bandwidth x its efficiency);
+- compute = matmul FLOPs / (peak x matmul efficiency) + attention FLOPs x 1/2 (causal; all of
+  them under cp, whose masked kernel computes every score) / (peak x attention efficiency) +
+  other kernels' bytes / (HBM bandwidth x its efficiency);
 - a collective = calls x NCCL's ring latency + bytes one rank sends / the bandwidth of the
   slowest link its ring crosses (a group that spans nodes with ``k`` members per node uses ``k``
   NICs); an all-to-all sends its cross-node share over the NICs and the rest over the node's link;
-- exposed: tensor-parallel, expert-parallel and norm collectives sit on the critical path; FSDP's
+- exposed: tensor-parallel, context-parallel, expert-parallel and norm collectives sit on the
+  critical path; FSDP's
   (dp) all-gathers and reduce-scatters hide behind compute except the first all-gather and the
   last reduce-scatter, and except what is longer than the compute itself.
 """
@@ -51,9 +53,10 @@ class Cluster:
 
 
 def dim_stride(dim: str, tp: int, ep: int) -> int:
-    """Rank distance between neighbours of a mesh dim: the (dp_out, ep, tp) / (dp, tp) meshes keep
-    tp innermost, so tp groups are consecutive ranks and dp's (and ep's) are tp apart."""
-    return {"tp": 1, "dp": tp, "ep": tp, "dp_out": tp * ep}.get(dim, 1)
+    """Rank distance between neighbours of a mesh dim: the (dp_out, ep, tp) / (dp, tp) / (dp, cp,
+    tp) meshes keep tp innermost, so tp groups are consecutive ranks and dp's (FSDP2's dp x cp
+    with cp), ep's and cp's are tp apart."""
+    return {"tp": 1, "cp": tp, "dp": tp, "ep": tp, "dp_out": tp * ep}.get(dim, 1)
 
 
 def members_per_node(group_size: int, stride: int, gpus_per_node: int) -> int:
@@ -120,9 +123,21 @@ def compute_seconds(est: Estimate, gpu: GPU) -> dict[str, float]:
     peak = gpu.peak_flops(est.dtype)
     return {
         "matmul": work.matmul_flops / (peak * gpu.matmul_efficiency),
-        "attention": work.attention_flops * CAUSAL_FRACTION / (peak * gpu.attention_efficiency),
+        "attention": work.attention_flops * attention_fraction(est) / (peak * gpu.attention_efficiency),
         "memory": work.memory_bytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency),
     }
+
+
+def attention_fraction(est: Estimate) -> float:
+    """The share of the counted (full) score matrix the attention kernel computes: half with a
+    causal flash kernel; all of it under cp, where SDPA gets a boolean mask of global positions
+    and runs a kernel that skips no masked block."""
+    return CAUSAL_FRACTION if est.cp == 1 else 1.0
+
+
+def tokens_per_gpu(est: Estimate) -> float:
+    """Tokens one GPU processes per step: a dp rank's rows, shared by its cp x tp ranks."""
+    return est.batch_size * est.seq_len / (est.tp * est.cp)
 
 
 def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
@@ -159,7 +174,7 @@ def predict(est: Estimate, cluster: Cluster) -> Speed:
             exposed = sum(times.values())
         seconds[f"{dim} exposed"] = exposed
     step = sum(seconds.values())
-    tokens = est.batch_size * est.seq_len / est.tp  # a dp rank's tokens, shared by its tp ranks
+    tokens = tokens_per_gpu(est)
     return Speed(
         gpu=cluster.gpu.name,
         step_seconds=step,
@@ -179,15 +194,38 @@ def assumptions(est: Estimate, cluster: Cluster) -> list[str]:
         f"{g.description}; {nodes} node(s), {cluster.inter_node_gbps:g} Gb/s network per GPU.",
         f"Peak {g.peak_flops(est.dtype) / 1e12:,.1f} TFLOP/s ({est.dtype}, dense); matmuls at "
         f"{g.matmul_efficiency:.1%} of it (published max achievable matmul FLOP/s), attention at "
-        f"{g.attention_efficiency:.0%} (published flash-attention figure), counted causal (half the scores).",
+        f"{g.attention_efficiency:.0%} (published flash-attention figure), "
+        + ("counted causal (half the scores)." if est.cp == 1 else "counted in full (cp: a masked kernel, below)."),
         f"Other kernels move the bytes eager PyTorch reads and writes, at {g.hbm_efficiency:.0%} of "
         f"{g.hbm_bandwidth / 1e12:.2f} TB/s HBM; no fusion (torch.compile would remove part of it).",
         f"Collectives: NCCL ring, {BASE_LATENCY * 1e6:.1f} us per call + {STEP_LATENCY['NVLink'] * 1e6:.1f} us "
         f"(NVLink) / {STEP_LATENCY['net'] * 1e6:.0f} us (network) per ring step (NCCL's tuning model); "
         f"{g.link} {g.link_bandwidth / 1e9:.0f} GB/s per direction at {g.link_efficiency:.0%}, network at "
-        f"{NET_EFFICIENCY:.0%}; tp groups inside a node, dp/ep groups across nodes when the job spans nodes.",
-        "Exposed: TP/SP, EP all-to-all and norm collectives entirely (no async TP); FSDP2's all-gathers and "
+        f"{NET_EFFICIENCY:.0%}; tp groups inside a node, dp/cp/ep groups across nodes when the job spans nodes.",
+        "Exposed: TP/SP, CP, EP all-to-all and norm collectives entirely (no async TP); FSDP2's all-gathers and "
         "reduce-scatters hide behind compute except the first and the last and any excess over compute.",
         "Not modelled: kernel launch gaps, NCCL slowing concurrent compute, stragglers, data loading, "
         "uneven expert routing. MFU = model FLOPs (no recompute, full attention) / (step x peak).",
+        *layout_assumptions(est, cluster),
     ]
+
+
+def layout_assumptions(est: Estimate, cluster: Cluster) -> list[str]:
+    """Footnote lines for context parallelism and LoRA (none for a plain run)."""
+    out = []
+    if est.cp > 1:
+        where = "NVLink" if est.tp * est.cp <= cluster.gpu.gpus_per_node else "the network"
+        out.append(
+            f"cp={est.cp}: a GPU keeps 1/{est.cp} of each row's tokens (tokens/s per GPU = batch x seq / (tp x cp) / "
+            f"step). Each layer all-gathers K and V over the cp group (tp ranks apart, on {where} here) in forward "
+            "and recompute and reduce-scatters dK/dV in backward, all on the critical path. Attention runs SDPA "
+            "with a boolean mask of global positions, whose kernel computes every score (no causal skipping). "
+            "FSDP2 shards over dp x cp: its collectives are listed as dp, group size dp x cp."
+        )
+    if est.lora_r:
+        out.append(
+            f"LoRA r={est.lora_r} on {est.lora_target_modules}: the frozen base computes no weight gradients (the "
+            "traced step does ~4 FLOPs per base parameter and token, not 6, and MFU counts those) and FSDP2 "
+            "reduce-scatters only the adapters' gradients (the base is still all-gathered, in the compute dtype)."
+        )
+    return out

@@ -60,5 +60,5 @@ def test_cli_lora_flags(tiny_dir, capsys) -> None:  # noqa: F811
     assert "LoRA r=4 on all-linear" in capsys.readouterr().out
     assert main([*args[:-2], "--lora-r", "-1"]) == 2
     assert "--lora-r must be a non-negative integer" in capsys.readouterr().err
-    assert main([*args, "--world-size", "4"]) == 2
-    assert "--lora-r sizes one layout" in capsys.readouterr().err
+    assert main([*args, "--world-size", "2", "--json"]) == 0  # a sweep keeps --lora-r on every layout
+    assert {(e["tp"], e["lora_r"]) for e in json.loads(capsys.readouterr().out)["estimates"]} == {(1, 4), (2, 4)}

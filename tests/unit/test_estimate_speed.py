@@ -135,9 +135,9 @@ def test_sweep_ranks_the_layouts_that_fit_by_predicted_speed() -> None:
     config = tiny_llama()
     lines: list[str] = []
     result = sweep(config, 2, seq_len=64, batch_size=1, progress=lines.append, cluster=Cluster(H100))
-    assert lines == ["simulating tp=2 x dp=1 (split 1 of 2)", "simulating tp=1 x dp=2 (split 2 of 2)"]
+    assert lines[:2] == ["simulating tp=2 x dp=1 (split 1 of 2)", "simulating tp=1 x dp=2 (split 2 of 2)"]
     speeds = [s.tokens_per_second_per_gpu for _, s in result.ranking()]
-    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 2  # a tiny model fits everywhere
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 4  # each split at batch 1 and grown to 8
     assert result.recommended is result.ranking()[0][0]
     assert result.to_dict()["recommended"]["tp"] == result.recommended.tp
     text = format_ranking(result)
