@@ -34,7 +34,7 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # before 5.21 their plans shard attention and name no experts
     **{mt: ("5.21.0", EXPERTS) for mt in ("aria_text", "cohere2_moe", "exaone_moe", "qwen2_moe")},
     **{mt: ("5.23.0", "a tensor-parallel plan of its attention sinks") for mt in ("granite_swa", "granitemoe_swa")},
-    "codegen": ("5.24.0", PLAN),
+    **{mt: ("5.24.0", PLAN) for mt in ("codegen", "gptj")},
 }
 
 

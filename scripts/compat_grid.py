@@ -6,7 +6,10 @@ tokens against plain HF) gives "parity" or the refusal; for those at parity, the
 tiny model's decoder-layer parameters that tp=2 shards (the rest runs whole on every rank). Prints one line per
 family (``model_type<TAB>status<TAB>sharded %<TAB>reason``) and the releases it ran on.
 
-    OMP_NUM_THREADS=1 python scripts/compat_grid.py > /tmp/grid-$(python -c 'import transformers as t; print(t.__version__)').tsv
+    OMP_NUM_THREADS=1 python scripts/compat_grid.py [LATEST.tsv] > /tmp/grid-$(python -c 'import transformers as t; print(t.__version__)').tsv
+
+With the TSV of a later release, the families of that column this release also has are run too,
+plan or not (so a family this release cannot serve shows as refused, not as absent).
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ def main() -> int:
     from hf_tp.adapters.support import MOE
     from tests.family_grid import run_family
 
-    families = sorted(set(tensor_parallel_causal_lm_types()) | {mt for mt in MOE if mt in transformers.CONFIG_MAPPING})
+    families = set(tensor_parallel_causal_lm_types()) | {mt for mt in MOE if mt in transformers.CONFIG_MAPPING}
+    for column in sys.argv[1:]:  # another release's TSV: its families this release has too (with or without a plan)
+        listed = [line.split("\t")[0] for line in Path(column).read_text().splitlines() if not line.startswith("#")]
+        families |= {mt for mt in listed if mt in transformers.CONFIG_MAPPING}
+    families = sorted(families)
     print(f"# transformers {transformers.__version__}, torch {torch.__version__}")
     for mt in families:
         t0 = time.perf_counter()
