@@ -100,10 +100,10 @@ class _LoraWholeRun:
     computed whole, as the region)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names = []
+        names, modules = [], dict(module.named_modules())
         for name in self.names:
             prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix) if prefix and _has(module, prefix) else None
+            owner = modules.get(prefix) if prefix else None
             if owner is None or not is_lora_linear(owner):
                 names.append(name)
                 continue
@@ -113,14 +113,6 @@ class _LoraWholeRun:
         out = copy.copy(self)
         out.names = tuple(names)
         return super(_LoraWholeRun, out)._apply(module, device_mesh)
-
-
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def _params(owner: nn.Module, kind: str) -> list[tuple[str, nn.Parameter]]:
