@@ -6,12 +6,20 @@ and without activation checkpointing: the longest seq_len (a multiple of STEP, a
 model's max_position_embeddings) whose estimated peak fits a GPU of --gpu-memory by the sweep's
 rule (peak x 1.10 + 1 GiB). One sequence per dp rank. Prints a markdown table for docs/estimate.md.
 
-    OMP_NUM_THREADS=1 python scripts/cp_longest_sequence.py [--models llama-3.1-8b,llama-3.1-70b] [--gpu-memory 80GiB]
+Each point is `hf-tp estimate` of the model cut to 2 and to 4 decoder layers, extrapolated
+linearly to its depth: every per-layer term (sharded weights, gradients, optimizer state, saved
+activations, per-layer collectives) is linear in the number of layers and the rest (embedding,
+logits, one unsharded layer) is not, so two depths fix both. A full-depth estimate takes a minute
+or more on 2 cores; a search needs a dozen points per row. `--check` runs the full-depth estimate
+at each row's answer and prints it beside the extrapolation.
+
+    OMP_NUM_THREADS=1 python scripts/cp_longest_sequence.py [--models llama-3.1-8b,llama-3.1-70b] [--gpu-memory 80GiB] [--check]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -23,42 +31,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 STEP = 8192
 TP = 8
 FSDP = 8  # dp x cp
+DEPTHS = (2, 4)
 
 
-def longest(config, cp: int, ac: bool, gpu: int, cap: int, say) -> tuple[int, object | None]:
-    """The longest fitting seq_len (0 if not even STEP fits) and its estimate."""
+def measure(config, cp: int, ac: bool, seq: int, layers: int | None = None) -> dict[str, float]:
+    """Peak bytes and bytes sent per rank over tp and cp of one estimate (at ``layers`` decoder
+    layers, or the model's own depth)."""
     from hf_tp.estimate.api import estimate
-    from hf_tp.estimate.sweep import fits
+
+    config = copy.deepcopy(config)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    est = estimate(config, TP, FSDP // cp, seq, 1, activation_checkpointing=ac, cp=cp).to_dict()
+    sent = {dim: sum(c["sent_bytes"] for c in est["comms"] if c["dim"] == dim) for dim in ("tp", "cp")}
+    return {"peak": est["peak"]["total"], **sent}
+
+
+def extrapolated(config, cp: int, ac: bool, seq: int) -> dict[str, float]:
+    """:func:`measure` at :data:`DEPTHS` layers, extended linearly to ``config.num_hidden_layers``."""
+    lo, hi = (measure(config, cp, ac, seq, n) for n in DEPTHS)
+    per_layer = {k: (hi[k] - lo[k]) / (DEPTHS[1] - DEPTHS[0]) for k in lo}
+    return {k: lo[k] + per_layer[k] * (config.num_hidden_layers - DEPTHS[0]) for k in lo}
+
+
+def longest(config, cp: int, ac: bool, gpu: int, cap: int, say) -> tuple[int, dict | None]:
+    """The longest fitting seq_len (0 if not even STEP fits) and its extrapolated figures."""
+    from hf_tp.estimate.layouts import usable_peak
 
     def ok(seq: int):
-        est = estimate(config, TP, FSDP // cp, seq, 1, activation_checkpointing=ac, cp=cp)
-        say(f"  cp {cp} ac {ac} seq {seq}: peak {est.peak.total / 2**30:.1f} GiB")
-        return est if fits(est, gpu) else None
+        got = extrapolated(config, cp, ac, seq)
+        say(f"  cp {cp} ac {ac} seq {seq}: peak {got['peak'] / 2**30:.1f} GiB")
+        return got if usable_peak(got["peak"], gpu) >= 0 else None
 
-    best, best_est, seq = 0, None, STEP
-    while seq <= cap and (est := ok(seq)) is not None:  # doubling
-        best, best_est, seq = seq, est, seq * 2
+    best, best_got, seq = 0, None, STEP
+    while seq <= cap and (got := ok(seq)) is not None:  # doubling
+        best, best_got, seq = seq, got, seq * 2
     lo, hi = best, min(seq, cap + STEP)  # lo fits (or 0), hi does not (or is past the cap)
     while hi - lo > STEP:
         mid = (lo + hi) // 2 // STEP * STEP
-        if (est := ok(mid)) is not None:
-            lo, best, best_est = mid, mid, est
+        if (got := ok(mid)) is not None:
+            lo, best, best_got = mid, mid, got
         else:
             hi = mid
-    return best, best_est
+    return best, best_got
 
 
-def _run_one(name: str, cp: int, ac: bool, gpu_memory: str) -> tuple[int, dict | None]:
-    """One configuration's search in a fresh process: a second fake world with another mesh
-    shape in one process fails to resolve a process group inside DTensor (torch 2.13)."""
+def _run_one(name: str, cp: int, ac: bool, gpu_memory: str, check: bool) -> dict:
+    """One configuration's search in a fresh process (each simulation builds fake worlds of its
+    own; a fresh process keeps one row's failure from ending the table)."""
     cmd = [sys.executable, __file__, "--one", f"{name}:{cp}:{int(ac)}", "--gpu-memory", gpu_memory]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, text=True).stdout
-    found = json.loads(out.strip().splitlines()[-1])
-    return found["seq"], found["estimate"]
-
-
-def _sent(est: dict | None, dim: str) -> int:
-    return sum(c["sent_bytes"] for c in est["comms"] if c["dim"] == dim) if est else 0
+    out = subprocess.run([*cmd, *(["--check"] if check else [])], stdout=subprocess.PIPE, check=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -66,6 +89,7 @@ def main() -> int:
     p.add_argument("--models", default="llama-3.1-8b,llama-3.1-70b")
     p.add_argument("--gpu-memory", default="80GiB")
     p.add_argument("--cp", default="1,2,4,8")
+    p.add_argument("--check", action="store_true", help="also a full-depth estimate at each answer")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     from hf_tp.estimate.configs import resolve_model_config
@@ -80,8 +104,9 @@ def main() -> int:
     if args.one:  # one (model, cp, ac) in this process: see _run_one
         name, cp, ac = args.one.split(":")
         config, _ = resolve_model_config(name)
-        seq, est = longest(config, int(cp), ac == "1", gpu, config.max_position_embeddings, say)
-        print(json.dumps({"seq": seq, "estimate": est.to_dict() if est else None}))
+        seq, got = longest(config, int(cp), ac == "1", gpu, config.max_position_embeddings, say)
+        full = measure(config, int(cp), ac == "1", seq)["peak"] if args.check and seq else None
+        print(json.dumps({"seq": seq, "got": got, "full_peak": full}))
         return 0
     rows = []
     for name in args.models.split(","):
@@ -89,14 +114,15 @@ def main() -> int:
         cap = config.max_position_embeddings
         for ac in (False, True):
             for cp in map(int, args.cp.split(",")):
-                seq, est = _run_one(name, cp, ac, args.gpu_memory)
-                cp_sent = _sent(est, "cp") / 2**30
-                tp_sent = _sent(est, "tp") / 2**30
-                peak = f"{est['peak']['total'] / 2**30:.1f}" if est else "-"
+                found = _run_one(name, cp, ac, args.gpu_memory, args.check)
+                seq, got, full = found["seq"], found["got"] or {}, found["full_peak"]
+                peak = f"{got['peak'] / 2**30:.1f}" if got else "-"
+                if full is not None:
+                    peak += f" ({full / 2**30:.1f} full depth)"
                 capped = " (max positions)" if seq == cap else ""
                 rows.append(
                     f"| {name} | {cp} | {FSDP // cp} | {'on' if ac else 'off'} | {seq // 1024}k{capped} | {peak} "
-                    f"| {tp_sent:.1f} | {cp_sent:.1f} |"
+                    f"| {got.get('tp', 0) / 2**30:.1f} | {got.get('cp', 0) / 2**30:.1f} |"
                 )
                 say(rows[-1])
     print(f"tp {TP}, dp x cp = {FSDP} (64 GPUs), one sequence per dp rank, {args.gpu_memory} per GPU, bf16\n")
