@@ -38,6 +38,7 @@ class CPCase:
     rows: str = "packed"  # "packed" documents, or "right" / "left" padding
     ac: bool = False  # activation checkpointing
     ep: int = 1  # expert parallelism (MoE families): ranks borrowed from dp x cp
+    lora: bool = False  # peft LoRA on the projections the plan splits (frozen base), against plain peft
 
     def __post_init__(self) -> None:
         if self.rows != "packed" and self.dp > 1:  # (train_steps' dp loss: the mean of equal rows' means)
@@ -50,7 +51,8 @@ class CPCase:
     @property
     def name(self) -> str:
         ep = f"-ep{self.ep}" if self.ep > 1 else ""
-        return f"{self.family}-cp{self.cp}-tp{self.tp}-dp{self.dp}{ep}-{self.rows}{'-ac' if self.ac else ''}"
+        tail = f"{'-ac' if self.ac else ''}{'-lora' if self.lora else ''}"
+        return f"{self.family}-cp{self.cp}-tp{self.tp}-dp{self.dp}{ep}-{self.rows}{tail}"
 
 
 def cp_batch(vocab: int, rows: str, b: int) -> dict[str, torch.Tensor]:
@@ -86,6 +88,10 @@ def run_case(case: CPCase, steps: int = 2) -> str:
     if is_moe(config):
         config.output_router_logits = False  # HF's own aux loss is per forward (hf_tp.fit reduces it globally)
     ref = grid_model(config)
+    if case.lora:
+        from tests.lora_grid import lora, plan_targets
+
+        ref = lora(ref, plan_targets(ref, case.tp))
     model = copy.deepcopy(ref)
     data = cp_batch(config.vocab_size, case.rows, b=2 * case.dp)
     want = train_steps(ref, data, steps=steps)
