@@ -12,16 +12,22 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import threading
 
 from torch import nn
 
 INPLACE = {"clamp_", "clip_", "mul_", "div_", "add_", "sub_", "masked_fill_", "copy_", "zero_", "fill_"}
 
 
+_PARSE = threading.Lock()  # CPython 3.11's ast.parse is not safe in two threads at once (ranks as threads)
+
+
 def source_tree(fn) -> ast.AST | None:
     """The parsed source of ``fn`` (decorators unwrapped), or None when it has none to read."""
     try:
-        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
+        with _PARSE:
+            return ast.parse(source)
     except (OSError, TypeError, SyntaxError):
         return None
 

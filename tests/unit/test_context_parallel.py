@@ -136,7 +136,7 @@ def test_refusals_name_the_problem() -> None:
 
 def test_forward_errors_and_generate_refused() -> None:
     config = tiny_config("llama")
-    models = [tiny_model(config), tiny_model(config)]
+    models = [tiny_model(copy.deepcopy(config)) for _ in range(2)]  # (one config each: cp changes it)
 
     def rank_fn(rank: int) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=1, cp=2, device_type="cpu"))
