@@ -131,12 +131,8 @@ def check_text_dataset(
         with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
-    except (
-        DatasetsError,
-        ValueError,
-        OSError,
-        TypeError,
-    ) as exc:  # (TypeError: a JSON line that is a list, datasets < 5.1)
+    # (TypeError: a JSON line that is a list, from datasets < 5.1)
+    except (DatasetsError, ValueError, OSError, TypeError) as exc:
         if builder == "json":
             check_json_lines(source, files)
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None

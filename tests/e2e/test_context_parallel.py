@@ -34,6 +34,7 @@ CASES = [
     CPCase("qwen3_moe", ep=2, rows="right"),  # ep over the cp ranks, experts also split over tp
     CPCase("mixtral", tp=1, ep=4),  # ep over dp x cp
     CPCase("olmoe", tp=1, ep=2),  # dp_out 2: experts also sharded by FSDP2
+    CPCase("mixtral", tp=1, ep=2),  # a second model on an equal ep mesh in one process (FSDP2's mesh identity)
     CPCase("qwen2", rows="right", ac=True, lora=True),  # LoRA on a frozen base, against plain peft
     CPCase("deepseek_v3"),  # latent attention: its up-projected K/V are gathered
     CPCase("gpt_oss"),  # attention sinks, sliding window
