@@ -5,14 +5,17 @@ on a rank. Logits, loss, every gradient (experts and routers), AdamW weights."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
+from hf_tp.parallel import expert_parallel
 from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import batch, run_threaded
 from tests.parity import assert_parity, train_steps
@@ -152,3 +155,38 @@ def test_a_moe_layer_under_tp_and_ep_is_the_sp_minimum_plus_the_all_to_alls(monk
     # Each ep pair (same tp rank) received what it sent: nothing dropped, nothing duplicated.
     for tp_rank in range(tp):
         assert sum(seen[r][2] for r in (tp_rank, tp_rank + tp)) == 2 * b * s * k
+
+
+def test_the_dispatch_keeps_no_more_routed_rows_for_backward_than_hf_experts() -> None:
+    # Saved for backward, tensors of (routed rows, hidden): HF's own experts (ep 1) keep two (the
+    # rows gathered for the up projection, the down projection's output for the routing weights'
+    # gradient). The dispatch at ep 2 (balanced routing: each rank receives as many rows as it
+    # sends) must keep no more; an index_add combining the returned rows kept a third.
+    config = Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config)  # (transformers' default experts kernel, grouped_mm)
+    b, s, h, k = 2, 12, config.hidden_size, config.num_experts_per_tok
+    kept: dict[tuple[int, int], int] = {}
+
+    def rank_fn(rank: int, ep: int, models: list) -> None:
+        model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=1, dp=2, device_type="cpu"), ep=ep)
+        shapes = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            shapes.append(tuple(t.shape))
+            return t
+
+        ids = torch.randint(0, config.vocab_size, (b, s), generator=torch.Generator().manual_seed(rank))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids).logits.sum().backward()
+        kept[(ep, rank)] = shapes.count((b * s * k, h)) / config.num_hidden_layers
+
+    for ep in (1, 2):
+        models = [copy.deepcopy(ref) for _ in range(2)]
+        with expert_parallel.balanced_routing() if ep > 1 else contextlib.nullcontext():
+            run_threaded(2, lambda rank, ep=ep, models=models: rank_fn(rank, ep, models))
+    assert kept[(1, 0)] == kept[(1, 1)] == 2, kept
+    assert kept[(2, 0)] <= 2 and kept[(2, 1)] <= 2, kept
