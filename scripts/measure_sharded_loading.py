@@ -2,6 +2,10 @@
 
     python scripts/measure_sharded_loading.py                       # a ~430 MB fp32 Llama, one file
     python scripts/measure_sharded_loading.py --max-shard-size 50MB --meshes 1x2,2x2,1x4
+    python scripts/measure_sharded_loading.py --moe --max-shard-size 16MB --meshes 1x2,1x4:2,2x2:2
+
+``--moe`` saves a Qwen3-MoE instead, one tensor per expert as Hub MoE checkpoints hold them
+(fused into 3-D experts on load); ``TPxDP:EP`` meshes add expert parallelism.
 
 For each tp x dp mesh it starts tp * dp ranks (torchrun, gloo, CPU) that each either (a) build the
 model on the meta device, parallelize it (TP, then FSDP2 over dp) and read their shards from the
@@ -55,7 +59,7 @@ class AnonPeak:
         return max(self.peak, anon_mib())
 
 
-def worker(model_dir: str, mode: str, tp: int, dp: int) -> None:
+def worker(model_dir: str, mode: str, tp: int, dp: int, ep: int = 1) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -70,11 +74,11 @@ def worker(model_dir: str, mode: str, tp: int, dp: int) -> None:
     sampler = AnonPeak()
     mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
     if mode == "sharded":
-        cfg = TrainConfig(model=model_dir, dataset="unused", tp=tp, dp=dp, seq_len=128).resolve()
+        cfg = TrainConfig(model=model_dir, dataset="unused", tp=tp, dp=dp, ep=ep, seq_len=128).resolve()
         model = build_parallel_model(cfg, mesh, torch.device("cpu"))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        hf_tp.parallelize(model, mesh)
+        hf_tp.parallelize(model, mesh, ep=ep)
     anon_peak = sampler.stop() - anon_base
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()) * 4 / 2**20
     out = [None] * dist.get_world_size()
@@ -86,26 +90,32 @@ def worker(model_dir: str, mode: str, tp: int, dp: int) -> None:
     hf_tp.shutdown(exit_code=0)  # leave together, then exit without finalization (see its docstring)
 
 
-def build_model(folder: Path, layers: int, hidden: int, vocab: int, max_shard_size: str) -> tuple[float, int]:
-    """A random fp32 Llama saved to ``folder``; returns its size in MiB and its safetensors file count."""
+def build_model(
+    folder: Path, layers: int, hidden: int, vocab: int, max_shard_size: str, moe: bool = False
+) -> tuple[float, int]:
+    """A random fp32 Llama (or Qwen3-MoE: 16 experts, top-2) saved to ``folder``; returns its
+    size in MiB and its safetensors file count."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
-    )  # fmt: skip
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16,
+                 num_key_value_heads=8, max_position_embeddings=2048)  # fmt: skip
+    if moe:
+        config = Qwen3MoeConfig(**sizes, intermediate_size=hidden * 2, moe_intermediate_size=hidden // 2,
+                                num_experts=16, num_experts_per_tok=2)  # fmt: skip
+    else:
+        config = LlamaConfig(**sizes, intermediate_size=hidden * 11 // 4)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return sum(p.numel() for p in model.parameters()) * 4 / 2**20, len(list(folder.glob("*.safetensors")))
 
 
-def run_mesh(model_dir: Path, mode: str, tp: int, dp: int) -> list[dict]:
-    """Every rank's figures for one load on a tp x dp mesh."""
+def run_mesh(model_dir: Path, mode: str, tp: int, dp: int, ep: int = 1) -> list[dict]:
+    """Every rank's figures for one load on a tp x dp mesh (ep: expert parallelism)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * dp}"]
-    cmd += [__file__, "--worker", str(model_dir), mode, str(tp), str(dp)]
+    cmd += [__file__, "--worker", str(model_dir), mode, str(tp), str(dp), str(ep)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
@@ -118,26 +128,31 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE saved one tensor per expert")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp()) / "model"
-    size, files = build_model(folder, args.layers, args.hidden, args.vocab, args.max_shard_size)
-    print(f"model: {size:.0f} MiB fp32 ({args.layers} layers, hidden {args.hidden}) in {files} safetensors files")
-    print("| tp x dp | sharded: peak RSS | sharded: peak anon | from_pretrained: peak RSS | from_pretrained: peak anon "
+    size, files = build_model(folder, args.layers, args.hidden, args.vocab, args.max_shard_size, args.moe)
+    kind = "Qwen3-MoE, 16 experts" if args.moe else "Llama"
+    print(
+        f"model: {size:.0f} MiB fp32 {kind} ({args.layers} layers, hidden {args.hidden}) in {files} safetensors files"
+    )
+    print("| tp x dp (ep) | sharded: peak RSS | sharded: peak anon | from_pretrained: peak RSS | from_pretrained: peak anon "
           "| rank's share |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for mesh in args.meshes.split(","):
-        tp, dp = (int(x) for x in mesh.split("x"))
-        row = {mode: run_mesh(folder, mode, tp, dp) for mode in ("sharded", "full")}
+        shape, _, ep = mesh.partition(":")
+        tp, dp = (int(x) for x in shape.split("x"))
+        row = {mode: run_mesh(folder, mode, tp, dp, int(ep or 1)) for mode in ("sharded", "full")}
         peak = {m: max(r["peak_above_base_mib"] for r in v) for m, v in row.items()}
         anon = {m: max(r["anon_peak_mib"] for r in v) for m, v in row.items()}
         print(
-            f"| {tp} x {dp} | {peak['sharded']:.0f} | {anon['sharded']:.0f} | {peak['full']:.0f} | "
+            f"| {tp} x {dp} ({ep or 1}) | {peak['sharded']:.0f} | {anon['sharded']:.0f} | {peak['full']:.0f} | "
             f"{anon['full']:.0f} | {max(r['local_params_mib'] for r in row['sharded']):.0f} |"
         )
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
     else:
         main()

@@ -14,7 +14,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from hf_tp.checkpoint.expert_files import FusedSource, conversion_transforms, fused_sources, load_fused
 from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.styles.experts import hf_shapes
 
 
 def safetensors_keys(model_dir: Path) -> set[str] | None:
@@ -60,16 +62,10 @@ def file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
     (GPT-NeoX saves its ``lm_head`` as ``embed_out``); DCP's HF reader reads by the file's names,
     so the same pure renames are applied here (transformers' own mapping, not a copy of it)."""
     try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:  # a transformers without conversion mappings: names are as saved
         return {k: k for k in keys}
-    # Looked up as transformers does (class name, then model_type), by the HF class: FSDP2 makes the
-    # model an instance of a subclass of its own, which transformers would take for custom code.
-    hf_class = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
-    transforms = get_checkpoint_conversion_mapping(hf_class.__name__)
-    if transforms is None:
-        transforms = get_checkpoint_conversion_mapping(model.config.model_type) or []
+    transforms = conversion_transforms(model)
     renames = [t for t in transforms if isinstance(t, WeightRenaming)]
     out = {}
     for key in keys:
@@ -80,12 +76,16 @@ def file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
     return out
 
 
-def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.device) -> None:
+def materialize_and_load(
+    model: torch.nn.Module, model_dir: Path, device: torch.device, fused: dict[str, FusedSource] | None = None
+) -> None:
     """Allocate the (already parallelized) meta parameters on ``device`` and fill each rank's
-    shards straight from the safetensors files with DCP's HF reader."""
-    keys = safetensors_keys(model_dir)
-    if keys is None:
+    shards straight from the safetensors files: DCP's HF reader for the tensors the files hold
+    by name, :mod:`hf_tp.checkpoint.expert_files` for the ``fused`` experts (:func:`sliced_sources`)."""
+    index = file_index(model_dir)
+    if index is None:
         raise ValueError(f"no safetensors files in {model_dir}; sharded loading needs safetensors weights")
+    fused = dict(fused or {})
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     tied = embeddings_tied(model)
     model.to_empty(device=device)
@@ -98,22 +98,48 @@ def materialize_and_load(model: torch.nn.Module, model_dir: Path, device: torch.
     # A LoRA model: the factors are not in the files (initialised by the caller); a wrapped base
     # projection's weight is the file's under its own name (peft adds ``.base_layer``).
     state = {k.replace(".base_layer.", "."): v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
-    in_file = file_keys(model, keys)
+    in_file = file_keys(model, set(index))
     tied_alias = "lm_head.weight" if tied else None
-    missing = sorted(k for k in state if k not in in_file and k != tied_alias)
+    missing = sorted(k for k in state if k not in in_file and k != tied_alias and k not in fused)
     if missing:
         raise ValueError(f"the safetensors files in {model_dir} lack {len(missing)} weights, e.g. {missing[:3]}")
-    state = {in_file[k]: v for k, v in state.items() if k in in_file}
+    packed = hf_shapes(model)  # fused tensors the files hold whole, stored by hf_tp as packed halves
+    for k, v in state.items():
+        if k in in_file and k not in fused and tuple(v.shape) != index[in_file[k]][1] == packed.get(k):
+            fused[k] = FusedSource(((in_file[k],),), stacked=False)
+    state = {in_file[k]: v for k, v in state.items() if k in in_file and k not in fused}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
+    load_fused(model, fused, model_dir, {k: f for k, (f, _) in index.items()})
 
 
-def files_match_model(model: torch.nn.Module, model_dir: Path) -> bool:
-    """Every parameter of the (meta) model is a tensor of the folder's safetensors files, up to
-    transformers' renames: then each rank can read its shards directly. Fused 3-D expert weights
-    are never read this way: hf_tp stores packed gate/up halves in another shape than the files
-    (:mod:`hf_tp.styles.experts`), and MoE checkpoints often hold one tensor per expert."""
-    if any(p.dim() == 3 for p in model.parameters()):
-        return False
-    in_file = file_keys(model, safetensors_keys(model_dir) or set())
+def file_index(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """Tensor name -> (file name, shape) over a folder's safetensors files (header reads only);
+    None if it has none."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                out[key] = (f.name, tuple(st.get_slice(key).get_shape()))
+    return out
+
+
+def sliced_sources(model: torch.nn.Module, model_dir: Path) -> dict[str, FusedSource] | None:
+    """How each rank can read just its slices of the (meta) model's parameters: every parameter
+    is a tensor of the folder's safetensors files up to transformers' renames, or a fused expert
+    tensor stacked from one tensor per expert (returned: name -> its file tensors); None if some
+    parameter is neither (then ``from_pretrained`` loads the whole model)."""
+    index = file_index(model_dir) or {}
+    shapes = {k: shape for k, (_, shape) in index.items()}
+    in_file = file_keys(model, set(index))
+    fused = fused_sources(model, shapes) if conversion_transforms(model) else {}
     tied = "lm_head.weight" if embeddings_tied(model) else None
-    return all(name in in_file or name == tied for name, _ in model.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        name = name.replace(".base_layer.", ".")
+        if name in fused or name == tied:
+            continue
+        if name not in in_file or tuple(param.shape) != shapes[in_file[name]]:
+            return None
+    return fused

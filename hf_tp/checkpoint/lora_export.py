@@ -62,25 +62,28 @@ def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
     ``alpha / r * lora_B @ lora_A`` where the run trained an adapter on it (peft's merge)."""
     from safetensors import safe_open
 
-    from hf_tp.checkpoint.load import file_keys, files_match_model, local_model_dir
+    from hf_tp.checkpoint.expert_files import read_whole
+    from hf_tp.checkpoint.load import file_index, file_keys, local_model_dir, sliced_sources
 
     base_dir = local_model_dir(run["model"])
-    if not files_match_model(model, base_dir):
+    fused = sliced_sources(model, base_dir)
+    if fused is None:
         raise ValueError(
-            f"--merge reads the base weights from {base_dir}, whose safetensors do not hold the model's tensors as "
-            "they are (e.g. one tensor per expert); export the adapter and merge with peft's merge_and_unload"
+            f"--merge reads the base weights from {base_dir}, whose safetensors do not hold the model's tensors "
+            "up to renames and per-expert stacking; export the adapter and merge with peft's merge_and_unload"
         )
-    files = {}
-    for f in sorted(base_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            files.update(dict.fromkeys(st.keys(), f))
+    files = {k: base_dir / f for k, (f, _) in file_index(base_dir).items()}
     in_file = file_keys(model, set(files))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     lora = read_lora_tensors(ckpt)
     scaling = (run.get("lora_alpha") or 2 * run["lora_r"]) / run["lora_r"]
 
     def read(group: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for key in group:
+            if key in fused:  # experts stacked from one tensor per expert (LoRA leaves them as they are)
+                out[key] = read_whole(base_dir, {k: f.name for k, f in files.items()}, fused[key], shapes[key])
+                continue
             name = in_file[key]
             with safe_open(str(files[name]), framework="pt") as st:
                 tensor = st.get_tensor(name).float()

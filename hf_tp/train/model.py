@@ -6,6 +6,8 @@ estimate (:mod:`hf_tp.estimate.step`) so it sizes the step the loop runs.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -14,13 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from hf_tp.checkpoint.load import (
-    build_empty,
-    files_match_model,
-    local_model_dir,
-    materialize_and_load,
-    safetensors_keys,
-)
+from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys, sliced_sources
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.train.config import TrainConfig
@@ -50,9 +46,17 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     config = AutoConfig.from_pretrained(model_dir)
     validate_model_config(config, cfg.tp, cfg.seq_len, ep=cfg.ep)
     model = build_empty(config) if safetensors_keys(model_dir) is not None else None
-    # Files that need more than renames to become the model's tensors (a MoE checkpoint with one
-    # tensor per expert, which transformers merges on load) go through from_pretrained instead.
-    sharded = model is not None and files_match_model(model, model_dir)
+    # Files whose tensors are the model's up to renames, or fused experts stacked from one tensor
+    # per expert, are read slice by slice; any other conversion goes through from_pretrained.
+    fused = sliced_sources(model, model_dir) if model is not None else None
+    sharded = fused is not None
+    if model is not None and not sharded and dist.get_rank() == 0:
+        print(
+            f"hf-tp: {model_dir}'s safetensors need a weight conversion that is not read by slices (only renames "
+            "and per-expert stacking are); every rank loads the whole model with from_pretrained",
+            file=sys.stderr,
+            flush=True,
+        )
     if not sharded:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
@@ -70,7 +74,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
         ep=cfg.ep,
     )
     if sharded:
-        materialize_and_load(model, model_dir, device)
+        materialize_and_load(model, model_dir, device, fused)
     if cfg.lora_r:
         init_lora(model, cfg.seed)
     return model
