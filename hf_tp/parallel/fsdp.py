@@ -73,7 +73,7 @@ def shard_experts_over_dp(
             reshard_after_forward=reshard_after_forward,
         )
         module.set_gradient_divide_factor(float(mesh["dp_out"].size() * mesh["ep"].size()))
-        if dist.get_backend(mesh["dp_out"].get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, then scale
+        if dist.get_backend(mesh["dp_out"].get_group()) != "nccl":  # PREMUL_SUM is NCCL's: sum, then scale
             module.set_force_sum_reduction_for_comms(True)
         done.append(module)
     return done

@@ -69,19 +69,30 @@ def test_per_expert_files_load_by_boxes_as_from_pretrained(
 
 
 def _both_paths(folder: Path, tp: int, dp: int, ep: int) -> tuple[dict, dict]:
-    """Each rank's parameters (local tensors): ``hf-tp train``'s loading, and from_pretrained
-    then parallelize."""
+    """Each rank's parameters (local tensors), then its loss and gradients after one forward and
+    backward: ``hf-tp train``'s loading, and from_pretrained then parallelize. (The gradients
+    check what parallelize attached to the meta parameters: a hook lost on materializing them
+    left expert gradients unaveraged over dp.)"""
     refs = [AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32) for _ in range(tp * dp)]
+    ids = torch.randint(0, refs[0].config.vocab_size, (2 * dp, 16), generator=torch.Generator().manual_seed(0))
     got: dict[int, dict[str, torch.Tensor]] = {}
     want: dict[int, dict[str, torch.Tensor]] = {}
 
+    def state(model: torch.nn.Module, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+        with hf_tp.loss_parallel():
+            loss = model(input_ids=rows, labels=rows).loss
+            loss.backward()
+        out["loss"] = _local(loss).detach().clone()
+        return {**out, **{f"{n}.grad": _local(p.grad).clone() for n, p in model.named_parameters()}}
+
     def rank_fn(rank: int) -> None:
         mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        rows = ids[mesh.get_local_rank("dp") * 2 :][:2]
         cfg = TrainConfig(model=str(folder), tp=tp, dp=dp, ep=ep, seq_len=16).resolve()
-        model = build_parallel_model(cfg, mesh, torch.device("cpu"))
-        got[rank] = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
-        hf_tp.parallelize(refs[rank], mesh, ep=ep)
-        want[rank] = {n: _local(p).detach().clone() for n, p in refs[rank].named_parameters()}
+        got[rank] = state(build_parallel_model(cfg, mesh, torch.device("cpu")), rows)
+        refs[rank].train()
+        want[rank] = state(hf_tp.parallelize(refs[rank], mesh, ep=ep), rows)
 
     run_threaded(tp * dp, rank_fn)
     return got, want
