@@ -48,4 +48,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${specs[*]}" ]; then
 fi
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft|huggingface.hub|safetensors) '
 # shellcheck disable=SC2086  # COMPAT_PYTEST is a list of pytest flags
-OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup ${COMPAT_PYTEST:-} tests/unit
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 ${COMPAT_PYTEST:-} tests/unit
