@@ -133,7 +133,15 @@ def test_conversions_it_cannot_slice_fall_back_to_from_pretrained(tmp_path: Path
     fused = expert_files.fused_sources(model, shapes)
     assert "model.layers.0.mlp.experts.gate_up_proj" not in fused
     assert "model.layers.1.mlp.experts.gate_up_proj" in fused
-    assert sliced_sources(copy.deepcopy(model), folder) is not None
+    assert sliced_sources(copy.deepcopy(model), folder) is not None  # the whole folder: by boxes
+    # The same folder without that expert's tensors: not loaded by boxes (from_pretrained instead).
+    from safetensors.torch import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(f).items() if ".layers.0.mlp.experts.7." not in k}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    assert sliced_sources(copy.deepcopy(model), folder) is None
 
 
 def test_a_merged_lora_export_reads_a_per_expert_base(tmp_path: Path) -> None:
