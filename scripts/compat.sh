@@ -7,7 +7,8 @@
 #
 # torch is the CPU wheel 2.13.0 unless a torch==X is given (older torch wheels are CUDA builds).
 # The venv (COMPAT_VENV, default /tmp/hf_tp-compat-<versions>) is reused when it already holds
-# exactly these releases. Prints the releases installed, then pytest's summary; exit status is pytest's.
+# exactly these releases; COMPAT_FROM_VENV=DIR builds it from a copy of the venv DIR (faster).
+# Prints the releases installed, then pytest's summary; exit status is pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${COMPAT_PYTHON:-python3.11}
@@ -40,12 +41,19 @@ venv=${COMPAT_VENV:-/tmp/hf_tp-compat-$(printf '%s_' "${specs[@]}" | tr -c 'A-Za
 stamp="$venv/.hf_tp-compat"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${specs[*]}" ]; then
     rm -rf "$venv"
-    "$python" -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip
-    "$venv/bin/pip" install -q "$torch_spec"  # first alone: otherwise pip may pick a CUDA build
-    "$venv/bin/pip" install -q -e ".[test]" "${specs[@]}"
+    if [ -n "${COMPAT_FROM_VENV:-}" ]; then
+        # A copy of an installed venv (CI's, with this torch wheel): pip then only swaps the pinned
+        # packages for the releases asked, instead of unpacking torch and the test tools again.
+        # Its old entry-point scripts keep the source venv's shebang, hence `python -m` below.
+        cp -a "$COMPAT_FROM_VENV" "$venv"
+    else
+        "$python" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q --upgrade pip
+        "$venv/bin/python" -m pip install -q "$torch_spec"  # first alone: otherwise pip may pick a CUDA build
+    fi
+    "$venv/bin/python" -m pip install -q -e ".[test]" "${specs[@]}"
     echo "${specs[*]}" >"$stamp"
 fi
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft|huggingface.hub|safetensors) '
-# shellcheck disable=SC2086  # COMPAT_PYTEST is a list of pytest flags
-OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 ${COMPAT_PYTEST:-} tests/unit
+eval "extra=(${COMPAT_PYTEST:-})"  # pytest flags, split as a shell would (quotes kept together)
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${extra[@]}" tests/unit

@@ -38,11 +38,12 @@ def reference_run(
     eval_steps: tuple[int, ...] = (),
     eval_rows: int | None = None,
     wrap=None,
+    weights_out: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[float], list[float], dict[int, float]]:
     """Losses, grad norms and, after each step of ``eval_steps``, the loss over the held-out
     ``eval_split`` of the documents (split as hf-tp does: ``train_test_split`` seeded with ``seed``),
     over its first ``eval_rows`` rows (all by default). ``wrap(model)``, if given, returns the model
-    to train (a peft LoRA model of it)."""
+    to train (a peft LoRA model of it). ``weights_out``, if given, receives the final state dict."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     raw = load_text_dataset(dataset)
     held_out = None
@@ -82,4 +83,6 @@ def reference_run(
             with torch.no_grad():  # one batch of every held-out row: HF's loss is their token mean
                 evals[step + 1] = model(**collate(list(held_out)), use_cache=False).loss.item()
             model.train()
+    if weights_out is not None:
+        weights_out.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return losses, norms, evals

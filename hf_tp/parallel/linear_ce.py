@@ -20,6 +20,7 @@ their fp32 copy and the softmax alive instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +79,24 @@ def _shard_grad(
 # shapes: the full chunks get a kernel specialised to their sizes, and only a dimension that
 # changes (the last chunk's rows) is made dynamic on recompilation, which is faster than
 # dynamic=True (timings: docs/benchmarks.md, scripts/bench_fused_loss.py).
-_chunk_step_compiled = torch.compile(_chunk_step)
-_shard_stats_compiled = torch.compile(_shard_stats)
-_shard_grad_compiled = torch.compile(_shard_grad)
+class _CompiledOnFirstCall:
+    """``torch.compile(fn)``, made at the first call. Compiling at import would load inductor in
+    every process that imports hf_tp (about 1.5 s of CPU start-up per rank) though CPU runs never
+    call it."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self._compiled: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn)
+        return self._compiled(*args, **kwargs)
+
+
+_chunk_step_compiled = _CompiledOnFirstCall(_chunk_step)
+_shard_stats_compiled = _CompiledOnFirstCall(_shard_stats)
+_shard_grad_compiled = _CompiledOnFirstCall(_shard_grad)
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; 2.11 has only the old name.

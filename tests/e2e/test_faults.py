@@ -1,6 +1,6 @@
 """What clusters do to a run: preemption signals (to a rank, to the launcher) and a hung rank.
 
-Each case is a real ``hf-tp train`` launch (gloo, 2-4 CPU processes); the preempted run resumes
+Each case is a real ``hf-tp train`` launch (gloo, 2 CPU processes); the preempted run resumes
 and must give plain single-process HF's loss curve."""
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def test_preempted_twice_then_resumed_gives_the_uninterrupted_curve(setup, tmp_p
     model_dir, data = setup
     run = tmp_path / "run"
     flags = ["--model", str(model_dir), "--dataset", str(data), *RUN, "--output-dir", str(run)]
-    flags += ["--tp", "2", "--dp", "2", "--batch-size", "2"]  # --save-every 0: no checkpoint but the preemption's
+    # Two ranks (tp 1 x dp 2, so the data position is resumed per dp rank); --save-every 0: no
+    # checkpoint but the preemption's.
+    flags += ["--tp", "1", "--dp", "2", "--batch-size", "2"]
 
     # 1) SIGUSR1 reaches one rank only (rank 1, at the start of step 3): every rank finishes step 3,
     #    the run saves step-3 and exits with the requeue code.

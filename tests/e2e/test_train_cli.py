@@ -135,11 +135,26 @@ def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> N
             assert abs(g - w) <= 1e-4 * abs(w), f"{name} step {step + 1}: grad norm {g} vs plain HF {w}"
 
 
-def test_bad_tp_fails_before_launch(setup, tmp_path) -> None:
+def cli_in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``hf-tp ARGS`` run by the CLI's own ``main`` in this process, for what fails before any rank
+    starts (a launch would cost a new interpreter's imports and prove nothing more)."""
+    from hf_tp.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["hf-tp", *args], code, out, err)
+
+
+def test_bad_tp_fails_before_launch(setup, tmp_path, capsys) -> None:
     model_dir, data = setup
-    proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--tp", "3", "--output-dir", str(tmp_path))
+    out = tmp_path / "out"
+    proc = cli_in_process(
+        capsys, "train", "--model", str(model_dir), "--dataset", str(data), "--tp", "3", "--output-dir", str(out)
+    )
     assert proc.returncode == 2
     assert "tp must divide num_attention_heads (4) of this qwen2 model, got tp=3" in proc.stderr
+    assert not out.exists()
 
 
 def test_nan_loss_stops_naming_the_step(setup, tmp_path) -> None:
@@ -224,13 +239,13 @@ def test_in_place_under_torchrun_every_rank_reports_an_empty_dataset(setup, tmp_
         ("empty.txt", "", r"hf-tp train: error: dataset '.*empty\.txt' is empty"),
     ],
 )
-def test_dataset_errors_are_one_line_before_any_rank_starts(setup, tmp_path, name, content, message) -> None:
+def test_dataset_errors_are_one_line_before_any_rank_starts(setup, tmp_path, capsys, name, content, message) -> None:
     model_dir, _ = setup
     data = tmp_path / name
     data.write_text(content)
     out = tmp_path / "out"
-    proc = hf_tp_train(
-        "--model", str(model_dir), "--dataset", str(data), "--tp", "2", "--dp", "1", "--seq-len", "15",
+    proc = cli_in_process(
+        capsys, "train", "--model", str(model_dir), "--dataset", str(data), "--tp", "2", "--dp", "1", "--seq-len", "15",
         "--output-dir", str(out),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""`hf-tp train` on a mixture of experts: Qwen3-MoE trains with its experts split over tp and
-placed on ranks with --ep 2, is killed, resumes with --ep 1, gives plain HF's loss curve and
+"""`hf-tp train` on a mixture of experts: Qwen3-MoE trains with its experts placed on ranks with
+--ep 2 (tp 1 x dp 2), is killed, resumes with --ep 1, gives plain HF's loss curve and
 exports a folder plain transformers loads. (Generic families through the same loop, one launch for
 several: tests/e2e/test_families_fit.py.)"""
 
@@ -43,9 +43,10 @@ def test_moe_expert_parallel_resumes_with_another_ep_and_exports(tmp_path) -> No
     model_dir, assets = _family_model("qwen3_moe", tmp_path, output_router_logits=True)
     out = tmp_path / "run"
     flags = ["--model", str(model_dir), "--dataset", str(assets.data_file), "--output-dir", str(out), *COMMON]
-    mesh = ["--tp", "2", "--dp", "2", "--batch-size", "2"]
-    # Killed (rank 2) at the start of step 4, after the step-3 checkpoint: a kill-a-rank resume.
-    os.environ["HF_TP_CRASH"] = "train:4:2"
+    # Two ranks (expert TP inside EP on four: tests/e2e/test_families_fit.py).
+    mesh = ["--tp", "1", "--dp", "2", "--batch-size", "2"]
+    # Killed (rank 1) at the start of step 4, after the step-3 checkpoint: a kill-a-rank resume.
+    os.environ["HF_TP_CRASH"] = "train:4:1"
     try:
         first = hf_tp_train(*flags, *mesh, "--ep", "2", "--save-every", "3")
     finally:
