@@ -94,7 +94,9 @@ FAMILY_EXTRAS.update(
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
     }
 )
-GREEDY_TOKENS = 4
+# The prefill and two cached decode steps: the second is the first whose position is not the
+# prompt's length (a cache offset taken from the prompt alone passes one step, not two).
+GREEDY_TOKENS = 3
 
 
 def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> PretrainedConfig:

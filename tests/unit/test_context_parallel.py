@@ -160,6 +160,7 @@ def test_build_mesh_names_the_world() -> None:
     run_threaded(2, rank_fn)
 
 
+@pytest.mark.large_estimate
 def test_estimate_cp_counts_the_kv_gathers() -> None:
     cmd = [sys.executable, "-m", "hf_tp.cli.main", "estimate", "--model", "llama-3.2-1b", "--tp", "2", "--cp", "2"]
     out = subprocess.run([*cmd, "--seq-len", "1024", "--json"], capture_output=True, text=True, check=True).stdout
@@ -171,6 +172,7 @@ def test_estimate_cp_counts_the_kv_gathers() -> None:
         validate_inputs(tiny_config("llama"), 2, 1, 124, 1, "bf16", cp=2)
 
 
+@pytest.mark.large_estimate
 def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
     from hf_tp.estimate.api import estimate
     from tests.unit.test_estimate_moe import tiny_moe

@@ -95,6 +95,7 @@ def test_bundled_configs_build_the_published_parameter_count(name: str) -> None:
     assert sum(p.numel() for p in model.parameters()) == analytic_params(config)
 
 
+@pytest.mark.large_estimate
 def test_qwen_tp2_dp8_parameters_and_optimizer_match_arithmetic(qwen_tp2_dp8) -> None:
     config, est = qwen_tp2_dp8
     assert est.num_params == analytic_params(config) == 494_032_768
@@ -106,6 +107,7 @@ def test_qwen_tp2_dp8_parameters_and_optimizer_match_arithmetic(qwen_tp2_dp8) ->
     assert not dist.is_initialized()  # the fake process group is gone
 
 
+@pytest.mark.large_estimate
 def test_qwen_tp2_dp8_collectives(qwen_tp2_dp8) -> None:
     _, est = qwen_tp2_dp8
     counts = {(c.dim, c.collective): c.count for c in est.comms}
@@ -170,6 +172,7 @@ def test_estimate_matches_a_real_measurement() -> None:
     assert est.state.total == pytest.approx(real.state.total, rel=0.15)
 
 
+@pytest.mark.large_estimate
 def test_cli_prints_tables_and_json(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["estimate", "--model", str(tiny_dir), "--tp", "2", "--dp", "2", "--seq-len", "128", "--batch-size", "2"]
     assert main(args) == 0
@@ -185,6 +188,7 @@ def test_cli_prints_tables_and_json(tiny_dir: Path, capsys: pytest.CaptureFixtur
     assert "tp must divide num_attention_heads (4)" in capsys.readouterr().err
 
 
+@pytest.mark.large_estimate
 def test_gpu_memory_sweep_recommends_the_smallest_tp_that_fits(tiny_dir: Path, capsys) -> None:
     config = tiny_llama()
     result = sweep(config, world_size=4, seq_len=128, batch_size=2, dtype="fp32")

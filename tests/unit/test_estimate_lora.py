@@ -51,6 +51,7 @@ def test_bf16_lora_stores_the_frozen_base_in_bf16() -> None:
     assert est.state.parameters == 2 * (base - norms) // 2 + 2 * norms + adapters
 
 
+@pytest.mark.large_estimate
 def test_cli_lora_flags(tiny_dir, capsys) -> None:  # noqa: F811
     args = ["estimate", "--model", str(tiny_dir), "--tp", "2", "--seq-len", "64", "--lora-r", "4"]
     assert main([*args, "--lora-target-modules", "q_proj,v_proj", "--json"]) == 0

@@ -54,6 +54,7 @@ def expert_bytes(c: Qwen3MoeConfig) -> int:
     return c.num_hidden_layers * c.num_experts * per_expert * 4
 
 
+@pytest.mark.large_estimate
 @pytest.mark.parametrize(("tp", "dp", "ep"), MESHES)
 def test_expert_weights_per_rank(estimates, tp: int, dp: int, ep: int) -> None:
     c, moe = tiny_moe(), estimates[(tp, dp, ep)].moe
@@ -134,6 +135,7 @@ def test_bad_ep_fails_early_with_one_line(config, kwargs: dict, message: str) ->
     assert "\n" not in str(info.value) and not dist.is_initialized()
 
 
+@pytest.mark.large_estimate
 def test_sweep_keeps_ep_and_skips_splits_it_cannot_use() -> None:
     splits = candidate_splits(tiny_moe(), 4, ep=2)
     assert splits and all(dp % 2 == 0 for _, dp in splits) and (4, 1) not in splits
@@ -141,6 +143,7 @@ def test_sweep_keeps_ep_and_skips_splits_it_cannot_use() -> None:
         candidate_splits(tiny_moe(), 6, ep=4)
 
 
+@pytest.mark.large_estimate
 def test_cli_ep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tiny_moe().save_pretrained(tmp_path)
     args = ["estimate", "--model", str(tmp_path), "--tp", "2", "--dp", "2", "--ep", "2", "--seq-len", "32"]
@@ -161,6 +164,7 @@ def test_cli_ep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not dist.is_initialized() and not expert_parallel._balanced
 
 
+@pytest.mark.large_estimate
 def test_gpt_oss_quantized_checkpoint_is_sized_as_its_dequantized_copy() -> None:
     # GPT-OSS ships its experts in MXFP4: hf-tp estimate sizes the full-precision model hf_tp
     # would train (training it refuses with the dequantizing command). Experts carry biases.

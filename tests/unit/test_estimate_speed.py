@@ -131,6 +131,7 @@ def test_traced_step_counts_6n_flops_and_recompute_is_excluded_from_model_flops(
     assert ac.work.matmul_flops + ac.work.attention_flops > plain.work.model_flops
 
 
+@pytest.mark.large_estimate
 def test_sweep_ranks_the_layouts_that_fit_by_predicted_speed() -> None:
     config = tiny_llama()
     lines: list[str] = []

@@ -96,6 +96,7 @@ def test_lora_step_skips_base_weight_gradients_and_their_reduce_scatter() -> Non
     assert any(line.startswith("LoRA r=8 on all-linear") for line in speed.assumptions)
 
 
+@pytest.mark.large_estimate
 def test_cli_prints_and_json_carries_the_cp_figures(tiny_dir, capsys) -> None:  # noqa: F811
     args = ["--model", str(tiny_dir), "--tp", "2", "--cp", "2", "--seq-len", "64", "--gpu", "h100-sxm"]
     assert main([*args, "--json"]) == 0
@@ -142,6 +143,7 @@ def test_batch_grows_to_the_largest_double_that_fits_in_two_simulations(reported
     assert best.batch_size == 4 and fits(best, 80 * GiB)
 
 
+@pytest.mark.large_estimate
 def test_speed_sweep_grows_the_fastest_first_and_prunes_by_compute_bound() -> None:
     calls: list[int] = []
     run = fake_run(20.0, 10.0, 10.0, calls, matmul_flops=10**13)
@@ -161,6 +163,7 @@ def test_speed_sweep_grows_the_fastest_first_and_prunes_by_compute_bound() -> No
     assert sorted(calls) == [1, 1, 4] and any("below the best that fits" in s for s in pruned.skipped)
 
 
+@pytest.mark.large_estimate
 def test_cp_sweep_ranks_layouts_and_batches() -> None:
     lines: list[str] = []
     result = sweep(tiny_llama(), 4, seq_len=64, batch_size=1, progress=lines.append, cluster=Cluster(H100), cp=2)
