@@ -4,7 +4,6 @@ HF safetensors files, so host memory per process stays near model size / (tp*dp)
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.checkpoint.expert_files import FusedSource, conversion_transforms, fused_sources, load_fused
+from hf_tp.parallel.materialize import to_empty_keeping_parameters
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.styles.experts import hf_shapes
 
@@ -108,30 +108,6 @@ def materialize_and_load(
     state = {in_file[k]: v for k, v in state.items() if k in in_file and k not in fused}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(path=str(model_dir)))
     load_fused(model, fused, model_dir, {k: f for k, (f, _) in index.items()})
-
-
-_SWAP_LOCK = threading.Lock()  # torch.__future__'s switch is process-wide (threaded test worlds)
-
-
-def to_empty_keeping_parameters(model: torch.nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device)`` that keeps every parameter the same object, with its gradient hooks.
-
-    parallelize ran on the meta model: its gradient hooks (the dp average of expert-parallel and
-    odd-dtype parameters outside FSDP2) and the sets that name parameters are on those objects.
-    Plain ``to_empty`` replaces plain parameters with new objects, and swaps a DTensor's contents
-    into the same object while its hooks stay with the old contents: a gradient silently left
-    unaveraged. Here every parameter is swapped (torch's opt-in), then each one's hook dict is
-    installed on its new contents (assigning it is what installs it)."""
-    with _SWAP_LOCK:
-        before = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            model.to_empty(device=device)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(before)
-    for param in model.parameters():
-        if param._backward_hooks:
-            param._backward_hooks = param._backward_hooks
 
 
 def file_index(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:

@@ -24,6 +24,7 @@ from hf_tp.parallel.lora import (
     unwrap_peft,
 )
 from hf_tp.parallel.loss import local_loss_function
+from hf_tp.parallel.materialize import keep_parameters_on_to_empty
 from hf_tp.parallel.mesh import cp_mesh, split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
@@ -46,8 +47,9 @@ def parallelize(
 
     ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")`` or ``("dp", "cp", "tp")``;
     a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
-    a model from ``from_pretrained``, one built on meta, or a peft LoRA model
-    (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
+    a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
+    each parameter object and the gradient hooks parallelize attached: :mod:`hf_tp.parallel.materialize`),
+    or a peft LoRA model (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
     and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
     depends only on the config and the mesh shape: a bad input raises the same ``ValueError`` on
     every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
@@ -96,14 +98,16 @@ def parallelize(
             averaged=whole,
             fused=fuse_partial_grads and tp,
         )
-    _mark_parallelized(model, opts)
+    _mark_parallelized(model, opts, outer)
     return outer
 
 
-def _mark_parallelized(model: nn.Module, opts: PlanOptions) -> None:
+def _mark_parallelized(model: nn.Module, opts: PlanOptions, outer: nn.Module) -> None:
     model.hf_tp_options = opts  # marks the model as parallelized (checked in _check) and records how
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
+    if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
+        keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
 
 
 def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
