@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 import traceback
 from collections.abc import Callable
@@ -122,12 +123,61 @@ def batch(vocab: int, b: int = 2, s: int = 13, pad: str | None = "right", seed: 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class _World:
+    """``size`` rank threads, each holding its rank of one threaded process group, kept from one
+    :func:`run_threaded` call to the next while calls succeed.
+
+    Why kept: DTensor caches each sharding decision per thread, so a fresh thread per call redid
+    every one of them through a new FakeTensorMode (about half of the grids' time). Why the process
+    group too: those caches hand back the mesh of the first call that asked (meshes compare equal
+    by ranks, shape and thread), so a later call's mesh must live in the same world, as a real
+    process's ranks do for the whole run (hf_tp keeps one expert-parallel mesh per world).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        store = dist.HashStore()
+        self.jobs = [queue.SimpleQueue() for _ in range(size)]
+        self.threads = [
+            threading.Thread(target=self._serve, args=(r, store), daemon=True, name=f"hf_tp-test-rank-{r}-of-{size}")
+            for r in range(size)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, rank: int, store: dist.Store) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=self.size, store=store)
+        try:
+            while True:
+                job, done = self.jobs[rank].get()
+                if job is None:
+                    return
+                try:
+                    job()
+                finally:
+                    done.set()
+        finally:
+            dist.destroy_process_group()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End each rank's loop and process group (a rank still stuck in a call is left behind)."""
+        for jobs in self.jobs:
+            jobs.put((None, None))
+        for t in self.threads:
+            t.join(timeout)
+
+
+_WORLDS: dict[int, _World] = {}
+
+
 def run_threaded(world_size: int, fn: Callable[[int], None], timeout: float = 300.0) -> None:
     """Run ``fn(rank)`` on ``world_size`` threads, each a rank of torch's in-process process group.
 
     Hand-written because torch ships this only inside ``MultiThreadedTestCase`` (unittest-style,
-    one class per world size); a function keeps pytest parametrization and lets the reference
-    model be built once in the main thread (threads share the CPU RNG).
+    one class per world size, a new world per test); a function keeps pytest parametrization and
+    lets the reference model be built once in the main thread (threads share the CPU RNG). The
+    ranks and their process group serve later calls of the same size (:class:`_World`); a call
+    in which a rank fails ends them, so a failure never leaks into the next test.
     """
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup,
@@ -137,33 +187,36 @@ def run_threaded(world_size: int, fn: Callable[[int], None], timeout: float = 30
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
-    store = dist.HashStore()
     errors: dict[int, str] = {}
 
-    def target(rank: int) -> None:
-        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+    def job(rank: int) -> None:
         try:
             fn(rank)
         except BaseException as exc:  # noqa: BLE001 - reported below with the rank
             errors[rank] = traceback.format_exc()
             ProcessLocalGroup.exception_handle(exc)
-        finally:
-            dist.destroy_process_group()
 
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    done = [threading.Event() for _ in range(world_size)]
+    world = _WORLDS.get(world_size)
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-            if t.is_alive():
+        if world is None:
+            world = _WORLDS[world_size] = _World(world_size)
+        for rank in range(world_size):
+            world.jobs[rank].put((lambda r=rank: job(r), done[rank]))
+        for event in done:
+            if not event.wait(timeout):
                 errors.setdefault(-1, f"a rank did not finish within {timeout}s")
     finally:
         ProcessLocalGroup.reset()
+        if errors and world is not None:
+            del _WORLDS[world_size]
+            world.close()
         _uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     if errors:
-        rank = min(errors)
+        # the rank that failed first, not one released from a collective by that failure
+        causes = [r for r, text in errors.items() if "Test termination event occurs" not in text] or list(errors)
+        rank = min(causes)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
 
 
