@@ -39,6 +39,8 @@ torch_spec=$(printf '%s\n' "${specs[@]}" | grep '^torch==')
 
 venv=${COMPAT_VENV:-/tmp/hf_tp-compat-$(printf '%s_' "${specs[@]}" | tr -c 'A-Za-z0-9._\n' '_')}
 stamp="$venv/.hf_tp-compat"
+# pip compiles every file it installs unless Python caches bytecode itself on first import
+no_compile=$([ -z "${PYTHONDONTWRITEBYTECODE:-}" ] && echo --no-compile || true)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${specs[*]}" ]; then
     rm -rf "$venv"
     if [ -n "${COMPAT_FROM_VENV:-}" ]; then
@@ -49,9 +51,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${specs[*]}" ]; then
     else
         "$python" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
-        "$venv/bin/python" -m pip install -q "$torch_spec"  # first alone: otherwise pip may pick a CUDA build
+        "$venv/bin/python" -m pip install -q $no_compile "$torch_spec"  # first alone: otherwise pip may pick a CUDA build
     fi
-    "$venv/bin/python" -m pip install -q -e ".[test]" "${specs[@]}"
+    "$venv/bin/python" -m pip install -q $no_compile -e ".[test]" "${specs[@]}"
     echo "${specs[*]}" >"$stamp"
 fi
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|datasets|peft|huggingface.hub|safetensors) '

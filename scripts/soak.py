@@ -61,7 +61,7 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
         except OSError:
             continue
         values = dict(item.split(b"=", 1) for item in env if b"=" in item)
-        if b"RANK" in values and b"hf_tp.train" in cmdline and b"hf_tp.train.launch" not in cmdline:
+        if b"RANK" in values and b"hf_tp.train" in cmdline:
             ranks[int(values[b"RANK"])] = pid
     return ranks
 

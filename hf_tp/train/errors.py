@@ -2,7 +2,7 @@
 
 ``hf-tp train`` gives the ranks a folder (``HF_TP_ERROR_DIR``). A rank that fails writes its error
 there (``rank{R}.json``: type, message, exit code, time, and the traceback of a crash) and prints
-nothing; the launcher wrapper (:mod:`hf_tp.train.launch`) records how each failed rank ended
+nothing; the launcher (:mod:`hf_tp.train.launch`) records how each failed rank ended
 (``launcher.json``) and hides torch elastic's own report. The launching process then prints the
 first error as the last line and exits with 2 for bad input (``ValueError``), 1 for anything else.
 ``--verbose`` (``HF_TP_VERBOSE``) lets every rank and the launcher print as they would on their own.
@@ -80,7 +80,7 @@ def run_reporting_crashes(main: Callable[[], int]) -> int:
 
 
 def record_launcher_failures(failures: dict[int, object]) -> None:
-    """In the launcher wrapper: how each failed rank ended (torch elastic's ``ProcessFailure``s)."""
+    """In the launcher: how each failed rank ended (torch elastic's ``ProcessFailure``s)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return
@@ -104,7 +104,7 @@ def explain_failure(folder: Path, launcher_code: int) -> tuple[str, int]:
     except (OSError, ValueError, KeyError):
         failures = []
     reported = {r["rank"] for r in records}
-    try:  # ranks the launcher wrapper itself killed, left waiting by a failed rank (hf_tp.train.supervise)
+    try:  # ranks the launcher itself killed, left waiting by a failed rank (hf_tp.train.supervise)
         reported |= set(json.loads((Path(folder) / STRAGGLERS_FILE).read_text()))
     except (OSError, ValueError):
         pass

@@ -1,28 +1,23 @@
-"""Start tp*dp ranks through accelerate's launcher (torch elastic underneath).
+"""Start tp*dp ranks through accelerate's launcher (torch elastic underneath), in this process.
 
-The launcher runs inside a thin wrapper (``python -m hf_tp.train.launch``, see :func:`_wrapper_main`)
-that hides torch elastic's warnings and its ``ChildFailedError`` traceback unless ``--verbose``: the
+torch elastic's warnings and its ``ChildFailedError`` traceback are hidden unless ``--verbose``: the
 launching process prints the ranks' first error itself, once (:mod:`hf_tp.train.errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.errors import ERROR_DIR_ENV, VERBOSE_ENV, explain_failure, record_launcher_failures
 from hf_tp.train.faults import EXIT_PREEMPTED, PREEMPTED_FILE
-from hf_tp.train.supervise import (
-    forward_stop_signals,
-    forward_to_ranks,
-    kill_stragglers_after_failure,
-    restore_handlers,
-)
+from hf_tp.train.supervise import forward_to_ranks, kill_stragglers_after_failure, restore_handlers
 
 
 def free_port() -> int:
@@ -53,12 +48,9 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     )
 
 
-def launch_command(cfg: TrainConfig, config_path: Path) -> list[str]:
-    """The ``accelerate launch`` command line that runs ``python -m hf_tp.train`` on every rank."""
+def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
+    """The ``accelerate launch`` arguments that run ``python -m hf_tp.train`` on every rank."""
     return [
-        sys.executable,
-        "-m",
-        "hf_tp.train.launch",  # accelerate.commands.launch, quiet on failure (see _wrapper_main)
         "--multi_gpu",  # accelerate's switch for "several processes"; it works with gloo on CPU
         "--num_processes",
         str(cfg.world_size),
@@ -84,21 +76,18 @@ def launch_command(cfg: TrainConfig, config_path: Path) -> list[str]:
 def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
     ranks ended) as the last line; returns 0, 2 (bad input), 1, or 75 when a stop signal (SIGTERM,
-    SIGUSR1) made the ranks save a checkpoint and exit."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, cfg.world_size // cfg.nnodes))))
-    env["HF_TP_LAUNCHED"] = "1"
-    env.pop(VERBOSE_ENV, None)
-    if verbose:
-        env[VERBOSE_ENV] = "1"
+    SIGUSR1) made the ranks save a checkpoint and exit.
+
+    accelerate's launcher (torch elastic's agent) runs in this process: the ranks are its children,
+    started with this process's environment plus the variables below, set for the launch only.
+    (A launcher process of its own would cost every run a second interpreter's imports.)"""
+    env = {"HF_TP_LAUNCHED": "1", VERBOSE_ENV: "1" if verbose else None}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, cfg.world_size // cfg.nnodes)))
     with tempfile.TemporaryDirectory(prefix="hf_tp-errors-") as folder:
         env[ERROR_DIR_ENV] = folder
-        child = subprocess.Popen(launch_command(cfg, config_path), env=env)
-        previous = forward_stop_signals(child)  # preemption: the ranks save, then exit
-        try:
-            code = child.wait()
-        finally:
-            restore_handlers(previous)
+        with _environment(env):
+            code = _run_launcher(launcher_args(cfg, config_path), Path(folder), verbose)
         if code == 0:
             return 0
         if (Path(folder) / PREEMPTED_FILE).is_file():  # rank 0 printed where the checkpoint is
@@ -108,9 +97,30 @@ def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int
     return code
 
 
-def _wrapper_main(argv: list[str]) -> int:
-    """``accelerate launch ARGS``; when a rank fails, record how each one ended and exit 1 quietly
-    (torch elastic's warnings and traceback only with ``HF_TP_VERBOSE``)."""
+@contextlib.contextmanager
+def _environment(changes: dict[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (None: unset) inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in changes}
+    try:
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
+    """``accelerate launch ARGV``; when a rank fails, record how each one ended and return 1
+    quietly (torch elastic's warnings and traceback only with ``verbose``). Stop signals go on to
+    the ranks (:func:`hf_tp.train.supervise.forward_to_ranks`); ranks a failed one left waiting
+    are killed after a grace period."""
     import logging
 
     from accelerate.commands.launch import launch_command as accelerate_launch
@@ -118,33 +128,27 @@ def _wrapper_main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
-    verbose = bool(os.environ.get(VERBOSE_ENV))
     if not verbose:
         logging.disable(logging.ERROR)  # "Sending process N closing signal", "failed (exitcode: 1)"
-    folder = Path(os.environ[ERROR_DIR_ENV]) if os.environ.get(ERROR_DIR_ENV) else None  # set by hf-tp train
-    watcher = None
-    if folder is not None:
-        forward_to_ranks(folder)  # SIGTERM/SIGUSR1: the ranks save and stop (hf_tp.train.supervise)
+    with _environment({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}):  # SIGTERM: ours
+        previous = forward_to_ranks(folder)  # SIGTERM/SIGUSR1: the ranks save and stop
         watcher = kill_stragglers_after_failure(folder)
-    try:
-        accelerate_launch(args)
-    except ChildFailedError as exc:
-        if folder is not None and (folder / PREEMPTED_FILE).is_file():
-            return EXIT_PREEMPTED
-        record_launcher_failures(exc.failures)
-        if verbose:
-            raise
-        return 1
-    except Exception as exc:  # noqa: BLE001 - the launcher itself failed (rendezvous, port in use)
-        if verbose:
-            raise
-        print(f"hf-tp train: the launcher failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if watcher is not None:
+        try:
+            accelerate_launch(args)
+        except ChildFailedError as exc:
+            if (folder / PREEMPTED_FILE).is_file():
+                return EXIT_PREEMPTED
+            record_launcher_failures(exc.failures)
+            if verbose:
+                raise
+            return 1
+        except Exception as exc:  # noqa: BLE001 - the launcher itself failed (rendezvous, port in use)
+            if verbose:
+                raise
+            print(f"hf-tp train: the launcher failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        finally:
             watcher.set()
+            restore_handlers(previous)
+            logging.disable(logging.NOTSET)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_wrapper_main(sys.argv[1:]))

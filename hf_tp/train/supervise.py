@@ -1,16 +1,16 @@
-"""The launching processes' part in faults: pass stop signals on to the ranks, end ranks that a
+"""The launching process's part in faults: pass stop signals on to the ranks, end ranks that a
 failed one left waiting.
 
-``hf-tp train`` runs the launcher wrapper (torch elastic's agent, :mod:`hf_tp.train.launch`) as a
-child, and the agent starts the ranks in sessions of their own, so a signal sent to ``hf-tp train``
-(Kubernetes' SIGTERM, Slurm's ``--signal``) reaches neither. Both launching processes therefore
-forward SIGTERM and SIGUSR1 down, and torch elastic is told not to handle SIGTERM itself (it would
-kill the ranks after 30 s, mid-save). The ranks note the signal and stop after the step in flight
-(:mod:`hf_tp.train.faults`).
+``hf-tp train`` runs accelerate's launcher (torch elastic's agent, :mod:`hf_tp.train.launch`) in its
+own process, and the agent starts the ranks in sessions of their own, so a signal sent to
+``hf-tp train`` (Kubernetes' SIGTERM, Slurm's ``--signal``) would not reach them. It therefore
+forwards SIGTERM and SIGUSR1 to the ranks, and torch elastic is told not to handle SIGTERM itself
+(it would kill the ranks after 30 s, mid-save). The ranks note the signal and stop after the step
+in flight (:mod:`hf_tp.train.faults`).
 
 When a rank has failed, torch elastic stops the others with SIGTERM and waits 30 s before SIGKILL;
-a rank that is stopped (SIGSTOP) or wedged ignores SIGTERM, so the wrapper kills the ranks still
-alive a few seconds after the first rank error instead.
+a rank that is stopped (SIGSTOP) or wedged ignores SIGTERM, so the launching process kills the
+ranks still alive a few seconds after the first rank error instead.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -26,17 +25,7 @@ from pathlib import Path
 from hf_tp.train.faults import STOP_SIGNALS
 
 STRAGGLER_GRACE_S = 5.0
-STRAGGLERS_FILE = "stragglers.json"  # the ranks the wrapper killed after another rank's error
-
-
-def forward_stop_signals(child: subprocess.Popen) -> dict:
-    """In ``hf-tp train``: SIGTERM/SIGUSR1 go on to the launcher wrapper; returns the old handlers."""
-
-    def forward(signum: int, frame: object) -> None:
-        if child.poll() is None:
-            child.send_signal(signum)
-
-    return {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+STRAGGLERS_FILE = "stragglers.json"  # the ranks the launching process killed after another rank's error
 
 
 def restore_handlers(previous: dict) -> None:
@@ -58,9 +47,10 @@ def rank_pids(folder: Path) -> dict[int, int]:
     return pids
 
 
-def forward_to_ranks(folder: Path) -> None:
-    """In the launcher wrapper: SIGTERM/SIGUSR1 go on to every registered rank. Before any rank has
-    registered (nothing to save yet) torch elastic's own handling stops them."""
+def forward_to_ranks(folder: Path) -> dict:
+    """SIGTERM/SIGUSR1 go on to every registered rank; returns the old handlers (none off the main
+    thread, where Python cannot set any). Before any rank has registered (nothing to save yet)
+    torch elastic's own handling stops them."""
     from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
     def forward(signum: int, frame: object) -> None:
@@ -73,13 +63,13 @@ def forward_to_ranks(folder: Path) -> None:
             except ProcessLookupError:
                 pass
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, forward)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
 
 
 def kill_stragglers_after_failure(folder: Path, grace: float = STRAGGLER_GRACE_S) -> threading.Event:
-    """In the launcher wrapper: a thread that SIGKILLs the ranks still alive ``grace`` seconds after
+    """A thread that SIGKILLs the ranks still alive ``grace`` seconds after
     the first rank error appeared in ``folder``; set the returned event to end it."""
     done = threading.Event()
 
