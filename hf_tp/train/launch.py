@@ -101,19 +101,19 @@ def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int
 def _environment(changes: dict[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``changes`` (None: unset) inside the block, as it was after it."""
     saved = {k: os.environ.get(k) for k in changes}
+    _apply(changes)
     try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(saved)
+
+
+def _apply(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
