@@ -73,6 +73,10 @@ def run_reporting_crashes(main: Callable[[], int]) -> int:
     launching process instead of printed by every rank (it is re-raised when nobody collects it)."""
     try:
         return main()
+    except KeyboardInterrupt:  # the launcher ending the ranks after a Ctrl-C: it says so itself
+        if not _quiet():
+            raise
+        return 130
     except Exception as exc:  # noqa: BLE001 - recorded (with its traceback) or re-raised
         if not _quiet():
             raise

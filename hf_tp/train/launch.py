@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from hf_tp.train.config import TrainConfig
 from hf_tp.train.errors import ERROR_DIR_ENV, VERBOSE_ENV, explain_failure, record_launcher_failures
 from hf_tp.train.faults import EXIT_PREEMPTED, PREEMPTED_FILE
 from hf_tp.train.supervise import forward_to_ranks, kill_stragglers_after_failure, restore_handlers
+
+_ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def free_port() -> int:
@@ -75,8 +79,8 @@ def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
 
 def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
-    ranks ended) as the last line; returns 0, 2 (bad input), 1, or 75 when a stop signal (SIGTERM,
-    SIGUSR1) made the ranks save a checkpoint and exit.
+    ranks ended) as the last line; returns 0, 2 (bad input), 1, 75 when a stop signal (SIGTERM,
+    SIGUSR1) made the ranks save a checkpoint and exit, or 128 + N when signal N (Ctrl-C) ended them.
 
     accelerate's launcher (torch elastic's agent) runs in this process: the ranks are its children,
     started with this process's environment plus the variables below, set for the launch only.
@@ -88,8 +92,8 @@ def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int
         env[ERROR_DIR_ENV] = folder
         with _environment(env):
             code = _run_launcher(launcher_args(cfg, config_path), Path(folder), verbose)
-        if code == 0:
-            return 0
+        if code == 0 or code > 128:  # success, or stopped by a signal (said already)
+            return code
         if (Path(folder) / PREEMPTED_FILE).is_file():  # rank 0 printed where the checkpoint is
             return EXIT_PREEMPTED
         message, code = explain_failure(Path(folder), code)
@@ -125,13 +129,17 @@ def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
 
     from accelerate.commands.launch import launch_command as accelerate_launch
     from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
     if not verbose:
         logging.disable(logging.ERROR)  # "Sending process N closing signal", "failed (exitcode: 1)"
     with _environment({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}):  # SIGTERM: ours
-        previous = forward_to_ranks(folder)  # SIGTERM/SIGUSR1: the ranks save and stop
+        # torch elastic sets its own SIGINT/SIGHUP/SIGQUIT handlers and leaves them: all put back after
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.getsignal(sig) for sig in _ELASTIC_SIGNALS} if main else {}
+        previous |= forward_to_ranks(folder)  # SIGTERM/SIGUSR1: the ranks save and stop
         watcher = kill_stragglers_after_failure(folder)
         try:
             accelerate_launch(args)
@@ -142,6 +150,15 @@ def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
             if verbose:
                 raise
             return 1
+        except SignalException as exc:  # Ctrl-C, SIGHUP, SIGQUIT; SIGTERM before any rank registered
+            if verbose:
+                raise
+            print(
+                f"hf-tp train: stopped by {exc.sigval.name}; the ranks were ended without saving "
+                "(SIGTERM or SIGUSR1 once training has started make them save a checkpoint first)",
+                file=sys.stderr,
+            )
+            return 128 + exc.sigval
         except Exception as exc:  # noqa: BLE001 - the launcher itself failed (rendezvous, port in use)
             if verbose:
                 raise
