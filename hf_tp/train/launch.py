@@ -135,7 +135,11 @@ def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
     args = launch_command_parser().parse_args(argv)
     if not verbose:
         logging.disable(logging.ERROR)  # "Sending process N closing signal", "failed (exitcode: 1)"
-    with _environment({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}):  # SIGTERM: ours
+    # SIGTERM is ours (forwarded to the ranks, which save first): torch elastic must not handle it.
+    # Its launcher takes the list from PET_SIGNALS_TO_HANDLE (its --signals-to-handle) and writes it
+    # to TORCHELASTIC_SIGNALS_TO_HANDLE; both are put back after.
+    elastic_signals = ",".join(sig.name for sig in _ELASTIC_SIGNALS)
+    with _environment({"PET_SIGNALS_TO_HANDLE": elastic_signals, "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals}):
         # torch elastic sets its own SIGINT/SIGHUP/SIGQUIT handlers and leaves them: all put back after
         main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.getsignal(sig) for sig in _ELASTIC_SIGNALS} if main else {}
@@ -151,6 +155,8 @@ def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
                 raise
             return 1
         except SignalException as exc:  # Ctrl-C, SIGHUP, SIGQUIT; SIGTERM before any rank registered
+            if (folder / PREEMPTED_FILE).is_file():
+                return EXIT_PREEMPTED
             if verbose:
                 raise
             print(
