@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from hf_tp.checkpoint.integrity import damage, newest_good_checkpoint
 from hf_tp.checkpoint.layout import MARKER, load_trainer_state
+from hf_tp.paths import unwritable_reason
 
 DTYPES = ("fp32", "bf16", "fp16")  # torch, transformers: imported once the checkpoint is found
+# In every export (from_pretrained, peft and Hub pushes ignore it): what --overwrite may replace.
+EXPORT_MARKER = ".hf_tp_export.json"
+# What to do when no checkpoint of a run is whole (hf-tp train's own advice names --resume).
+EXPORT_ADVICE = "restore one from a copy, then export it by its path (OUTPUT_DIR/checkpoints/step-N)"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -21,15 +28,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise ValueError(f"{p} does not exist (expected a run's OUTPUT_DIR or OUTPUT_DIR/checkpoints/step-N)")
     if (p / MARKER).is_file():
         if (problem := damage(p)) is not None:
-            raise ValueError(f"checkpoint {p} is damaged ({problem}); export an older one, or the run dir")
+            raise ValueError(
+                f"checkpoint {p} is damaged ({problem}); export an older one, or the run dir (its newest whole one)"
+            )
         return p
     if (p / "checkpoints").is_dir():
-        latest = newest_good_checkpoint(p)  # names damaged newer ones and falls back
+        latest = newest_good_checkpoint(p, advice=EXPORT_ADVICE)  # names damaged newer ones and falls back
         if latest is None:
-            raise ValueError(f"no complete checkpoint in {p / 'checkpoints'} (half-written ones are ignored)")
+            raise ValueError(
+                f"no complete checkpoint in {p / 'checkpoints'} (half-written ones are ignored); "
+                "hf-tp train --resume with --save-every N writes one"
+            )
         return latest
     if (p / ".metadata").is_file():
-        raise ValueError(f"{p} is an incomplete checkpoint (no {MARKER} marker: its save did not finish)")
+        raise ValueError(
+            f"{p} is an incomplete checkpoint (no {MARKER} marker: its save did not finish); "
+            "export an older one, or the run dir (its newest complete one)"
+        )
     if (p / "metrics.jsonl").is_file() or (p / "config.yaml").is_file():
         raise ValueError(
             f"the run in {p} saved no checkpoint; train with --save-every N (checkpoints every N steps) or "
@@ -56,13 +71,18 @@ def export_checkpoint(
     size, not the model. Tied weights are stored once. The folder is built next to ``out_dir`` and
     renamed into place, so a crash never leaves half an export. A LoRA run exports a peft adapter
     folder, or with ``merge`` the base weights with the adapters merged in (docs/lora.md).
+
+    Nothing else is lost: ``out_dir`` may not be a file, nor be, hold or lie inside the checkpoint,
+    its run dir or the run's checkpoints folder, and ``overwrite`` replaces only an empty folder or
+    an earlier export (one holding :data:`EXPORT_MARKER`); anything else is a ``ValueError`` before
+    a byte is written. An ``OSError`` (a full disk) leaves ``out_dir`` as it was.
     """
-    ckpt = resolve_checkpoint(checkpoint)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"export dir {out} is not empty; pass another dir or --overwrite")
+    out = writable_target(out_dir)  # before the checkpoint is read
+    ckpt = resolve_checkpoint(checkpoint)
+    refuse_overlap(ckpt, out)
+    check_replaceable(out, overwrite)
     state = load_trainer_state(ckpt)
     chosen = dtype or state.get("base_dtype") or base_dtype(base_source(state))
     how = "as asked" if dtype else ("the base model's dtype" if chosen else "the base model's dtype was not recorded")
@@ -78,14 +98,127 @@ def export_checkpoint(
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
         (tmp / "README.md").write_text(_model_card(ckpt, config, f"{chosen or 'fp32'} ({how})"))
+        _write_marker(tmp, ckpt, state)
         _ordinary_permissions(tmp)  # mkdtemp makes the folder 700, safetensors its files 600
-        if out.exists():
-            shutil.rmtree(out)
+        _put_in_place(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (error := _os_error(exc)) is not None and error is not exc:
+            raise error from exc
+        raise
+    return Path(out_dir)
+
+
+def _real(path: str | Path) -> Path:
+    """``path`` absolute, with every symlink resolved: what a comparison of two paths must use."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def writable_target(out_dir: str | Path) -> Path:
+    """``out_dir``'s real path, refused (``ValueError``) when it is a file or the folder the export
+    is built in cannot be made and written there: tried, not asked (``os.access`` says yes to root
+    under /proc and on read-only mounts). Cheap: run before any checkpoint is read."""
+    out = _real(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export dir {out} is a file, not a folder; nothing was written: pass a folder path")
+    if (reason := unwritable_reason(out.parent)) is not None:
+        raise ValueError(f"export dir {out} cannot be created or written: {reason}; pass a dir you can write")
+    return out
+
+
+def refuse_overlap(ckpt: Path, out: Path) -> None:
+    """``ValueError`` when the real path ``out`` is, holds or lies inside the checkpoint being
+    exported, its run dir (``RUN`` of ``RUN/checkpoints/step-N``) or the run's checkpoints folder:
+    writing there would replace what is read. Other paths in the run (``RUN/export``) are left to
+    :func:`check_replaceable`, which keeps the run's own files."""
+    run = root = None
+    for path in (ckpt, _real(ckpt)):  # by the given path, or where a symlink leads
+        if path.parent.name == "checkpoints":
+            run, root = _real(path.parent.parent), _real(path.parent)
+            break
+    real = _real(ckpt)
+    example = f", e.g. {run / 'export'}" if run else ""
+    fix = f"nothing was written or deleted: pass another dir{example}"
+    if run is not None and out == run:
+        raise ValueError(f"export dir {out} is the run being exported; {fix}")
+    if run is not None and out in run.parents:
+        raise ValueError(f"export dir {out} contains the run being exported ({run}); {fix}")
+    if root is not None and out == root:
+        raise ValueError(f"export dir {out} is the run's checkpoints folder; {fix}")
+    if root is not None and root in out.parents:
+        raise ValueError(f"export dir {out} is inside the run's checkpoints folder {root}; {fix}")
+    if out == real:
+        raise ValueError(f"export dir {out} is the checkpoint being exported; {fix}")
+    if out in real.parents:
+        raise ValueError(f"export dir {out} contains the checkpoint being exported ({real}); {fix}")
+    if real in out.parents:
+        raise ValueError(f"export dir {out} is inside the checkpoint being exported ({real}); {fix}")
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` is an export of hf_tp (it holds a readable :data:`EXPORT_MARKER`)."""
+    try:
+        return isinstance(json.loads((folder / EXPORT_MARKER).read_text()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """``out`` may be written: it does not exist, is empty, or is an earlier export and
+    ``overwrite`` is set. A folder of anything else is refused even with ``overwrite``: exports
+    made before the marker existed too (nothing tells them from a user's folder)."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not is_export(out):
+        raise ValueError(
+            f"export dir {out} is not empty and is not an hf_tp export (no {EXPORT_MARKER}; exports made before "
+            "hf_tp wrote one have none); nothing was deleted: pass another dir, or empty it yourself"
+        )
+    if not overwrite:
+        raise ValueError(
+            f"export dir {out} is not empty (an earlier export); pass --overwrite to replace it, or another dir"
+        )
+
+
+def _write_marker(folder: Path, ckpt: Path, state: dict) -> None:
+    """:data:`EXPORT_MARKER`: what was exported and when (the checkpoint's name, not this machine's
+    path: a Hub push uploads the folder whole)."""
+    from hf_tp import __version__
+
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record = {"hf_tp": __version__, "checkpoint": ckpt.name, "step": state.get("step"), "time": stamp}
+    (folder / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the built folder ``tmp`` to ``out``. An earlier export there is renamed aside first and
+    deleted once the new one is in place: a crash at any point leaves the old or the new one whole
+    (an empty ``out`` is replaced by the rename itself)."""
+    if not out.exists() or not any(out.iterdir()):
+        os.replace(tmp, out)
+        return
+    check_replaceable(out, overwrite=True)  # again: it was empty when checked, before the export was built
+    aside = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+    try:
+        os.replace(out, aside)  # onto the empty folder mkdtemp made: a name nothing else uses
+    except BaseException:
+        aside.rmdir()
+        raise
+    try:
         os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.replace(aside, out)
         raise
-    return out
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """``exc`` as an ``OSError``: itself, or the one safetensors wraps in its own error (a full disk
+    while a shard is written); None for anything else."""
+    if isinstance(exc, OSError):
+        return exc
+    found = re.search(r"os error (\d+)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int):

@@ -19,6 +19,8 @@ from pathlib import Path
 from hf_tp.checkpoint.layout import MARKER, checkpoint_root, complete_checkpoints
 
 MANIFEST = "manifest.json"
+# What to do when no checkpoint of a run is whole: hf-tp train's advice (hf-tp export passes its own).
+TRAIN_ADVICE = "restore one, or start again without --resume in a new --output-dir"
 
 
 def write_manifest(folder: Path) -> None:
@@ -60,10 +62,12 @@ def damage(ckpt: Path) -> str | None:
     return None
 
 
-def newest_good_checkpoint(output_dir: str | Path, say: Callable[[str], None] = print) -> Path | None:
+def newest_good_checkpoint(
+    output_dir: str | Path, say: Callable[[str], None] = print, advice: str = TRAIN_ADVICE
+) -> Path | None:
     """The newest published checkpoint that is whole; each damaged newer one is named through
     ``say``. None when there is no checkpoint at all; a ``ValueError`` listing what is wrong with
-    each when there are some and none is whole."""
+    each when there are some and none is whole, ending with ``advice`` (what the caller accepts)."""
     damaged = []
     for ckpt in reversed(complete_checkpoints(output_dir)):
         problem = damage(ckpt)
@@ -74,8 +78,5 @@ def newest_good_checkpoint(output_dir: str | Path, say: Callable[[str], None] = 
         damaged.append(f"{ckpt.name}: {problem}")
         say(f"hf-tp: checkpoint {ckpt} is damaged ({problem}); trying the one before")
     if damaged:
-        raise ValueError(
-            f"no checkpoint in {checkpoint_root(output_dir)} is whole ({'; '.join(damaged)}); restore one, or "
-            "start again without --resume in a new --output-dir"
-        )
+        raise ValueError(f"no checkpoint in {checkpoint_root(output_dir)} is whole ({'; '.join(damaged)}); {advice}")
     return None

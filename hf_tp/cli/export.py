@@ -30,7 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a LoRA run: write full weights with the adapters merged in (default: adapter)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in out_dir (a folder holding .hf_tp_export.json); other folders are never deleted",
+    )
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
 
@@ -51,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hf-tp export: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a permission: the half-built folder is gone, out_dir as it was
+        print(f"hf-tp export: error: {write_failed(exc, args.out_dir)}", file=sys.stderr)
+        return 1
     print(f"hf-tp export: wrote {out}")
     if args.push_to_hub:
         try:
@@ -60,3 +67,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"hf-tp export: pushed to {url}")
     return 0
+
+
+def write_failed(exc: OSError, out_dir: str) -> str:
+    """One line for an ``OSError`` during an export: what the system said, and that ``out_dir`` is unchanged."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return (
+        f"export to {out_dir} failed ({exc.strerror or exc}{where}); the half-built folder was removed and "
+        f"{out_dir} is as it was: free some space or fix the permission, or pass another dir"
+    )

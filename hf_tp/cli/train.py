@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments
 from hf_tp.cli.formatting import subcommand_parser
@@ -273,21 +272,25 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0" and not os.environ.get("HF_TP_LAUNCHED"):
         print(start_line(cfg, device_type, launching=not in_rank and cfg.world_size > 1), flush=True)
     if not in_rank and cfg.world_size > 1:
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
-        return launch(cfg, out / "config.yaml", verbose=args.verbose)
+        if warning := oversubscribed(cfg, device_type):
+            print(f"hf-tp train: warning: {warning}", file=sys.stderr, flush=True)
+        # The ranks read their settings from a file of the launch's own; the run's config.yaml is
+        # written by rank 0 once the run is accepted (hf_tp.train.run_dir).
+        return launch(cfg, verbose=args.verbose)
     from hf_tp.train.distributed import shutdown
     from hf_tp.train.errors import report_rank_error
     from hf_tp.train.loop import train
 
     try:
         result = train(cfg)
-    except (ValueError, FloatingPointError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - one line (an unexpected error's traceback kept in a file)
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        code = report_rank_error(exc, rank)
+        expected = isinstance(exc, (ValueError, FloatingPointError, RuntimeError))
+        if not expected and (in_rank or args.verbose):
+            raise  # under torchrun each rank prints its own traceback, as a script would
+        code = report_rank_error(exc, rank, crash=not expected)
         if dist.is_initialized():
             # No barrier: the other ranks may be waiting in another collective and never reach
             # it. Abort, not destroy: destroy is the normal exit and may wait for collectives in
@@ -303,6 +306,19 @@ def run(args: argparse.Namespace) -> int:
 
         return EXIT_PREEMPTED  # a requeue script's cue (scripts/slurm_train.sh)
     return 0
+
+
+def oversubscribed(cfg: TrainConfig, device_type: str) -> str | None:
+    """A warning when this node's CPU ranks outnumber the cores they may use (GPUs are checked:
+    one per rank)."""
+    if device_type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = cfg.world_size // cfg.nnodes
+    if ranks <= cores:
+        return None
+    plural = "s" if cores > 1 else ""
+    return f"{ranks} ranks share {cores} CPU core{plural}; they take turns, so steps run slower than with fewer ranks (fine to check a layout)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -108,19 +111,43 @@ class TrainConfig:
         return [f.name for f in fields(cls)]
 
     @classmethod
+    def field_types(cls) -> dict[str, tuple[type, ...]]:
+        """Each field's value types (``None`` left out): ``int | None`` -> ``(int,)``."""
+        hints = typing.get_type_hints(cls)
+        out = {}
+        for f in fields(cls):
+            hint = hints[f.name]
+            args = (
+                typing.get_args(hint)
+                if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+                else (hint,)
+            )
+            out[f.name] = tuple(a for a in args if a is not type(None))
+        return out
+
+    @classmethod
     def from_yaml(cls, path: str | Path) -> dict[str, Any]:
-        """The settings in a YAML file (keys as the CLI flags, ``-`` or ``_``), checked by name."""
+        """The settings in a YAML file (keys as the CLI flags, ``-`` or ``_``), checked by name and
+        converted to each field's type (:func:`coerce_setting`)."""
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file not found: {p}")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            raise ValueError(
+                f"config file {p} is not valid YAML{line}: {getattr(exc, 'problem', None) or exc}"
+            ) from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of settings, got {type(data).__name__}")
         data = {str(k).replace("-", "_"): v for k, v in data.items()}
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"unknown settings in {p}: {', '.join(unknown)}; valid: {', '.join(cls.field_names())}")
-        return data
+        types_ = cls.field_types()
+        return {k: coerce_setting(k, v, types_[k], f"config file {p}") for k, v in data.items()}
 
     def resolve(self) -> TrainConfig:
         """Fill unset fields: the embedded-default profile without --model, the general one with."""
@@ -132,6 +159,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
+        self._validate_types()
         for name in ("tp", "dp", "ep", "cp", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -177,6 +205,19 @@ class TrainConfig:
             raise ValueError(
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def _validate_types(self) -> None:
+        """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),
+        and every number is finite: ``--lr inf`` would train to NaN, ``nan`` compares false."""
+        for name, allowed in self.field_types().items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_a(value, allowed):
+                want = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in allowed)
+                raise ValueError(f"{_flag(name)} must be {want}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 0:
@@ -270,6 +311,49 @@ EMBEDDED_PROFILE: dict[str, Any] = dict(seq_len=64, tp=2, dp=2, batch_size=4, ma
 GENERAL_PROFILE: dict[str, Any] = dict(
     seq_len=2048, tp=1, dp=1, batch_size=1, max_steps=1000, lr=3e-4, warmup_steps=100
 )
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _is_a(value: object, allowed: tuple[type, ...]) -> bool:
+    """``isinstance`` where a bool is no integer and an integer is a float."""
+    if isinstance(value, bool):
+        return bool in allowed
+    return any(isinstance(value, t) or (t is float and isinstance(value, int)) for t in allowed)
+
+
+def coerce_setting(name: str, value: Any, allowed: tuple[type, ...], where: str) -> Any:
+    """A YAML value converted to a field's type, or one line naming the key.
+
+    PyYAML follows YAML 1.1, where ``1e-3`` and ``3e4`` (no dot) are strings, not numbers;
+    numbers, and strings that spell one, become the field's int or float (an int only when whole:
+    ``3e4`` -> 30000, ``2.5`` is refused for an integer). ``yes``/``true`` are already booleans;
+    a list of names is the comma-separated string the flag takes (``report_to``, LoRA targets)."""
+    if value is None or (isinstance(value, bool) and bool in allowed):
+        return value
+    if str in allowed:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. profile_steps: 10
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value if int in allowed else float(value)
+    elif isinstance(value, (str, float)):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and int in allowed and number.is_integer():
+            return int(number)
+        if number is not None and float in allowed:
+            return number
+    want = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in allowed)
+    raise ValueError(f"{where}: {name} must be {want}, got {value!r}")
 
 
 def merge(base: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -47,10 +48,31 @@ def _write_json(path: Path, record: dict) -> None:
         pass  # reporting must never turn one error into another
 
 
+def save_traceback(text: str) -> Path | None:
+    """An unexpected error's traceback, kept in a file of the temp dir (not the run's directory,
+    which a failed start leaves as it was) for the one line that names it."""
+    try:
+        fd, name = tempfile.mkstemp(prefix="hf_tp-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return Path(name)
+    except OSError:
+        return None
+
+
+def crash_line(rank: int, kind: str, message: str, tb: str) -> str:
+    """The one line of an unexpected error: its type, the message's first line, where the
+    traceback is."""
+    first = next((ln for ln in message.splitlines() if ln.strip()), "")
+    kept = save_traceback(tb)
+    where = f"traceback in {kept}" if kept else "the traceback could not be saved"
+    return f"hf-tp train: training failed [rank {rank}]: {kind}: {first} ({where}; --verbose prints it)"
+
+
 def report_rank_error(exc: BaseException, rank: int, *, crash: bool = False) -> int:
     """Record ``exc`` of this rank for the launching process (printing it only when no launching
-    process will); returns the rank's exit code. ``crash``: an unexpected error, reported with its
-    traceback."""
+    process will); returns the rank's exit code. ``crash``: an unexpected error, recorded with its
+    traceback (printed as one line naming a file that holds it)."""
     folder = os.environ.get(ERROR_DIR_ENV)
     tb = "".join(traceback.format_exception(exc)) if crash else None
     if folder:
@@ -64,7 +86,8 @@ def report_rank_error(exc: BaseException, rank: int, *, crash: bool = False) -> 
         }
         _write_json(Path(folder) / f"rank{rank}.json", record)
     if not _quiet():
-        print(tb or f"hf-tp train: error [rank {rank}]: {exc}", file=sys.stderr, end="" if tb else "\n", flush=True)
+        line = crash_line(rank, type(exc).__name__, str(exc), tb) if tb else f"hf-tp train: error [rank {rank}]: {exc}"
+        print(line, file=sys.stderr, flush=True)
     return exit_code(exc)
 
 
@@ -125,8 +148,7 @@ def explain_failure(folder: Path, launcher_code: int) -> tuple[str, int]:
     if records:
         first = min(records, key=lambda r: (r["time"], r["rank"]))
         if first.get("traceback"):
-            line = f"hf-tp train: training failed [rank {first['rank']}]: {first['type']}: {first['message']}"
-            return first["traceback"].rstrip("\n") + "\n" + line, first["code"]
+            return crash_line(first["rank"], first["type"], first["message"], first["traceback"]), first["code"]
         return f"hf-tp train: error [rank {first['rank']}]: {first['message']}", first["code"]
     ended = ", ".join(
         f"rank {f['rank']} {'by ' + f['signal'] if f.get('signal') else 'with exit code ' + str(f['exitcode'])}"

@@ -77,7 +77,7 @@ def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
     ]
 
 
-def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int:
+def launch(cfg: TrainConfig, *, verbose: bool = False) -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
     ranks ended) as the last line; returns 0, 2 (bad input), 1, 75 when a stop signal (SIGTERM,
     SIGUSR1) made the ranks save a checkpoint and exit, or 128 + N when signal N (Ctrl-C) ended them.
@@ -88,8 +88,10 @@ def launch(cfg: TrainConfig, config_path: Path, *, verbose: bool = False) -> int
     env = {"HF_TP_LAUNCHED": "1", VERBOSE_ENV: "1" if verbose else None}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, cfg.world_size // cfg.nnodes)))
-    with tempfile.TemporaryDirectory(prefix="hf_tp-errors-") as folder:
+    with tempfile.TemporaryDirectory(prefix="hf_tp-launch-") as folder:
         env[ERROR_DIR_ENV] = folder
+        config_path = Path(folder) / "config.yaml"  # the ranks' settings; not the run's record
+        cfg.save(config_path)
         with _environment(env):
             code = _run_launcher(launcher_args(cfg, config_path), Path(folder), verbose)
         if code == 0 or code > 128:  # success, or stopped by a signal (said already)

@@ -153,10 +153,11 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        bf16 = cfg.compute_dtype_name(run.device.type) == "bf16"
         raise FloatingPointError(
             f"loss is {loss_value} (grad norm {norm_value}) at step {step + 1}: stopping before the "
-            "optimizer step; no checkpoint was written over the last good one. Lower --lr, check the data, "
-            "or use --dtype fp32"
+            "optimizer step; no checkpoint was written over the last good one. Lower --lr or check the data"
+            + (", or use --dtype fp32 (this run computes in bf16)" if bf16 else "")
         )
     lr = run.sched.get_last_lr()[0]
     run.opt.step()

@@ -69,7 +69,9 @@ class MetricsLogger:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(output_dir / "metrics.jsonl", "a" if start_step else "w")  # noqa: SIM115
+        # Appended, never truncated: a run that reaches here owns the file (an earlier run was moved
+        # aside with --overwrite, a resumed run's stale records set aside; hf_tp.train.run_dir).
+        self.file = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if "tensorboard" in report_to:
             try:
@@ -124,13 +126,3 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def truncate_metrics(path: Path, keep_steps: int) -> None:
-    """Drop records after the resumed step (written by the run that crashed), atomically."""
-    if keep_steps == 0 or not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= keep_steps]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    os.replace(tmp, path)

@@ -25,10 +25,12 @@ from hf_tp.train.distributed import init_distributed, rank0_first, resolve_devic
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
-from hf_tp.train.metrics import flops_per_token, peak_flops, truncate_metrics
+from hf_tp.train.metrics import flops_per_token, peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
+from hf_tp.train.model_source import check_model_source
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
-from hf_tp.train.validate import check_output_dir, check_resume_compatible, run_fingerprint
+from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
+from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Run:
     faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
     route_group: dist.ProcessGroup | None = None  # the ranks whose tokens differ: dp, or dp x cp (MoE aux loss)
     start_step: int = 0
+    resumed_from: Path | None = None  # the checkpoint this run continues (--resume)
     flops_per_token: float = 0.0
     peak_flops: float | None = None
 
@@ -65,6 +68,7 @@ def set_up(cfg: TrainConfig) -> Run:
     cfg.validate()
     out = Path(cfg.output_dir)
     check_output_dir(out, cfg)
+    check_model_source(cfg.model)  # a local folder's weights and tokenizer files are there and whole
     # 2. devices and mesh; a stop signal from now on is noted and obeyed after the first step
     faults = Faults()
     device = resolve_device(cfg)
@@ -100,12 +104,24 @@ def set_up(cfg: TrainConfig) -> Run:
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint
     run.start_step = resume(run)
+    # 7. the run is accepted: only now is its directory touched (rank 0)
     if run.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
-        truncate_metrics(out / "metrics.jsonl", run.start_step)
+        accept(run)
     apply_collective_timeout(cfg.collective_timeout)  # set-up (downloads, loading) keeps torch's default
     return run
+
+
+def accept(run: Run) -> None:
+    """Rank 0: move an earlier run aside (``--overwrite``), set aside the metrics records a resumed
+    run writes again, and write the run's record (:mod:`hf_tp.train.run_dir`)."""
+    cfg, out = run.cfg, run.out
+    if cfg.overwrite and not cfg.resume and (moved := replace_earlier_run(out)) is not None:
+        print(
+            f"hf-tp: --overwrite: the earlier run in {out} ({describe(moved)}) was moved to {moved}; delete it to free its space"
+        )
+    if cfg.resume and (n := supersede_metrics(out / "metrics.jsonl", run.start_step)):
+        print(f"hf-tp: {n} metrics records after step {run.start_step} moved to {out / 'metrics.superseded.jsonl'}")
+    write_run_record(out, cfg, run.start_step, run.resumed_from)
 
 
 def resume(run: Run) -> int:
@@ -126,4 +142,5 @@ def resume(run: Run) -> int:
         run.batches.resume_at(int(saved["step"]), saved["data_position"])
     if run.is_main:
         print(f"hf-tp: resumed from {ckpt} (step {saved['step']})")
+    run.resumed_from = ckpt
     return int(saved["step"])

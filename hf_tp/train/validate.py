@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.run_dir import check_output_dir
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -28,16 +29,25 @@ def load_model_config(model: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     from hf_tp.checkpoint.hub import hub_unreachable
+    from hf_tp.train.model_source import looks_local
 
     local = Path(model).expanduser()
-    if local.exists() or model.startswith((".", "/", "~")):
-        return _auto_config(model, "local directory" if local.exists() else "Hub id or local directory")
+    if local.exists():
+        return _auto_config(model, "local directory")
+    if looks_local(model):  # absolute, ./ or ~, or no Hub id's form: a path that is not there
+        raise ValueError(f"model not found: no file or directory at '{model}'")
     unreachable = hub_unreachable()
     if unreachable is None:
         return _auto_config(model, "Hub id or local directory")
     try:
         config = AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError):
+        if "/" not in model:  # a folder name mistyped, or an owner-less Hub id such as gpt2
+            raise ValueError(
+                f"model not found: there is no directory '{model}' in {Path.cwd()}, and no Hub model '{model}' "
+                f"in the Hub cache (the Hub cannot be reached: {unreachable}); pass a model folder's path, or a "
+                "Hub id (most are owner/name, e.g. Qwen/Qwen2-0.5B)"
+            ) from None
         raise ValueError(
             f"model not found: '{model}' is not a local directory and not in the Hub cache, and the Hub "
             f"cannot be reached ({unreachable})"
@@ -56,6 +66,20 @@ def _auto_config(model: str, where: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as exc:
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        cause = exc.__cause__  # transformers re-raises huggingface_hub's error as an OSError
+        not_on_hub = isinstance(cause, RepositoryNotFoundError) and not isinstance(cause, GatedRepoError)
+        if not_on_hub and where != "local directory":
+            if "/" not in model:  # a folder name mistyped, or an owner-less Hub id such as gpt2
+                raise ValueError(
+                    f"model not found: there is no directory '{model}' in {Path.cwd()}, and no model '{model}' on "
+                    "the Hub; pass a model folder's path, or a Hub id (most are owner/name, e.g. Qwen/Qwen2-0.5B)"
+                ) from None
+            raise ValueError(
+                f"model not found: no model '{model}' on the Hub and no local directory of that name; check "
+                "the id, or log in (hf auth login) if it is a private model"
+            ) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
 
@@ -91,14 +115,6 @@ def validate_model_config(
         raise ValueError(
             f"{seq_len_name} {seq_len} is over this model's max_position_embeddings ({max_pos}); "
             f"use {seq_len_name} {max_pos} or less"
-        )
-
-
-def check_output_dir(out: Path, cfg: TrainConfig) -> None:
-    """Never write over a finished or running run's metrics unless asked to."""
-    if (out / "metrics.jsonl").exists() and not (cfg.overwrite or cfg.resume):
-        raise ValueError(
-            f"output dir {out} already holds a run (metrics.jsonl); pass another --output-dir or --overwrite"
         )
 
 
@@ -147,6 +163,10 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     cfg.validate()
     check_dataset_source(cfg.dataset)
     check_output_dir(Path(cfg.output_dir), cfg)
+    check_packages(cfg)
+    from hf_tp.train.model_source import check_model_source  # file names and headers: no torch, no tensors
+
+    check_model_source(cfg.model)
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch
 
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
@@ -155,24 +175,44 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
-    check_reporters(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
-    validate_model_config(load_model_config(cfg.model), cfg.tp, cfg.seq_len, ep=cfg.ep)
+    model_config = load_model_config(cfg.model)
+    validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    if cfg.resume:
+        check_resume_before_launch(cfg, model_config)
     rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
     if rendered:
         check_first_rows(cfg, rendered)
     return kind
 
 
-def check_reporters(cfg: TrainConfig) -> None:
-    """``--report-to wandb`` needs the wandb package (an optional extra)."""
+def check_packages(cfg: TrainConfig) -> None:
+    """The optional packages the flags name are installed: peft for ``--lora-r``, wandb for
+    ``--report-to wandb``."""
     import importlib.util
 
     if "wandb" in cfg.reporters and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             "--report-to wandb needs the wandb package: pip install wandb (or use --report-to tensorboard)"
         )
+    if cfg.lora_r and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-r needs the peft package: pip install 'hf_tp[lora]' (or pip install peft)")
+
+
+def check_resume_before_launch(cfg: TrainConfig, model_config: PretrainedConfig) -> None:
+    """``--resume``: the newest whole checkpoint fits this run's settings (the ranks check again
+    after loading); refused here, the run's directory is left exactly as it was."""
+    from hf_tp.checkpoint.integrity import newest_good_checkpoint
+    from hf_tp.checkpoint.layout import load_trainer_state
+
+    ckpt = newest_good_checkpoint(Path(cfg.output_dir), lambda line: None)  # the ranks name damaged ones
+    if ckpt is None:
+        return
+    saved = dict(load_trainer_state(ckpt).get("fingerprint") or {})
+    # The ranks may turn document masking off for a model whose mask cannot take it (and say so).
+    saved.pop("document_masking", None)
+    check_resume_compatible(saved, run_fingerprint(cfg, model_config), ckpt)
 
 
 def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:

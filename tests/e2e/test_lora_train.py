@@ -53,7 +53,7 @@ def test_lora_tp2_dp2_gives_plain_peft_loss_curve(setup, tmp_path) -> None:  # n
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / f"step-{STEPS}")
-    flags = ["--tp", "1", "--dp", "2", "--batch-size", "2", "--resume", "--overwrite", "--export-on-finish", *LORA]
+    flags = ["--tp", "1", "--dp", "2", "--batch-size", "2", "--resume", "--export-on-finish", *LORA]
     proc = hf_tp_train("--model", str(model_dir), "--dataset", str(data), "--output-dir", str(resumed), *COMMON, *flags)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = [r["loss"] for r in metrics(resumed)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,14 +25,19 @@ def test_first_rank_error_is_the_last_line(tmp_path: Path) -> None:
     assert errors.explain_failure(tmp_path, 1) == ("hf-tp train: error [rank 1]: boom 1", 2)
 
 
-def test_a_crash_keeps_its_traceback_and_exits_1(tmp_path: Path) -> None:
+def test_a_crash_is_one_line_naming_its_traceback_file(tmp_path: Path) -> None:
     write(tmp_path, "rank0.json", rank_error(0, 1.0, "KeyError", 1, tb="Traceback ...\nKeyError: 'x'\n"))
     text, code = errors.explain_failure(tmp_path, 1)
-    assert code == 1 and text.splitlines() == [
-        "Traceback ...",
-        "KeyError: 'x'",
-        "hf-tp train: training failed [rank 0]: KeyError: boom 0",
-    ]
+    assert code == 1 and "\n" not in text
+    m = re.fullmatch(
+        r"hf-tp train: training failed \[rank 0\]: KeyError: boom 0 \(traceback in (\S+); --verbose prints it\)", text
+    )
+    assert m, text
+    kept = Path(m.group(1))
+    try:
+        assert kept.read_text() == "Traceback ...\nKeyError: 'x'\n"
+    finally:
+        kept.unlink()
 
 
 def test_a_killed_rank_is_the_cause_of_the_others_errors(tmp_path: Path) -> None:

@@ -35,3 +35,29 @@ def test_model_card_names_sources_not_machine_paths(tmp_path: Path) -> None:
     assert describe_source(f"/x/{ASSETS_NAME}/corpus.txt", "dataset")[0] == "hf_tp's embedded generated toy corpus"
     (tmp_path / "my-model").mkdir()
     assert describe_source(str(tmp_path / "my-model"), "model") == ("local model `my-model`", None)
+
+
+def test_no_whole_checkpoint_advice_fits_the_command(tmp_path: Path) -> None:
+    """Export's advice names what export takes (hf-tp export has no --resume); training's stays."""
+    from hf_tp.checkpoint.integrity import newest_good_checkpoint
+    from hf_tp.checkpoint.layout import MARKER
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / MARKER).write_text("step 1\n")  # published, but its trainer_state.json is lost
+    with pytest.raises(
+        ValueError, match=r"is whole \(step-1: trainer_state.json is missing or not valid JSON\); "
+    ) as e:
+        resolve_checkpoint(tmp_path / "run")
+    assert str(e.value).endswith(
+        "; restore one from a copy, then export it by its path (OUTPUT_DIR/checkpoints/step-N)"
+    )
+    with pytest.raises(ValueError) as e:
+        newest_good_checkpoint(tmp_path / "run", lambda line: None)
+    assert str(e.value).endswith("; restore one, or start again without --resume in a new --output-dir")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".metadata").write_bytes(b"")
+    with pytest.raises(
+        ValueError, match=r"incomplete checkpoint \(no COMPLETE marker: its save did not finish\); export"
+    ):
+        resolve_checkpoint(tmp_path / "half")

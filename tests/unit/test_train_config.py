@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,10 @@ def test_unknown_yaml_key(tmp_path: Path) -> None:
 def qwen_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("qwen14")
     tiny_model(tiny_config("qwen2", heads=14, kv_heads=2, hidden_size=112)).save_pretrained(d)
+    from hf_tp.demo.assets import ensure_default_assets
+
+    for f in ensure_default_assets(d / "assets").model_dir.glob("tokenizer*"):  # a whole model folder
+        shutil.copy(f, d / f.name)
     return d
 
 
@@ -72,7 +77,7 @@ def corpus(tmp_path_factory) -> Path:
         (["--node-rank", "2", "--nnodes", "2"], r"--node-rank must be in \[0, nnodes=2\), got 2"),
         (
             ["--model", "/no/such/model"],
-            "model not found: cannot load a config from Hub id or local directory '/no/such/model'",
+            "model not found: no file or directory at '/no/such/model'",
         ),
         (
             ["--tp", "4"],
@@ -113,7 +118,10 @@ def test_output_dir_with_a_run_is_not_overwritten(qwen_dir, corpus, tmp_path, ca
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     argv = ["train", "--model", str(qwen_dir), "--dataset", str(corpus), "--output-dir", str(out), "--seq-len", "32"]
     assert main(argv) == 2
-    assert "already holds a run (metrics.jsonl); pass another --output-dir or --overwrite" in capsys.readouterr().err
+    assert (
+        "already holds a run (metrics.jsonl); pass --resume to continue it, another --output-dir"
+        in capsys.readouterr().err
+    )
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
