@@ -12,25 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError, DatasetsError
 
+from hf_tp.data.files import SUPPORTED_EXTENSIONS, data_files, has_no_rows
 from hf_tp.data.formats import TEXT, DataFormat, detect_format
 from hf_tp.data.formats.rows import row_problem
-from hf_tp.data.row_checks import check_all_rows, check_json_lines, check_utf8
+from hf_tp.data.places import RowPlaces, split_total
+from hf_tp.data.row_checks import check_all_rows, check_json_lines, check_readable, check_utf8
 from hf_tp.data.tokenize import check_string_column
 
-# File extension -> the `datasets` builder that reads it.
-SUPPORTED_EXTENSIONS: dict[str, str] = {
-    ".txt": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".arrow": "arrow",
-}
-_SUPPORTED = ", ".join(SUPPORTED_EXTENSIONS)
 # "name" or "org/name": anything else (more slashes, spaces, a leading dot) cannot be on the Hub.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -61,7 +51,9 @@ def load_text_dataset(
     if len(ds) == 0:
         raise ValueError(f"dataset '{source}' is empty")
     # Its rows are checked one by one where they are tokenized (a bad one named, or skipped).
-    check_format(ds.column_names, ds.features, ds[0], source, text_column, messages_column, check_row=False)
+    check_format(
+        ds.column_names, ds.features, _first_row(ds, source), source, text_column, messages_column, check_row=False
+    )
     ds.info.dataset_name = source
     return ds
 
@@ -73,8 +65,8 @@ def load_stream(source: str, *, split: str = "train", config_name: str | None = 
     try:
         if path.exists():
             _no_config_for_local(source, config_name, split)
-            builder, files = _data_files(source, path)
-            names = [str(f) for f in files if not _has_no_rows(f, builder)]
+            builder, files = data_files(source, path)
+            names = [str(f) for f in files if not has_no_rows(f, builder)]
             if not names:
                 raise ValueError(f"dataset '{source}' is empty")
             stream = datasets.load_dataset(builder, data_files=names, split=split, streaming=True)
@@ -113,18 +105,19 @@ def check_text_dataset(
         return _check_hub_first_row(source, text_column, messages_column, split, config_name)
     _no_config_for_local(source, config_name, split)
     columns = dict(text_column=text_column, messages_column=messages_column, check_row=not skip_bad_rows)
-    builder, files = _data_files(source, path)
+    builder, files = data_files(source, path)
     check_utf8(source, files, builder)
     if every_row:
         with _quiet_datasets():
             ds = _load_local(source, path, split)
         if len(ds) == 0:
             raise ValueError(f"dataset '{source}' is empty")
-        fmt = check_format(ds.column_names, ds.features, ds[0], source, **columns)
+        places = RowPlaces(f"'{source}'", str(ds.split) if ds.split else split, split_total(ds))
+        fmt = check_format(ds.column_names, ds.features, ds[0], source, **columns, places=places)
         if not skip_bad_rows:
-            check_all_rows(ds, fmt, source)
+            check_all_rows(ds, fmt, source, places=places)
         return fmt, ds[0]
-    files = [f for f in files if not _has_no_rows(f, builder)]
+    files = [f for f in files if not has_no_rows(f, builder)]
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     try:
@@ -134,7 +127,7 @@ def check_text_dataset(
     # (TypeError: a JSON line that is a list, from datasets < 5.1)
     except (DatasetsError, ValueError, OSError, TypeError) as exc:
         if builder == "json":
-            check_json_lines(source, files)
+            check_json_lines(source, files, _reason(exc))
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
@@ -166,16 +159,19 @@ def check_format(
     messages_column: str | None,
     *,
     check_row: bool = True,
+    places: RowPlaces | None = None,
 ) -> DataFormat:
     """The data format of a dataset with ``columns``, checked against its schema and (unless not
-    ``check_row``: bad rows are skipped) its first row."""
+    ``check_row``: bad rows are skipped) its first row, which a message names by ``places``
+    (default: the first row of the whole of ``source``)."""
     fmt = detect_format(columns, text_column=text_column, messages_column=messages_column, label=f"'{source}'")
     if fmt.kind == TEXT:
         feature = features.get(fmt.column) if features is not None else None
         check_string_column(feature, fmt.column, f"'{source}'")
     problem = row_problem(fmt, first) if check_row else None
     if problem is not None:
-        raise ValueError(f"row 0 of dataset '{source}': {problem}")
+        where = (places or RowPlaces(f"'{source}'"))(0)
+        raise ValueError(f"{where}: {problem}")
     return fmt
 
 
@@ -233,9 +229,19 @@ def _check_first_row(
     return check_format(columns, features, first, source, text_column, messages_column), first
 
 
+def _first_row(ds: datasets.Dataset, source: str) -> dict:
+    """``ds[0]``: the json reader does not check that text is UTF-8, so a file that is not fails
+    here (or where its rows are tokenized): name the line."""
+    try:
+        return ds[0]
+    except UnicodeDecodeError as exc:
+        check_readable(source, _reason(exc))
+        raise ValueError(f"dataset '{source}' holds text that is not UTF-8 ({_reason(exc)})") from None
+
+
 def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
-    builder, files = _data_files(source, path)
-    files = [f for f in files if not _has_no_rows(f, builder)]  # builders fail on empty files
+    builder, files = data_files(source, path)
+    files = [f for f in files if not has_no_rows(f, builder)]  # builders fail on empty files
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     names = [str(f) for f in files]
@@ -243,10 +249,9 @@ def _load_local(source: str, path: Path, split: str) -> datasets.Dataset:
         return datasets.load_dataset(builder, data_files=names, split=split)
     except (DatasetsError, ValueError, OSError, StopIteration, TypeError) as exc:  # (TypeError: see check_text_dataset)
         reason, maybe_empty = _reason(exc), isinstance(exc, ValueError)
-    if "UnicodeDecodeError" in reason:
-        check_utf8(source, files, builder)
+    check_utf8(source, files, builder)  # (a json file that is not UTF-8 fails with another reason)
     if builder == "json":
-        check_json_lines(source, files)
+        check_json_lines(source, files, reason)
     if maybe_empty and _num_rows(builder, names) == 0:  # e.g. a csv with only a header: "no data" for the split
         raise ValueError(f"dataset '{source}' is empty")
     raise ValueError(f"cannot read dataset '{source}' as {builder} files ({reason})")
@@ -260,48 +265,6 @@ def _num_rows(builder: str, data_files: list[str]) -> int | None:
     except (DatasetsError, ValueError, OSError, StopIteration):
         return None
     return sum(split.num_examples for split in (prepared.info.splits or {}).values())
-
-
-def _data_files(source: str, path: Path) -> tuple[str, list[Path]]:
-    """The builder and the sorted files of a local file or directory."""
-    if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix not in SUPPORTED_EXTENSIONS:
-            raise ValueError(
-                f"unsupported file extension '{path.suffix}' of dataset '{source}'; supported: {_SUPPORTED}"
-            )
-        return SUPPORTED_EXTENSIONS[suffix], [path]
-    files = sorted(
-        f
-        for f in path.rglob("*")
-        if f.is_file()
-        and f.suffix.lower() in SUPPORTED_EXTENSIONS
-        and not any(part.startswith(".") for part in f.relative_to(path).parts)
-    )
-    if not files:
-        raise ValueError(f"no data files in directory '{source}'; supported extensions: {_SUPPORTED}")
-    builders = {SUPPORTED_EXTENSIONS[f.suffix.lower()] for f in files}
-    if len(builders) > 1:
-        found = ", ".join(sorted({f.suffix.lower() for f in files}))
-        raise ValueError(f"directory '{source}' mixes file types ({found}); keep files of one type in it")
-    return builders.pop(), files
-
-
-def _has_no_rows(file: Path, builder: str) -> bool:
-    if file.stat().st_size == 0:
-        return True
-    if builder == "json":  # blank lines only: datasets before 4.8.5 fails on them ("Expected object or value")
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):  # (stops at the first chunk with a non-blank byte: the first, usually)
-                if chunk.strip():
-                    return False
-        return True
-    if builder == "parquet":
-        try:
-            return pq.read_metadata(file).num_rows == 0
-        except (pa.ArrowException, OSError):
-            return False  # not a readable parquet file: load_dataset reports it
-    return False
 
 
 def _load_hub(source: str, split: str, config_name: str | None = None) -> datasets.Dataset:

@@ -36,6 +36,8 @@ def pack_documents(
     labels = flat_column(docs, "labels") if "labels" in docs.column_names else ids.copy()
     rows = len(ids) // seq_len
     n = len(ids) if keep_tail else rows * seq_len
+    if len(ids) == 0:
+        raise ValueError(f"dataset {label} has no tokens: every document in it is empty or blank; add data")
     if n == 0 or (rows == 0 and not keep_tail):
         raise ValueError(
             f"dataset {label} has only {len(ids)} tokens, fewer than one block of seq_len={seq_len}; "

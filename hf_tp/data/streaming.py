@@ -22,6 +22,7 @@ import torch
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.formats import DataFormat, encode_batch
 from hf_tp.data.formats.rows import SKIPPED
+from hf_tp.data.row_checks import check_readable
 from hf_tp.data.sampler import split_global_batch
 from hf_tp.data.steps import StepBatches, count_batch_targets, to_device
 from hf_tp.labels import IGNORE_INDEX
@@ -77,13 +78,18 @@ class PackedStream:
             self.epoch, self._iter = self.epoch + 1, None
 
     def _read(self) -> dict | None:
-        """The next document; rows the reader cannot decode stop the run with a line, not a traceback."""
+        """The next document; rows the reader cannot decode stop the run with a line, not a traceback:
+        for local files the line that cannot be read (bytes that are not UTF-8, a JSON line that is
+        not an object), else how many rows were read before it."""
         try:
             return next(self._iter, None)
         except (UnicodeDecodeError, pa.ArrowException) as exc:
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            if self.label.startswith("'"):
+                check_readable(self.label[1:-1], reason)
             raise ValueError(
                 f"dataset {self.label}: cannot read the rows after row {self._read_this_epoch + self.skipped} of "
-                f"the stream ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})"
+                f"the stream ({reason})"
             ) from None
 
     def _note_skipped(self, line: str, shown: int = 5) -> None:

@@ -9,6 +9,7 @@ import datasets
 
 from hf_tp.data.formats import CHAT, TEXT, DataFormat, detect_format, encode_batch
 from hf_tp.data.packing import pack_documents
+from hf_tp.data.places import RowPlaces, split_total
 
 
 def dataset_label(ds: datasets.Dataset) -> str:
@@ -53,13 +54,21 @@ def tokenize_dataset(
         from hf_tp.data.formats.chat import check_chat_tokenizer
 
         check_chat_tokenizer(tokenizer)
-    docs = ds.map(
-        lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label, skip=skip_bad_rows),
-        batched=True,
-        with_indices=True,
-        remove_columns=ds.column_names,
-        desc="Tokenizing",
-    )
+    places = RowPlaces(label, str(ds.split) if ds.split else None, split_total(ds))  # names a bad row
+    try:
+        docs = ds.map(
+            lambda batch, idx: encode_batch(fmt, batch, idx, tokenizer, label, skip=skip_bad_rows, places=places),
+            batched=True,
+            with_indices=True,
+            remove_columns=ds.column_names,
+            desc="Tokenizing",
+        )
+    except UnicodeDecodeError as exc:  # the json reader does not check UTF-8: a local file's line is named
+        from hf_tp.data.row_checks import check_readable
+
+        if ds.info.dataset_name:
+            check_readable(ds.info.dataset_name, str(exc))
+        raise ValueError(f"dataset {label} holds text that is not UTF-8 ({exc})") from None
     if skip_bad_rows:
         docs = _drop_skipped(docs, label, report)
     docs.info.dataset_name = ds.info.dataset_name

@@ -225,6 +225,7 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
 
     from hf_tp.data.formats import CHAT, encode_batch
     from hf_tp.data.formats.chat import check_chat_tokenizer
+    from hf_tp.data.places import RowPlaces
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     for source, (fmt, row) in first_rows.items():
@@ -233,7 +234,9 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
         fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
         if cfg.skip_bad_rows:
             continue  # a first row the template rejects is dropped by the ranks, not an error
-        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'")
+        split = cfg.split if source == cfg.dataset else cfg.eval_dataset_split
+        places = RowPlaces(f"'{source}'", split)  # a sliced --split's first row named by its line
+        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'", places=places)
 
 
 FINGERPRINT_MODEL_FIELDS = (

@@ -291,6 +291,31 @@ ROWS = [
         E
         + r"model not found: there is no directory 'no_such_model_dir_hf_tp' in .*, and no (Hub )?model 'no_such_model_dir_hf_tp' .*",
     ),
+    # finding 6: a Latin-1 file was told to run iconv -f utf-8 -t utf-8 -c (which deletes accents),
+    # rows were counted from 0 while editors count lines from 1, a blank .txt passed until the ranks
+    Row(
+        "data-latin-1",
+        with_file(
+            "d.jsonl", '{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1"), train("--dataset", "{tmp}/d.jsonl")
+        ),
+        E
+        + r"dataset '.*d\.jsonl': line 2 of .*d\.jsonl is not UTF-8 \(byte 0xe9, 'é' in Latin-1\); it looks like Latin-1 / Windows-1252: convert it with iconv -f latin1 -t utf-8 .*",
+    ),
+    Row(
+        "data-bad-json-line-3",
+        with_file("d.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "cut\n', train("--dataset", "{tmp}/d.jsonl")),
+        E + r"cannot read dataset '.*d\.jsonl' as json files \(line 3 of .*d\.jsonl is not valid JSON .*",
+    ),
+    Row(
+        "data-wrong-type-line-2",
+        with_file("d.jsonl", '{"text": "a"}\n{"text": 5}\n', train("--dataset", "{tmp}/d.jsonl")),
+        E + r"line 2 of .*d\.jsonl: column 'text' holds int 5, not a string; fix it, or pass --skip-bad-rows .*",
+    ),
+    Row(
+        "data-blank-txt",
+        with_file("d.txt", "\n\n  \n", train("--dataset", "{tmp}/d.txt")),
+        E + r"dataset '.*d\.txt' is empty",
+    ),
     # --- optional packages the flags name (finding 6: --lora-r without peft failed inside the ranks)
     Row(
         "lora-without-peft",

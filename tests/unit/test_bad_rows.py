@@ -1,5 +1,7 @@
 """Malformed data rows (issue 27, item 5): every bad file stops before launch with a line naming the
 row, or with --skip-bad-rows its bad rows are dropped and reported; never an error from deep inside.
+A row of a local JSON-lines, text or CSV file is named by its line ("line 3 of FILE", what
+``sed -n 3p FILE`` prints), other rows by their number counted from 1 ("row 1 of dataset 'x'").
 
 The fuzz test writes seeded random mutations of valid text, chat and prompt/completion rows and runs
 them through what the launcher checks (every row) and what a rank does (tokenize)."""
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import datasets
@@ -28,7 +32,7 @@ STRICT_CHATML = (
     "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}" + CHATML
 )
-NAMES_A_ROW = re.compile(r"\brow \d+ of dataset '")
+NAMES_A_LINE = re.compile(r"^line \d+ of \S+\.jsonl: ")
 JUNK = [None, 5, 2.5, True, "", " ", [], {}, ["x"], {"a": 1}, [None], [{"role": "user"}]]
 
 
@@ -93,8 +97,8 @@ def test_fuzzed_files_pass_or_name_a_row(tmp_path: Path, seed: int) -> None:
         stopped_at = None
     except ValueError as exc:
         message = str(exc)
-        assert "\n" not in message and NAMES_A_ROW.match(message), message
-        stopped_at = int(message.split()[1])
+        assert "\n" not in message and NAMES_A_LINE.match(message), message
+        stopped_at = int(message.split()[1]) - 1  # (no blank lines: row i is on line i + 1)
         assert stopped_at in bad, (message, bad)
     notes: list[str] = []
     out = run_like_hf_tp(path, True, notes)
@@ -103,7 +107,7 @@ def test_fuzzed_files_pass_or_name_a_row(tmp_path: Path, seed: int) -> None:
         assert notes == []  # what passes without the flag loses no row with it
         return
     assert len(notes) == 1 and re.search(r"dropped \d+ bad rows? of dataset '", notes[0]), notes
-    dropped = [int(n) for n in re.search(r"': rows? ([\d, ]+) \(", notes[0]).group(1).split(", ")]
+    dropped = [int(n) - 1 for n in re.search(r"': lines? ([\d, ]+) of ", notes[0]).group(1).split(", ")]
     assert stopped_at in dropped and set(dropped) <= set(bad), (dropped, bad)
 
 
@@ -111,13 +115,13 @@ def test_cli_names_the_bad_row_before_launch(tmp_path: Path, capsys: pytest.Capt
     path = write_rows(tmp_path / "mixed.jsonl", [{"text": "a b"}, {"text": None}, {"text": 5}])
     assert main(["train", "--dataset", str(path), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("hf-tp train: error: row 1 of dataset") and "\n" not in err, err
+    assert err.startswith(f"hf-tp train: error: line 2 of {path}: ") and "\n" not in err, err
     assert "column 'text' holds null" in err and "--skip-bad-rows" in err
 
 
 def test_prompt_completion_with_a_number_is_named_as_such(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": 3}])
-    with pytest.raises(ValueError, match=r"^row 0 of dataset '.*pc\.jsonl': the completion is int 3, not a string"):
+    with pytest.raises(ValueError, match=r"^line 1 of \S*pc\.jsonl: the completion is int 3, not a string"):
         check_text_dataset(str(path))
 
 
@@ -126,14 +130,14 @@ def test_text_column_with_null_and_a_number_names_the_rows(tmp_path: Path) -> No
         tmp_path / "mixed.jsonl", [{"text": "you are a helpful travel agent ."}, {"text": None}, {"text": 5}]
     )
     with pytest.raises(
-        ValueError, match=r"^row 1 of dataset '.*mixed\.jsonl': column 'text' holds null .*; 1 more bad row \(2\)"
+        ValueError, match=r"^line 2 of \S*mixed\.jsonl: column 'text' holds null .*; 1 more bad row \(line 3\); fix it"
     ):
         check_text_dataset(str(path), every_row=True)
     notes: list[str] = []
     out = run_like_hf_tp(path, True, notes)
     assert notes == [
-        f"hf-tp: --skip-bad-rows dropped 2 bad rows of dataset '{path}': rows 1, 2 (column 'text' holds null (the "
-        "key is missing or null), not a string; column 'text' holds int 5, not a string)"
+        f"hf-tp: --skip-bad-rows dropped 2 bad rows of dataset '{path}': lines 2, 3 of {path} (column 'text' holds "
+        "null (the key is missing or null), not a string; column 'text' holds int 5, not a string)"
     ]
     assert out["input_ids"] == [chat_tokenizer()("you are a helpful travel agent .")["input_ids"] + [3]]  # + eos
 
@@ -142,11 +146,11 @@ def test_a_role_the_template_rejects_is_named_or_skipped(tmp_path: Path) -> None
     chats = [{"messages": c} for c in conversations(4)]
     chats[2]["messages"][1]["role"] = "robot"
     path = write_rows(tmp_path / "chat.jsonl", chats)
-    with pytest.raises(ValueError, match=r"^row 2 of dataset .*: the chat template rejects .*unknown role robot"):
+    with pytest.raises(ValueError, match=r"^line 3 of \S*chat\.jsonl: the chat template rejects .*unknown role robot"):
         run_like_hf_tp(path, False, [])
     notes: list[str] = []
     skipped = run_like_hf_tp(path, True, notes)
-    assert len(notes) == 1 and "dropped 1 bad row of dataset" in notes[0] and ": row 2 (" in notes[0]
+    assert len(notes) == 1 and "dropped 1 bad row of dataset" in notes[0] and f": line 3 of {path} (" in notes[0]
     kept = [c for i, c in enumerate(chats) if i != 2]
     full = tokenize_dataset(datasets.Dataset.from_list(kept), chat_tokenizer(STRICT_CHATML), seq_len=8)
     assert skipped["input_ids"] == full["input_ids"]
@@ -155,7 +159,7 @@ def test_a_role_the_template_rejects_is_named_or_skipped(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("line", "says"),
     [
-        (b'{"text": "bad \xff here"}', r"is not valid UTF-8 .*"),
+        (b'{"text": "bad \xff here"}', r"is not UTF-8 .*"),
         (b"[1, 2]", r"is a JSON list \(\[1, 2\]\), not an object of columns"),
         (b'{"text": "cut', r"is not valid JSON"),
     ],
@@ -184,7 +188,7 @@ def test_streaming_names_or_skips_a_bad_row(tmp_path: Path) -> None:
     stream = stream["train"]
     stream.info.dataset_name = "s.jsonl"
     fmt = detect_format(["prompt", "completion"])
-    with pytest.raises(ValueError, match=r"^row 3 of dataset 's\.jsonl': the completion is null"):
+    with pytest.raises(ValueError, match=r"^row 4 of dataset 's\.jsonl': the completion is null"):
         packed = PackedStream(stream, fmt, chat_tokenizer(), 8, True)
         for _ in range(20):
             packed.next_row()
@@ -193,7 +197,7 @@ def test_streaming_names_or_skips_a_bad_row(tmp_path: Path) -> None:
     for _ in range(20):
         packed.next_row()
     assert notes == [
-        "hf-tp: --skip-bad-rows dropped row 3 of dataset 's.jsonl': the completion is null, not a string"
+        "hf-tp: --skip-bad-rows dropped row 4 of dataset 's.jsonl': the completion is null, not a string"
         " like the prompt"
     ]
 
@@ -206,11 +210,155 @@ def test_a_split_names_rows_by_their_number_in_the_file() -> None:
     ds = ds.add_column(ROW_COLUMN, list(range(len(ds)))).train_test_split(test_size=0.5, seed=0)
     part = next(p for p in ds.values() if 13 in p[ROW_COLUMN])
     assert part[ROW_COLUMN].index(13) != 13
-    with pytest.raises(ValueError, match=r"^row 13 of dataset .*: column 'text' holds null"):
+    with pytest.raises(ValueError, match=r"^row 14 of dataset \(in memory\): column 'text' holds null"):
         tokenize_dataset(part, chat_tokenizer(), seq_len=8)
 
 
 def test_skip_refuses_to_drop_every_row() -> None:
     ds = datasets.Dataset.from_list([{"prompt": "a", "completion": ""}, {"prompt": "b", "completion": " "}])
-    with pytest.raises(ValueError, match=r"would drop every row of dataset .*; the first: row 0 .*completion is empty"):
+    with pytest.raises(ValueError, match=r"would drop every row of dataset .*; the first: row 1 .*completion is empty"):
         tokenize_dataset(ds, chat_tokenizer(), seq_len=8, skip_bad_rows=True)
+
+
+# --- "nothing lost": files that are not UTF-8, 1-based lines, blank files ---------------------------
+
+CONVERT = re.compile(r"convert it with (iconv -f \S+ -t utf-8 \S+ > (\S+)), then use \S+ instead")
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "txt"])
+def test_a_latin1_file_is_told_how_to_convert_it_without_loss(tmp_path: Path, suffix: str) -> None:
+    lines = ["good", "fine", "café crème", "end"]
+    rows = [json.dumps({"text": t}, ensure_ascii=False) if suffix == "jsonl" else t for t in lines]
+    path = tmp_path / f"latin.{suffix}"
+    path.write_bytes("\n".join(rows).encode("latin-1") + b"\n")
+    for every_row, skip in ((True, False), (False, False), (True, True)):
+        with pytest.raises(ValueError) as err:
+            check_text_dataset(str(path), every_row=every_row, skip_bad_rows=skip)
+        message = str(err.value)
+        assert "\n" not in message and f"line 3 of {path} is not UTF-8 (byte 0xe9, 'é' in Latin-1)" in message
+        assert "it looks like Latin-1 / Windows-1252" in message and "iconv -f latin1 -t utf-8" in message
+        assert f"> {tmp_path / f'latin_utf8.{suffix}'}, then use" in message and "-c" not in message.split()
+    if shutil.which("iconv") is None:
+        return
+    command, converted = CONVERT.search(message).groups()
+    subprocess.run(command, shell=True, check=True)
+    check_text_dataset(converted, every_row=True)
+    assert load_text_dataset(converted)["text"][2] == "café crème"  # nothing lost
+
+
+def test_windows_1252_quotes_are_converted_as_windows_1252(tmp_path: Path) -> None:
+    path = tmp_path / "quotes.txt"
+    path.write_bytes("plain\n“quoted” text\n".encode("cp1252"))
+    with pytest.raises(
+        ValueError, match=r"line 2 of .* \(byte 0x93, '“' in Windows-1252\); .*iconv -f cp1252 -t utf-8"
+    ):
+        check_text_dataset(str(path), every_row=True)
+
+
+def test_a_file_mixing_utf8_and_latin1_is_not_converted_whole(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes('{"text": "naïve"}\n'.encode() + '{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"line 2 of .* is not UTF-8 .*mixes encodings.*grep -naxv") as err:
+        check_text_dataset(str(path), every_row=True)
+    assert "iconv" not in str(err.value)
+
+
+def test_a_file_in_a_directory_is_replaced_by_its_conversion(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.jsonl").write_bytes('\n{"text": "b"}\n{"text": "é"}\n'.encode("latin-1"))
+    bad, out = re.escape(str(tmp_path / "b.jsonl")), re.escape(str(tmp_path / "b_utf8.jsonl"))
+    with pytest.raises(ValueError, match=rf"line 3 of {bad} .*iconv -f latin1 .*, then replace {bad} with {out} "):
+        check_text_dataset(str(tmp_path), every_row=True)
+
+
+def test_a_bad_json_line_is_named_by_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "cut\n{"text": "d"}\n')
+    for every_row in (True, False):
+        with pytest.raises(
+            ValueError, match=rf"\(line 3 of {re.escape(str(path))} is not valid JSON .*cannot be skipped"
+        ):
+            check_text_dataset(str(path), every_row=every_row)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line", "printed"),
+    [
+        ("type.jsonl", '{"text": "a"}\n{"text": 5}\n', 2, '{"text": 5}'),
+        ("blank-lines.jsonl", '\n{"text": "a"}\n\n   \n{"text": null}\n', 5, '{"text": null}'),
+        ("header.csv", 'text,id\n"two\nlines",1\n\n,2\n', 5, ",2"),
+        ("crlf.csv", "text,id\r\na,1\r\n,2\r\n", 3, ",2\r"),
+    ],
+)
+def test_a_bad_row_is_named_by_the_line_sed_prints(
+    tmp_path: Path, name: str, content: str, line: int, printed: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(content.encode())
+    with pytest.raises(ValueError, match=rf"^line {line} of {re.escape(str(path))}: column 'text' holds "):
+        check_text_dataset(str(path), every_row=True)
+    assert content.split("\n")[line - 1] == printed  # what sed -n {line}p prints
+
+
+def test_a_slice_names_the_line_in_the_file(tmp_path: Path) -> None:
+    rows = [{"text": "you are a helpful travel agent ."} for _ in range(10)]
+    rows[7] = {"text": None}
+    path = tmp_path / "slice.jsonl"
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # a blank first line: row i on line i + 2
+    ds = load_text_dataset(str(path), split="train[5:]")
+    with pytest.raises(ValueError, match=rf"^line 9 of {re.escape(str(path))}: column 'text' holds null"):
+        tokenize_dataset(ds, chat_tokenizer(), seq_len=8)
+    with pytest.raises(ValueError, match=rf"^line 9 of {re.escape(str(path))}: column 'text' holds null"):
+        check_text_dataset(str(path), split="train[5:]", every_row=True)
+    part = ds.add_column(ROW_COLUMN, list(range(len(ds)))).train_test_split(test_size=0.5, seed=0)
+    bad = next(p for p in part.values() if 2 in p[ROW_COLUMN])
+    with pytest.raises(ValueError, match=rf"^line 9 of {re.escape(str(path))}: column 'text' holds null"):
+        tokenize_dataset(bad, chat_tokenizer(), seq_len=8)
+
+
+def test_a_streamed_local_file_names_lines(tmp_path: Path) -> None:
+    from hf_tp.data.datasets import load_stream
+
+    rows = [valid_row("completion", random.Random(i)) for i in range(6)]
+    rows[3] = {"prompt": "a", "completion": None}
+    path = tmp_path / "s.jsonl"
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    packed = PackedStream(load_stream(str(path)), detect_format(["prompt", "completion"]), chat_tokenizer(), 8, True)
+    with pytest.raises(ValueError, match=rf"^line 5 of {re.escape(str(path))}: the completion is null"):
+        for _ in range(20):
+            packed.next_row()
+
+
+def test_parquet_rows_are_counted_from_1(tmp_path: Path) -> None:
+    datasets.Dataset.from_list([{"text": "a"}, {"text": None}]).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(
+        ValueError, match=rf"^row 2 of {re.escape(str(tmp_path / 'p.parquet'))}: column 'text' holds null"
+    ):
+        check_text_dataset(str(tmp_path / "p.parquet"), every_row=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"), [("blank.txt", "\n\n  \n"), ("spaces.txt", "   "), ("blank.jsonl", "\n \n\n")]
+)
+def test_a_blank_file_is_empty_before_launch(tmp_path: Path, name: str, content: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    for every_row in (True, False):
+        with pytest.raises(ValueError, match=rf"^dataset '{re.escape(str(path))}' is empty$"):
+            check_text_dataset(str(path), split="train", text_column=None, messages_column=None, every_row=every_row)
+    with pytest.raises(ValueError, match=rf"^dataset '{re.escape(str(path))}' is empty$"):
+        load_text_dataset(str(path))  # what a rank raises too
+
+
+def test_rows_of_blank_text_have_no_text_before_launch(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "blank-text.jsonl", [{"text": ""}, {"text": " \n "}])
+    with pytest.raises(ValueError, match=r"^dataset '.*' has no text: every row of column 'text' is empty or blank"):
+        check_text_dataset(str(path), every_row=True)
+
+
+def test_a_blank_line_in_a_file_of_mixed_types_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "mix.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": 5}\n')
+    at, blank = re.escape(str(path)), re.escape("grep -v '^[[:space:]]*$'")
+    with pytest.raises(ValueError, match=rf"line 2 of {at} is blank, .*remove the blank lines with {blank} {at} >"):
+        check_text_dataset(str(path), every_row=True)

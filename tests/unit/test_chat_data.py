@@ -96,7 +96,7 @@ def test_detection_and_overrides() -> None:
 @pytest.mark.parametrize(
     ("messages", "message"),
     [
-        ([{"role": "user", "content": "hi"}], r"row 0 of dataset .*: the conversation has no assistant turn"),
+        ([{"role": "user", "content": "hi"}], r"row 1 of dataset .*: the conversation has no assistant turn"),
         (["hi", "there"], r"message 0 is not a \{'role': str, 'content': str\} mapping"),
         ([{"from": "human", "value": "hi"}], "message 0 is not a"),
         ([{"role": "user", "content": 3}], r"message 0 \(user\) has content 3; it must be a string"),

@@ -228,7 +228,7 @@ def test_tokenize_from_loaded_file_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="seq_len must be a positive integer, got seq_len=0"):
         tokenize_dataset(ds, word_tokenizer(), seq_len=0)
     blank = datasets.Dataset.from_dict({"text": ["", "  "]})
-    with pytest.raises(ValueError, match=r"dataset \(in memory\) has only 0 tokens"):
+    with pytest.raises(ValueError, match=r"dataset \(in memory\) has no tokens: every document in it is empty"):
         tokenize_dataset(blank, word_tokenizer(), seq_len=2)
     with pytest.raises(ValueError, match=r"dataset \(in memory\) has no tokens"):
         tokenize_dataset(blank, word_tokenizer(), seq_len=2, pack=False)

@@ -63,11 +63,20 @@ def detect_format(
 
 
 def encode_batch(
-    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str, *, skip: bool = False
+    fmt: DataFormat,
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer: Any,
+    label: str,
+    *,
+    skip: bool = False,
+    places: Any = None,
 ) -> dict[str, list]:
     """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents (``input_ids``,
-    and ``labels`` where some tokens are not targets). A bad row raises a ``ValueError`` naming it,
-    or with ``skip`` is dropped and recorded (:func:`hf_tp.data.formats.rows.encode_rows`)."""
+    and ``labels`` where some tokens are not targets). A bad row raises a ``ValueError`` naming it
+    (by ``places``, a :class:`hf_tp.data.places.RowPlaces`: by default the rows of the whole
+    dataset ``label`` names), or with ``skip`` is dropped and recorded
+    (:func:`hf_tp.data.formats.rows.encode_rows`)."""
     from hf_tp.data.formats.rows import encode_rows
 
-    return encode_rows(fmt, batch, indices, tokenizer, label, skip)
+    return encode_rows(fmt, batch, indices, tokenizer, label, skip, places)

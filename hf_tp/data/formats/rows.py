@@ -16,9 +16,10 @@ from hf_tp.data.formats.base import CHAT, TEXT, DataFormat
 from hf_tp.data.formats.chat import encode_conversation, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_problem
 from hf_tp.data.formats.text import encode_text_batch, text_problem
+from hf_tp.data.places import RowPlaces, summarize_places
 
 SKIPPED = "skipped"  # the column that records why a row was dropped
-ROW_COLUMN = "__hf_tp_row__"  # where present, a row's number in the file (a split's rows are renumbered)
+ROW_COLUMN = "__hf_tp_row__"  # where present, a row's number in the dataset as loaded (a split's rows are renumbered)
 # What rendering or tokenizing one bad row raises (a template's raise_exception is a TemplateError).
 _ROW_ERRORS = (ValueError, TypeError, KeyError, IndexError, TemplateError)
 
@@ -33,11 +34,20 @@ def row_problem(fmt: DataFormat, row: dict[str, Any]) -> str | None:
 
 
 def encode_rows(
-    fmt: DataFormat, batch: dict[str, list], indices: list[int], tokenizer: Any, label: str, skip: bool
+    fmt: DataFormat,
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer: Any,
+    label: str,
+    skip: bool,
+    places: RowPlaces | None = None,
 ) -> dict[str, list]:
     """Rows of a ``datasets.map(batched=True, with_indices=True)`` batch -> documents. A bad row
-    raises a ``ValueError`` naming it (``row N of dataset LABEL: what``), or with ``skip`` becomes
-    an empty document whose ``skipped`` column holds that line."""
+    raises a ``ValueError`` naming it by its place (``line N of FILE: what``, or ``row N of dataset
+    LABEL: what``, counted from 1: :class:`hf_tp.data.places.RowPlaces`, by default of the whole
+    dataset ``label`` names), or with ``skip`` becomes an empty document whose ``skipped`` column
+    holds that line."""
+    places = places or RowPlaces(label)
     if ROW_COLUMN in batch:
         batch = dict(batch)
         indices = batch.pop(ROW_COLUMN)
@@ -58,7 +68,7 @@ def encode_rows(
 
     good = []
     for i, row in zip(indices, rows, strict=True):
-        where = f"row {i} of dataset {label}"
+        where = places(i)
         problem = row_problem(fmt, row)
         if problem is not None:
             drop(where, problem)
@@ -83,16 +93,13 @@ def encode_rows(
 
 
 def skipped_summary(lines: list[str], label: str, shown: int = 3) -> str:
-    """One line on the rows ``--skip-bad-rows`` dropped: how many, their numbers (the first ten) and
-    what was wrong with the first ``shown``."""
-    numbers = [line.split(" ", 2)[1] for line in lines[:10]]
+    """One line on the rows ``--skip-bad-rows`` dropped (``lines``: ``PLACE: what``): how many,
+    their places (the first ten) and what was wrong with the first ``shown``."""
+    places = summarize_places([line.split(": ", 1)[0] for line in lines[:10]], known=f"dataset {label}")
     more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
     reasons = "; ".join(line.split(": ", 1)[-1] for line in lines[:shown])
     rows = "row" if len(lines) == 1 else "rows"
-    return (
-        f"hf-tp: --skip-bad-rows dropped {len(lines)} bad {rows} of dataset {label}: {rows} "
-        f"{', '.join(numbers)}{more} ({reasons})"
-    )
+    return f"hf-tp: --skip-bad-rows dropped {len(lines)} bad {rows} of dataset {label}: {places}{more} ({reasons})"
 
 
 def _encode_row(fmt: DataFormat, row: dict[str, Any], tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
