@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 
 
@@ -52,7 +53,7 @@ def reference_run(
         raw, held_out = parts["train"], tokenize_dataset(parts["test"], tok, seq_len=seq_len, keep_tail=True)
         held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
     data = tokenize_dataset(raw, tok, seq_len=seq_len)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model_from_pretrained(model_dir, dtype=torch.float32)  # a multimodal wrapper as its own class
     model = wrap(model) if wrap is not None else model
     model.train()
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)

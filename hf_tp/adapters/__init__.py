@@ -1,7 +1,8 @@
 """Adapters: how each model family is tensor-parallelized, found by ``config.model_type``.
 
 Layers, each importing only those below it:
-  registry, census          find the adapter for a config (hand-written, refused, or derived)
+  registry, census          find the adapter for a config (hand-written, refused, wrapper, or derived)
+  wrapper                   a multimodal wrapper: its language model's adapter re-rooted, passengers
   generic                   the rules: facts read off a model -> the TP+SP plans of an Adapter
   inspect_model             read a model: its layer kinds merged, embedding, final norms, lm_head
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them

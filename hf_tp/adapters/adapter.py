@@ -48,6 +48,8 @@ class Adapter:
             (no logit scaling), so the training loop may fuse the lm_head with the loss
             (:func:`hf_tp.parallel.linear_ce.causal_lm_loss`). A config with
             ``final_logit_softcapping`` set (Gemma 2) is never fused, whatever the adapter says.
+        language_model, passengers: set for a multimodal wrapper (:mod:`hf_tp.adapters.wrapper`):
+            where its language model sits, and what lies outside it and the lm_head.
     """
 
     model_type: str
@@ -59,9 +61,20 @@ class Adapter:
     plain_lm_head: bool = False
     moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
     experts: tuple[str, ...] = ()  # the experts modules, relative to a decoder layer (for expert parallelism)
+    language_model: str = ""  # a multimodal wrapper's language model (hf_tp.adapters.wrapper)
+    passengers: tuple[str, ...] = ()  # a wrapper's modules and parameters outside it and its lm_head
+
+    def layers_config(self, config: PretrainedConfig) -> PretrainedConfig:
+        """The config of the layers the plan splits: a wrapper's ``text_config``, else ``config``."""
+        return (getattr(config, "text_config", None) or config) if self.language_model else config
+
+    def is_passenger(self, name: str) -> bool:
+        """``name`` (a parameter or module path) lies outside the language model and its lm_head."""
+        return any(name == p or name.startswith(p + ".") for p in self.passengers)
 
     def split_sizes(self, config: PretrainedConfig) -> dict[str, int]:
         """The sizes that tp must divide, read from ``config``."""
+        config = self.layers_config(config)
         sizes = {}
         for name in self.split_fields:
             value = getattr(config, name, None)
@@ -85,6 +98,7 @@ class Adapter:
 
     def kv_replicas(self, config: PretrainedConfig, tp: int) -> int:
         """How many tp ranks share each KV head (1 unless tp > num_key_value_heads)."""
+        config = self.layers_config(config)
         kv = self.split_sizes(config).get("num_key_value_heads")
         return tp // kv if kv is not None and tp > kv else 1
 
@@ -92,6 +106,7 @@ class Adapter:
         """Raise a ``ValueError`` naming the model's numbers if ``tp`` does not fit this model, or
         naming the fix if the checkpoint is quantized (:mod:`hf_tp.adapters.quantized`)."""
         check_not_quantized(config)
+        config = self.layers_config(config)
         if tp < 1:
             raise ValueError(f"tp must be a positive integer, got tp={tp}")
         valid = ", ".join(str(v) for v in self.valid_tp_sizes(config))

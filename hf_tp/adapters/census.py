@@ -22,3 +22,24 @@ def tensor_parallel_causal_lm_types() -> dict[str, bool]:
         if plan:  # (GPT-OSS's names only the embedding: hf_tp's own plan for it shards experts)
             out[model_type] = any("expert" in key for key in {**plan, **PLAN_OVERRIDES.get(model_type, {})})
     return out
+
+
+def multimodal_wrapper_types() -> dict[str, str]:
+    """Every multimodal wrapper ``model_type`` of the installed transformers (an image-text-to-text
+    or multimodal-LM model whose config carries a ``text_config``), mapped to its language
+    model's ``model_type``."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    from hf_tp.adapters.wrapper import text_config_of
+
+    names = set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) | set(auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES)
+    out = {}
+    for model_type in sorted(names):
+        try:
+            text = text_config_of(CONFIG_MAPPING[model_type]())
+        except Exception:  # noqa: BLE001, S112 - a config class that cannot be built at its defaults has no census entry
+            continue
+        if text is not None:
+            out[model_type] = text.model_type
+    return out

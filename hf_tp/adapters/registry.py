@@ -1,9 +1,10 @@
 """The adapter registry: how hf_tp finds the TP+SP plan of a model family.
 
 The top of the adapters package: a registered (hand-written) adapter for the config's
-``model_type`` wins; a family hf_tp refuses gets its reason; anything else gets the plan derived
-from its model (:mod:`hf_tp.adapters.generic`). Adding an architecture means writing one small
-file that calls :func:`register_adapter`.
+``model_type`` wins; a family hf_tp refuses gets its reason; a multimodal wrapper (a config with a
+``text_config``) gets its language model's adapter re-rooted in it (:mod:`hf_tp.adapters.wrapper`);
+anything else gets the plan derived from its model (:mod:`hf_tp.adapters.generic`). Adding an
+architecture means writing one small file that calls :func:`register_adapter`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED
+from hf_tp.adapters.wrapper import text_config_of, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -62,6 +64,8 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
         raise ValueError(
             f"hf_tp does not support model_type '{model_type}': {REFUSED[model_type]}. Add an adapter with {how}"
         )
+    if not isinstance(config_or_type, str) and (text := text_config_of(config_or_type)) is not None:
+        return wrapper_adapter(config_or_type, _text_adapter(model_type, text))
     if isinstance(config_or_type, str):
         raise ValueError(
             f"no registered hf_tp adapter for model_type '{model_type}' (a generic plan is derived from a config: "
@@ -74,3 +78,14 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
             f"it either). Add one with {how}"
         )
     return generic_adapter(config_or_type)
+
+
+def _text_adapter(model_type: str, text: PretrainedConfig) -> Adapter:
+    """A multimodal wrapper's language-model adapter, or its refusal naming the wrapper."""
+    try:
+        return get_adapter(text)
+    except ValueError as exc:
+        raise type(exc)(
+            f"hf_tp cannot train this {model_type} checkpoint: it is a multimodal wrapper whose language model "
+            f"({text.model_type}) is not supported: {exc}"
+        ) from None

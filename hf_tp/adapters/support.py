@@ -107,7 +107,7 @@ REFUSED: dict[str, str] = {
     "youtu": "multi-head latent attention (low-rank q and kv projections) is not supported",
     "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
-    "llama4": "a multimodal model (its tp plan shards the vision projector); train llama4_text MoE under issue 14",
+    "llama4": "a multimodal wrapper whose language model (llama4_text) hf_tp does not train yet",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from hf_tp.checkpoint.layout import (
     latest_checkpoint,
     load_trainer_state,
 )
+from hf_tp.checkpoint.remote_code import copy_model_code
+from hf_tp.checkpoint.safe_load import safe_load
 
 __all__ = [
     "MARKER",
@@ -84,7 +87,7 @@ def save_checkpoint(
     try:
         dcp.save(state, checkpoint_id=str(tmp))  # collective: a rank's write error is raised on every rank
         if rank == 0:
-            _write_rank0_files(tmp, step, trainer_state, model_files)
+            _write_rank0_files(tmp, step, trainer_state, model_files, model)
     except (OSError, CheckpointException) as exc:
         failure = exc
     crash_point("save", step)
@@ -101,10 +104,14 @@ def save_checkpoint(
     return final
 
 
-def _write_rank0_files(tmp: Path, step: int, trainer_state: dict[str, Any], model_files: list[Any]) -> None:
-    """Config, tokenizer, RNG and trainer state beside the shards, then the size manifest."""
+def _write_rank0_files(
+    tmp: Path, step: int, trainer_state: dict[str, Any], model_files: list[Any], model: torch.nn.Module
+) -> None:
+    """Config, tokenizer (and the model's own code, for a --trust-remote-code run), RNG and trainer
+    state beside the shards, then the size manifest."""
     for obj in model_files:
         obj.save_pretrained(tmp / "model_files")
+    copy_model_code(model, tmp / "model_files")
     torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
     recorded = {"step": step, **trainer_state}
     if "base_dtype" not in recorded:  # what export casts to by default (the base folder may be gone by then)
@@ -194,9 +201,10 @@ def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load model and optimizer into the current (possibly different) mesh; DCP reshards."""
+    """Collective: load model and optimizer into the current (possibly different) mesh; DCP reshards.
+    Nothing in the checkpoint is unpickled beyond plain data (:mod:`hf_tp.checkpoint.safe_load`)."""
     state = _train_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    safe_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
     rng = torch.load(path / "rng.pt", weights_only=True)
@@ -207,10 +215,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 def crash_point(where: str, step: int) -> None:
     """Fault injection for the fault tests: ``HF_TP_CRASH=where:step:rank[:SIGNAL]`` sends that rank
     SIGNAL (default KILL; e.g. USR1 to preempt, STOP to hang) at that point (where: ``train`` = start
-    of the step, ``save`` = shards written, not published)."""
+    of the step, ``save`` = shards written, not published); ``SLEEP<seconds>`` instead holds the
+    rank there, so that a signal from outside lands inside that step, not after the last one."""
     spec = os.environ.get("HF_TP_CRASH")
     if not spec:
         return
     w, s, r, *sig = spec.split(":")
     if w == where and int(s) == step and int(r) == dist.get_rank():
+        if sig and sig[0].startswith("SLEEP"):
+            time.sleep(float(sig[0].removeprefix("SLEEP")))
+            return
         os.kill(os.getpid(), getattr(signal, f"SIG{sig[0] if sig else 'KILL'}"))

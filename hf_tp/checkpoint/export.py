@@ -61,6 +61,7 @@ def export_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
     merge: bool = False,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write ``out_dir`` with safetensors weights, config, generation config, tokenizer and a card.
 
@@ -70,7 +71,9 @@ def export_checkpoint(
     an index when there are several (:mod:`hf_tp.checkpoint.stream`): host memory follows the shard
     size, not the model. Tied weights are stored once. The folder is built next to ``out_dir`` and
     renamed into place, so a crash never leaves half an export. A LoRA run exports a peft adapter
-    folder, or with ``merge`` the base weights with the adapters merged in (docs/lora.md).
+    folder, or with ``merge`` the base weights with the adapters merged in (docs/lora.md). A model
+    that needs its own code (a ``--trust-remote-code`` run) is refused unless ``trust_remote_code``;
+    nothing in the checkpoint is unpickled beyond plain data (:mod:`hf_tp.checkpoint.safe_load`).
 
     Nothing else is lost: ``out_dir`` may not be a file, nor be, hold or lie inside the checkpoint,
     its run dir or the run's checkpoints folder, and ``overwrite`` replaces only an empty folder or
@@ -93,7 +96,7 @@ def export_checkpoint(
         if merge and not lora:
             raise ValueError(f"{ckpt} is not from a LoRA run (hf-tp train --lora-r); --merge applies to LoRA runs only")
         write = _write_adapter if lora and not merge else _write_weights
-        config = write(ckpt, tmp, chosen or "fp32", max_shard_size)
+        config = write(ckpt, tmp, chosen or "fp32", max_shard_size, trust_remote_code)
         for f in (ckpt / "model_files").iterdir():  # tokenizer files and the source's generation config
             if f.is_file() and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
@@ -221,23 +224,28 @@ def _os_error(exc: BaseException) -> OSError | None:
     return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
-def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int):
+def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int, trust: bool):
     """The weights (streamed) and config.json of the export into ``folder``; returns the config."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hf_tp.adapters.wrapper import model_from_config
+    from hf_tp.checkpoint.remote_code import auto_config
     from hf_tp.checkpoint.stream import write_shards
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    config = AutoConfig.from_pretrained(ckpt / "model_files")
-    with torch.device("meta"):  # names, shapes, ties and weight conversions; no memory
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = auto_config(ckpt / "model_files", trust)
+    with torch.device("meta"):  # names, shapes, ties and weight conversions; no memory; a wrapper's own class
+        model = model_from_config(config, dtype=torch.float32)
     run = load_trainer_state(ckpt).get("config") or {}
     read = None
     if run.get("lora_r"):  # merged: base weights from the run's model folder plus the adapters
         from hf_tp.checkpoint.lora_export import merged_reader
 
         read = merged_reader(ckpt, model, run)
+    elif getattr(config, "text_config", None) is not None:  # a multimodal wrapper: its frozen vision tower
+        from hf_tp.checkpoint.wrapper_export import frozen_from_source_reader
+
+        read = frozen_from_source_reader(ckpt, model, run)
     write_shards(ckpt, model, folder, torch_dtype, max_shard_size, read)
     config = model.config
     config.dtype = torch_dtype
@@ -246,16 +254,16 @@ def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | i
     return config
 
 
-def _write_adapter(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int):
+def _write_adapter(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | int, trust: bool):
     """The peft adapter folder of a LoRA run into ``folder``; returns the base model's config."""
     import torch
-    from transformers import AutoConfig
 
     from hf_tp.checkpoint.lora_export import write_adapter
+    from hf_tp.checkpoint.remote_code import auto_config
 
     run = load_trainer_state(ckpt)["config"]
     write_adapter(ckpt, folder, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype], run)
-    return AutoConfig.from_pretrained(ckpt / "model_files")
+    return auto_config(ckpt / "model_files", trust)
 
 
 def base_source(state: dict) -> str | None:
@@ -345,13 +353,15 @@ def _model_card(ckpt: Path, config, dtype: str) -> str:
     else:
         training = f"- training: {state['step']} optimizer steps\n"
     title = model if base else config.model_type
+    text = getattr(config, "text_config", None) or config  # a multimodal wrapper: its language model's sizes
+    loader = (config.architectures or ["AutoModelForCausalLM"])[0] if text is not config else "AutoModelForCausalLM"
     return (
         "---\n" + "\n".join(meta) + "\n---\n\n"
         f"# {title}, trained with hf_tp\n\n"
         f"- base model: {model if base else 'not recorded'}\n"
-        f"- architecture: `{config.model_type}`, {config.num_hidden_layers} layers, hidden {config.hidden_size}\n"
+        f"- architecture: `{config.model_type}`, {text.num_hidden_layers} layers, hidden {text.hidden_size}\n"
         + training
         + (f"- dataset: {dataset}\n" if run.get("dataset") else "")
         + f"- weights exported in {dtype} from `{ckpt.name}`\n\n"
-        "Load with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.\n"
+        f"Load with `{loader}.from_pretrained` and `AutoTokenizer.from_pretrained`.\n"
     )

@@ -38,7 +38,8 @@ def write_manifest(folder: Path) -> None:
 
 def damage(ckpt: Path) -> str | None:
     """What is wrong with a published checkpoint, or None when it is whole. Checkpoints saved
-    before manifests existed are checked for their metadata and trainer state only."""
+    before manifests existed are checked for their metadata and trainer state only. A ``.metadata``
+    that could run code is no damage to fall back from: :class:`UnsafeCheckpoint` is raised."""
     try:
         sizes = json.loads((ckpt / MANIFEST).read_text())["sizes"] if (ckpt / MANIFEST).exists() else {}
     except (OSError, ValueError, KeyError):
@@ -53,10 +54,12 @@ def damage(ckpt: Path) -> str | None:
         json.loads((ckpt / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return "trainer_state.json is missing or not valid JSON"
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
+    from hf_tp.checkpoint.safe_load import UnsafeCheckpoint, read_safe_metadata  # torch: only once needed
 
-        FileSystemReader(str(ckpt)).read_metadata()
+    try:
+        read_safe_metadata(ckpt / ".metadata")
+    except UnsafeCheckpoint:
+        raise  # not damage to fall back from: someone put code there
     except Exception as exc:  # noqa: BLE001 - any failure to read it means the checkpoint cannot load
         return f"its DCP metadata (.metadata) does not load ({type(exc).__name__})"
     return None

@@ -12,8 +12,9 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
+from hf_tp.adapters.wrapper import model_from_config, text_config_of
 from hf_tp.checkpoint.expert_files import FusedSource, conversion_transforms, fused_sources, load_fused
 from hf_tp.parallel.materialize import to_empty_keeping_parameters
 from hf_tp.parallel.tp import embeddings_tied
@@ -42,14 +43,16 @@ def local_model_dir(model: str) -> Path:
         return p
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    # *.py: the code of a model that ships its own (run only with --trust-remote-code: remote_code.py)
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.py"]
+    return Path(snapshot_download(model, allow_patterns=patterns))
 
 
 def build_empty(config: PretrainedConfig) -> torch.nn.Module:
     """The model with parameters on the meta device and real buffers (rotary tables are computed,
-    not loaded, so they must not be left uninitialised)."""
+    not loaded, so they must not be left uninitialised); a multimodal wrapper as its own class."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model_from_config(config, dtype=torch.float32)
     if getattr(config, "tie_word_embeddings", False):
         # init_empty_weights re-creates each Parameter on meta, which unties them.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -66,6 +69,8 @@ def file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
         from transformers.core_model_loading import WeightRenaming
     except ImportError:  # a transformers without conversion mappings: names are as saved
         return {k: k for k in keys}
+    if text_config_of(model.config) is not None:
+        return _wrapper_file_keys(model, keys)
     transforms = conversion_transforms(model)
     renames = [t for t in transforms if isinstance(t, WeightRenaming)]
     out = {}
@@ -74,6 +79,25 @@ def file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
         for rename in renames:
             name, _ = rename.rename_source_key(name)
         out.setdefault(name, key)
+    return out
+
+
+def _wrapper_file_keys(model: torch.nn.Module, keys: set[str]) -> dict[str, str]:
+    """:func:`file_keys` of a multimodal wrapper: its files keep each sub-model under older names
+    (``language_model.model.*``), which transformers renames per sub-model on load; the same
+    renames here, asked of transformers (its whole-model mapping and its prefix rule)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    # Asked of a fresh meta copy: FSDP2 renames the classes (FSDPLlava...), and transformers looks
+    # mappings up by class name first.
+    with torch.device("meta"):
+        fresh = model_from_config(model.config)
+    renames = [t for t in get_model_conversion_mapping(fresh) if not isinstance(t, WeightConverter)]
+    names = dict.fromkeys(fresh.state_dict(), True)
+    out: dict[str, str] = {}
+    for key in keys:
+        out.setdefault(rename_source_key(key, renames, [], model.base_model_prefix, names)[0], key)
     return out
 
 

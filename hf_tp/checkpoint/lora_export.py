@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+
+from hf_tp.checkpoint.safe_load import SafeReader, safe_load
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # the adapter name hf-tp train gives peft
@@ -26,15 +27,15 @@ def peft_key(model_key: str) -> str:
 
 def read_lora_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every LoRA tensor of the checkpoint, whole (DCP gathers the shards; no process group)."""
-    metadata = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    reader = SafeReader(ckpt)
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and ".lora_" in key
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and ".lora_" in key and hasattr(meta, "size")
     }
     if not state:
         raise ValueError(f"{ckpt} holds no LoRA tensors although its run trained with --lora-r")
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    safe_load(state, ckpt, no_dist=True, reader=reader)
     return {key[len("model.") :]: t for key, t in state.items()}
 
 

@@ -18,27 +18,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import Metadata
 
+from hf_tp.checkpoint.safe_load import SafeReader, safe_load
+
 GroupReader = Callable[[list[str]], dict[str, torch.Tensor]]
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-class _Reader(dcp.FileSystemReader):
-    """A file-system reader that reads the checkpoint's metadata once for all the reads."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
 
 
 def unique_state_keys(model: torch.nn.Module) -> list[str]:
@@ -101,7 +89,7 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _read_group(reader: _Reader, metadata: Metadata, hf: dict[str, torch.Tensor], group: list[str]) -> dict:
+def _read_group(reader: SafeReader, metadata: Metadata, hf: dict[str, torch.Tensor], group: list[str]) -> dict:
     """One module's tensors from the checkpoint, in HF's shape (fp32 or whatever was stored)."""
     stored = {}
     for key in group:
@@ -113,14 +101,14 @@ def _read_group(reader: _Reader, metadata: Metadata, hf: dict[str, torch.Tensor]
         stored[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": stored}, storage_reader=reader, no_dist=True)
+        safe_load({"model": stored}, reader.path, no_dist=True, reader=reader)  # metadata read once
     return {k: t.view(hf[k].shape) for k, t in stored.items()}  # packed halves: the same numbers in order
 
 
 def _converted(
     ckpt: Path, model: torch.nn.Module, groups: list[list[str]], dtype: torch.dtype, read: GroupReader | None
 ) -> Iterator[dict]:
-    reader = _Reader(ckpt)
+    reader = SafeReader(ckpt)
     metadata = reader.read_metadata()
     hf = model.state_dict()
     for group in groups:

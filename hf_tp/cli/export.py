@@ -35,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace an earlier export in out_dir (a folder holding .hf_tp_export.json); other folders are never deleted",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="a run trained with --trust-remote-code: run the model's own Python code saved in the checkpoint "
+        "(default: off, such a checkpoint is refused)",
+    )
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to this Hub repo")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
 
@@ -51,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
             merge=args.merge,
+            trust_remote_code=args.trust_remote_code,
         )
     except ValueError as exc:
         print(f"hf-tp export: error: {exc}", file=sys.stderr)

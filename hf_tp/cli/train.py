@@ -57,6 +57,14 @@ def _model_and_data(p) -> None:
         "(default: the embedded tiny Llama, ~150k random-init parameters built locally under ~/.cache/hf_tp "
         "or $HF_TP_CACHE)",
     )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_const",
+        const=True,
+        help="let a model whose config.json's auto_map names classes transformers does not have run that Python "
+        "code, on every rank; read it first (default: off, such a model is refused before launch; a model "
+        "transformers has is always built from transformers' own classes)",
+    )
     add_data_arguments(p, _default)
 
 

@@ -27,6 +27,7 @@ from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
 from hf_tp.parallel.mesh import cp_mesh, split_mesh
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
+from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
 
 
@@ -43,7 +44,7 @@ def parallelize(
     fuse_partial_grads: bool = True,
     ep: int = 1,
 ) -> nn.Module:
-    """Tensor-parallelize a HF ``*ForCausalLM`` model over ``mesh`` in place and return it.
+    """Tensor-parallelize a HF ``*ForCausalLM`` (or a multimodal wrapper, for text) over ``mesh`` in place; return it.
 
     ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")`` or ``("dp", "cp", "tp")``;
     a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
@@ -113,7 +114,8 @@ def _mark_parallelized(model: nn.Module, opts: PlanOptions, outer: nn.Module) ->
 def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
     dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
-    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`)."""
+    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`); a multimodal
+    wrapper's passengers are frozen (:mod:`hf_tp.parallel.passengers`)."""
     check_releases()  # a release below the tested floors: one line naming it, before anything else
     model, peft = unwrap_peft(outer)
     config = getattr(model, "config", None)
@@ -129,6 +131,7 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
+    check_wrapper(adapter, peft=peft, ep=ep, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
@@ -143,6 +146,7 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
         check_lora(model, adapter, opts, tp_mesh.size(), ep)
         adapter = lora_adapter(adapter)
         install_dropouts(model)
+    freeze_passengers(model, adapter)  # a wrapper's vision tower and projector: text never reaches them
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 

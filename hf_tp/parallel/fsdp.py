@@ -28,7 +28,9 @@ def apply_fsdp(
     """Shard parameters over ``dp_mesh``: one FSDP unit per decoder layer, the rest in the root.
 
     Run after tensor parallelism; FSDP2 then builds 2-D (dp, tp) parameters from the TP DTensors.
-    Expert-parallel experts are their own units first (:func:`shard_experts_over_dp`).
+    Expert-parallel experts are their own units first (:func:`shard_experts_over_dp`), and so is
+    each of a multimodal wrapper's passenger modules (a vision tower text data never runs stays
+    sharded: the root unit would hold it gathered for the whole step).
     ``ignored_params`` (expert-parallel weights, :func:`odd_dtype_params`) stay as they are;
     those of them in ``averaged`` get their gradients averaged over dp here, as FSDP2 averages
     the others (``fused``: tp-``Partial`` ones are left to :mod:`hf_tp.parallel.partial_grads`,
@@ -39,6 +41,10 @@ def apply_fsdp(
     for p in averaged or set():
         p.register_hook(_mean_over(dp_mesh, fused))
     shard_experts_over_dp(model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    modules = dict(model.named_modules())
+    for path in adapter.passengers:  # a wrapper's vision tower, projector: own units, gathered only if they run
+        if path in modules:
+            fully_shard(modules[path], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
     for layer in layers:
         fully_shard(
             layer,

@@ -305,7 +305,9 @@ def causal_lm_loss(
             "(its adapter does not declare plain_lm_head, or the lm_head has a bias or another sharding); "
             "use model(..., labels=labels).loss"
         )
-    decoder = model.get_decoder()
+    # A multimodal wrapper's hidden states come from its base model (which embeds the tokens and
+    # builds the masks as the wrapper's own forward does), not from the language model alone.
+    decoder = model.base_model if get_adapter(model.config).language_model else model.get_decoder()
     head = model.get_output_embeddings()
 
     def forward(

@@ -50,8 +50,9 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
 
 def _check_all_placed(model: nn.Module, adapter: Adapter) -> None:
     """Under SP every parameter must be a DTensor: a plain one in a sharded region would train on
-    one rank's share of its gradient (silently wrong), so an incomplete plan is an error."""
-    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    one rank's share of its gradient (silently wrong), so an incomplete plan is an error. A
+    wrapper's passengers (vision tower, projector) never see the sharded stream: they stay whole."""
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not adapter.is_passenger(n)]
     if plain:
         raise ValueError(
             f"the {adapter.model_type} adapter's plan leaves {len(plain)} parameters without a placement "
@@ -62,18 +63,19 @@ def _check_all_placed(model: nn.Module, adapter: Adapter) -> None:
 def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh, opts: PlanOptions) -> None:
     """Shard every decoder layer and the top-level modules over ``tp_mesh``, in place."""
     tied = embeddings_tied(model)
+    config = adapter.layers_config(model.config)
     layer_plan = adapter.layer_plan(opts)
     replicated_kv = [p.rpartition(".")[0] for p, s in layer_plan.items() if isinstance(s, ReplicatedKVProjection)]
     if opts.kv_replicas > 1 and not replicated_kv:
         raise ValueError(
             f"the {adapter.model_type} adapter's plan does not replicate KV heads, so tp ({tp_mesh.size()}) must "
-            f"divide num_key_value_heads ({model.config.num_key_value_heads})"
+            f"divide num_key_value_heads ({config.num_key_value_heads})"
         )
     for layer in model.get_submodule(adapter.layers_path):
         for attention in {
             a for a in replicated_kv if has_submodule(layer, a)
         }:  # raises before the first layer is touched
-            set_local_kv_groups(layer.get_submodule(attention), model.config.num_attention_heads, tp_mesh.size())
+            set_local_kv_groups(layer.get_submodule(attention), config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:

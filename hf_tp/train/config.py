@@ -44,6 +44,7 @@ class TrainConfig:
 
     # model and data
     model: str | None = None  # Hub id or local dir; None: the embedded tiny Llama
+    trust_remote_code: bool = False  # run the Python code a model repo ships (auto_map); off: such models are refused
     dataset: str | None = None  # Hub id, local file or dir; None: the embedded generated corpus
     dataset_config: str | None = None  # the Hub dataset's configuration (load_dataset's name)
     split: str = "train"  # split of the dataset, slices included ("train[:5%]")

@@ -24,6 +24,7 @@ def flops_per_token(model_config, num_params: int, seq_len: int) -> float:
     projection, so it is added back (otherwise a tied model's MFU would omit its lm_head, about
     a third of Qwen2-0.5B's work).
     """
+    model_config = getattr(model_config, "text_config", None) or model_config  # a multimodal wrapper's language model
     embed = model_config.vocab_size * model_config.hidden_size
     n = num_params - embed
     if getattr(model_config, "tie_word_embeddings", False):

@@ -13,12 +13,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
+from hf_tp.adapters import get_adapter
+from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys, sliced_sources
+from hf_tp.checkpoint.remote_code import auto_config
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
+from hf_tp.parallel.passengers import describe as describe_passengers
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.validate import validate_model_config
@@ -43,7 +46,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     if dist.get_rank() != 0:
         hf_logging.disable_progress_bar()  # one progress bar, not one per rank
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
-    config = AutoConfig.from_pretrained(model_dir)
+    config = auto_config(model_dir, cfg.trust_remote_code, say=None)  # the launcher warned once
     validate_model_config(config, cfg.tp, cfg.seq_len, ep=cfg.ep)
     model = build_empty(config) if safetensors_keys(model_dir) is not None else None
     # Files whose tensors are the model's up to renames, or fused experts stacked from one tensor
@@ -58,7 +61,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
             flush=True,
         )
     if not sharded:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        model = model_from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     lora = with_lora(model, cfg)
     if cfg.lora_r:  # the frozen base in the compute dtype: no fp32 master copy of weights never updated
@@ -75,6 +78,8 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     )
     if sharded:
         materialize_and_load(model, model_dir, device, fused)
+    if get_adapter(config).language_model and dist.get_rank() == 0:  # a multimodal wrapper: say what trains
+        print(describe_passengers(model, get_adapter(config)), file=sys.stderr, flush=True)
     if cfg.lora_r:
         init_lora(model, cfg.seed)
     return model

@@ -77,7 +77,7 @@ def set_up(cfg: TrainConfig) -> Run:
     mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
-    tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model))
+    tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
     model = build_parallel_model(cfg, mesh, device)
     # 4. data: this dp rank's batches of every step, and the evaluation set
     cfg = with_document_masking_checked(cfg, model)

@@ -19,28 +19,31 @@ if TYPE_CHECKING:
 # the inputs alone (numbers, paths, the dataset's first row) answer before they are loaded.
 
 
-def load_model_config(model: str) -> PretrainedConfig:
-    """``AutoConfig.from_pretrained`` with a one-line error for a missing model.
+def load_model_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """``AutoConfig.from_pretrained`` with a one-line error for a missing model, and for one that
+    needs its own code without ``trust_remote_code`` (:mod:`hf_tp.checkpoint.remote_code`).
 
     For a Hub id one quick request first asks whether the Hub answers at all; if it does not, the
     config comes from the Hub cache or the error says so at once (``from_pretrained`` alone spends
     about 25 s in retries first). ``HF_HUB_OFFLINE=1`` uses the cache only."""
     from huggingface_hub import constants
-    from transformers import AutoConfig
 
     from hf_tp.checkpoint.hub import hub_unreachable
+    from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
     from hf_tp.train.model_source import looks_local
 
     local = Path(model).expanduser()
     if local.exists():
-        return _auto_config(model, "local directory")
+        return _auto_config(model, "local directory", trust_remote_code)
     if looks_local(model):  # absolute, ./ or ~, or no Hub id's form: a path that is not there
         raise ValueError(f"model not found: no file or directory at '{model}'")
     unreachable = hub_unreachable()
     if unreachable is None:
-        return _auto_config(model, "Hub id or local directory")
+        return _auto_config(model, "Hub id or local directory", trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        config = auto_config(model, trust_remote_code, local_files_only=True)
+    except RemoteCodeRefused:
+        raise
     except (OSError, ValueError):
         if "/" not in model:  # a folder name mistyped, or an owner-less Hub id such as gpt2
             raise ValueError(
@@ -60,11 +63,13 @@ def load_model_config(model: str) -> PretrainedConfig:
     return config
 
 
-def _auto_config(model: str, where: str) -> PretrainedConfig:
-    from transformers import AutoConfig
+def _auto_config(model: str, where: str, trust_remote_code: bool) -> PretrainedConfig:
+    from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
 
     try:
-        return AutoConfig.from_pretrained(model)
+        return auto_config(model, trust_remote_code)
+    except RemoteCodeRefused:
+        raise
     except (OSError, ValueError) as exc:
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -100,6 +105,11 @@ def validate_model_config(
 
     adapter = get_adapter(config)
     adapter.validate(config, tp)
+    if adapter.language_model and ep > 1:
+        from hf_tp.parallel.passengers import check_wrapper
+
+        check_wrapper(adapter, peft=False, ep=ep, cp=False)
+    config = adapter.layers_config(config)  # a multimodal wrapper's sizes are its language model's
     if ep > 1:
         experts = num_experts(config)
         given = f"{ep_name} {ep}" if ep_name.startswith("-") else f"{ep_name}={ep}"  # a flag or an argument
@@ -177,7 +187,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
     kind = device_type(cfg)
     check_devices(cfg, kind)
-    model_config = load_model_config(cfg.model)
+    model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
@@ -227,7 +237,7 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
     from hf_tp.data.formats.chat import check_chat_tokenizer
     from hf_tp.data.places import RowPlaces
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     for source, (fmt, row) in first_rows.items():
         if fmt.kind == CHAT:
             check_chat_tokenizer(tokenizer)

@@ -1,0 +1,60 @@
+"""Multimodal wrappers on text: a sample of the wrapper grid (tests/wrapper_grid.py; the whole grid
+is scripts/wrapper_grid.py) holds parity with plain transformers on the same wrapper at tp=2 and
+tp2 x dp2, in one threaded world per size; what hf_tp has not verified on a wrapper is refused
+with one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_tp
+from hf_tp.adapters.census import multimodal_wrapper_types
+from tests.helpers import run_threaded
+from tests.wrapper_grid import WrapperCase, run_cases, wrapper_config, wrapper_model, wrapper_types
+
+# One wrapper per kind of language model: Llama (LLaVA), Gemma 3 (its own adapter, scaled
+# embedding), Mistral (Mistral 3: Pixtral tower), Qwen3.5 (hybrid linear attention), Llama under
+# SmolVLM (a text_model, not a language_model).
+TP2 = ("llava", "gemma3", "mistral3", "qwen3_5", "smolvlm")
+TP2_DP2 = ("llava", "gemma3")
+
+
+def test_wrapper_sample_at_tp2_and_tp2_dp2() -> None:
+    cases = [WrapperCase(mt) for mt in TP2] + [WrapperCase(mt, dp=2) for mt in TP2_DP2]
+    results = run_cases(cases)
+    assert [r.status for r in results] == ["parity"] * len(cases), [(r.model_type, r.reason) for r in results]
+
+
+def test_census_finds_the_wrappers() -> None:
+    found = multimodal_wrapper_types()
+    assert {"gemma3": "gemma3_text", "llava": "llama", "qwen3_5": "qwen3_5_text"}.items() <= found.items()
+    assert len(wrapper_types()) >= 40  # wrappers whose language model hf_tp trains (52 in transformers 5.24)
+
+
+def test_wrapper_with_its_own_loss_is_refused() -> None:
+    # Qwen2-Audio's forward takes a cross entropy of its own over the attention mask's tokens.
+    if "qwen2_audio" not in multimodal_wrapper_types():
+        pytest.skip("this transformers has no Qwen2-Audio")
+    with pytest.raises(ValueError, match=r"multimodal qwen2_audio checkpoint: .*computes its own cross entropy"):
+        hf_tp.get_adapter(wrapper_config("qwen2_audio"))
+
+
+def test_unverified_features_and_image_inputs_are_refused() -> None:
+    config = wrapper_config("llava")
+    model = wrapper_model(config)
+    pixels = torch.zeros(1, 3, 28, 28, dtype=torch.float64)
+    candidates = [copy.deepcopy(model) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
+        with pytest.raises(ValueError, match=r"llava checkpoint's language model without expert parallelism"):
+            hf_tp.parallelize(candidates[rank], mesh, ep=2)
+        hf_tp.parallelize(candidates[rank], mesh)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        with pytest.raises(ValueError, match=r"on text only for now: its model.vision_tower was called"):
+            candidates[rank](input_ids=ids, pixel_values=pixels)
+
+    run_threaded(2, rank_fn)
