@@ -281,11 +281,34 @@ def test_a_bad_json_line_is_named_by_its_line(tmp_path: Path) -> None:
             check_text_dataset(str(path), every_row=every_row)
 
 
+def json_reader_skips_blank_lines() -> bool:
+    """Whether the installed datasets' json reader takes blank lines in a file whose column mixes
+    a string and null (datasets 5 does; 4.8, the floor, fails with "Expected object or value", which
+    hf_tp then names as a blank line: tests/unit/test_bad_rows.py's blankmix case)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "probe.jsonl"
+        path.write_text('\n{"text": "a"}\n\n{"text": null}\n')
+        try:
+            datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(Path(d) / "cache"))
+        except Exception:  # noqa: BLE001 - any failure of the reader: it cannot take them
+            return False
+    return True
+
+
+BLANK_LINES_READ = pytest.mark.skipif(
+    not json_reader_skips_blank_lines(), reason="this datasets release's json reader fails on these blank lines"
+)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "line", "printed"),
     [
         ("type.jsonl", '{"text": "a"}\n{"text": 5}\n', 2, '{"text": 5}'),
-        ("blank-lines.jsonl", '\n{"text": "a"}\n\n   \n{"text": null}\n', 5, '{"text": null}'),
+        pytest.param(
+            "blank-lines.jsonl", '\n{"text": "a"}\n\n   \n{"text": null}\n', 5, '{"text": null}', marks=BLANK_LINES_READ
+        ),
         ("header.csv", 'text,id\n"two\nlines",1\n\n,2\n', 5, ",2"),
         ("crlf.csv", "text,id\r\na,1\r\n,2\r\n", 3, ",2\r"),
     ],
@@ -300,6 +323,7 @@ def test_a_bad_row_is_named_by_the_line_sed_prints(
     assert content.split("\n")[line - 1] == printed  # what sed -n {line}p prints
 
 
+@BLANK_LINES_READ
 def test_a_slice_names_the_line_in_the_file(tmp_path: Path) -> None:
     rows = [{"text": "you are a helpful travel agent ."} for _ in range(10)]
     rows[7] = {"text": None}
@@ -316,6 +340,7 @@ def test_a_slice_names_the_line_in_the_file(tmp_path: Path) -> None:
         tokenize_dataset(bad, chat_tokenizer(), seq_len=8)
 
 
+@BLANK_LINES_READ
 def test_a_streamed_local_file_names_lines(tmp_path: Path) -> None:
     from hf_tp.data.datasets import load_stream
 
