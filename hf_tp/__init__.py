@@ -30,6 +30,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "generate": "hf_tp.inference",
     "evaluate": "hf_tp.inference",
     "embedded_default": ("hf_tp.demo.assets", "ensure_default_assets"),
+    "plan_for": "hf_tp.plan",
 }
 
 

@@ -91,7 +91,7 @@ def main() -> int:
             moe_held += 1
             own = mt in PLAN_OVERRIDES and not any(".*." in k for k in CONFIG_MAPPING[mt].base_model_tp_plan)
             kind = "hf_tp's layer plan" if own else "generic"
-            moe_rows.append(f"| `{mt}` | {kind}: parity | {valid_tp(mt)} | {MOE.get(mt, '')} |")
+            moe_rows.append(f"| `{mt}` | {kind}: parity | {valid_tp(mt)} | {MOE.get(mt) or GENERIC.get(mt, '')} |")
         else:
             reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
             moe_rows.append(f"| `{mt}` | refused | | {reason} |")

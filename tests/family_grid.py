@@ -70,17 +70,21 @@ MOE_SIZES = dict(
     input_jitter_noise=0.0,
     n_group=1,
     topk_group=1,
+    num_experts_per_token=2,  # Kimi-Linear's and Bailing-Hybrid's names
+    num_expert_group=1,
 )
 # Latent-attention (DeepSeek-style) sizes: its head_dim must equal the rotary part.
 MLA_SIZES = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=48)
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])
+LINEAR = dict(linear_num_heads=4, linear_head_dim=16)
 FAMILY_EXTRAS.update(
     {
         "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
         "qwen3_next": HYBRID,
         "qwen3_5_moe_text": HYBRID,
-        "kimi_linear": dict(**HYBRID, mlp_layer_types=["dense", "sparse"]),
-        "bailing_hybrid": dict(**HYBRID, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
+        # Linear-attention widths scaled to the grid (32 heads of 128 by default: ~6 s a run)
+        "kimi_linear": dict(**HYBRID, **LINEAR, mlp_layer_types=["dense", "sparse"]),
+        "bailing_hybrid": dict(**HYBRID, **LINEAR, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
         # Mamba sizes scaled to the grid (its defaults, 128 heads and state 256, took ~10 s a run)
         "granitemoehybrid": dict(
             layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16
@@ -92,6 +96,14 @@ FAMILY_EXTRAS.update(
         "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_ssm=128),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
+        # A dense layer (its MLP is intermediate_size_mlp wide, 16384 by default), then a MoE layer
+        "llama4_text": dict(interleave_moe_layer_step=2, intermediate_size_mlp=128),
+        # Its latent attention's head_dim is the nope + rope parts (the rotary covers the rope part only)
+        "mistral4": dict(head_dim=32),
+        # Per-layer embeddings at grid sizes (262144 x 8 x 256 by default) and narrower global heads
+        "gemma4_text": dict(
+            vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
+        ),
     }
 )
 # The prefill and two cached decode steps: the second is the first whose position is not the
@@ -216,24 +228,26 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
     return GridResult(model_type, "parity")
 
 
-def run_family_ep(model_type: str, ep: int = 2, tp: int = 1, steps: int = 1, **overrides) -> None:
+def run_family_ep(model_type: str, ep: int = 2, tp: int = 1, steps: int = 1, dp: int = 0, **overrides) -> None:
     """Expert parallelism on ``ep`` dp ranks (times ``tp``) against plain HF on the global batch:
     logits, loss, every gradient (experts and routers), AdamW weights. Each dp rank trains on its
     own rows with HF's ``labels=`` loss, so the router's aux loss is off here (its global-batch
-    form is tested in tests/unit/test_aux_loss.py and through the training loop)."""
+    form is tested in tests/unit/test_aux_loss.py and through the training loop). ``dp`` (default
+    ``ep``) > ``ep``: FSDP2 over the rest (``ep=1``: a dense model under tp x dp)."""
+    dp = dp or ep
     config = grid_config(model_type, vocab_size=300, **overrides)  # 300: even vocab shards
     ref = grid_model(config)
-    data = batch(config.vocab_size, b=2 * ep, s=12, pad=None)  # equal token counts per dp rank
+    data = batch(config.vocab_size, b=2 * dp, s=12, pad=None)  # equal token counts per dp rank
     want = train_steps(copy.deepcopy(ref), data, steps=steps)
-    candidates = [copy.deepcopy(ref) for _ in range(tp * ep)]
+    candidates = [copy.deepcopy(ref) for _ in range(tp * dp)]
 
     def rank_fn(rank: int) -> None:
         model = candidates[rank]
-        mesh = hf_tp.build_mesh(tp=tp, dp=ep, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
         hf_tp.parallelize(model, mesh, ep=ep)
         rows = slice(2 * mesh.get_local_rank("dp"), 2 * mesh.get_local_rank("dp") + 2)
         local = {k: v[rows] for k, v in data.items()}
         got = train_steps(model, local, steps=steps, ctx=hf_tp.loss_parallel, dp_group=mesh["dp"].get_group())
         assert_parity(got, want, rows)
 
-    run_threaded(tp * ep, rank_fn)
+    run_threaded(tp * dp, rank_fn)

@@ -20,6 +20,7 @@ import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
 from hf_tp.adapters.wrapper import model_from_config, text_config_of
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.passengers import in_tower
 from tests.family_grid import GREEDY_TOKENS, _prompt, grid_config, is_moe
 from tests.helpers import batch, full, run_threaded
 from tests.parity import Trace, assert_parity, train_steps
@@ -162,7 +163,7 @@ class WrapperCase:
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
         hf_tp.parallelize(model, mesh)
         adapter = hf_tp.get_adapter(self.config)
-        assert all(not p.requires_grad for n, p in model.named_parameters() if adapter.is_passenger(n))
+        assert all(not p.requires_grad for n, p in model.named_parameters() if in_tower(adapter, n))
         if self.dp == 1:
             got = model.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
             assert torch.equal(got, self.greedy), f"model.generate: {got} vs plain HF {self.greedy}"

@@ -13,8 +13,10 @@ def tensor_parallel_causal_lm_types() -> dict[str, bool]:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from hf_tp.adapters.causal_lm_map import causal_lms_mapped_elsewhere
+
     out = {}
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    for model_type in [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *causal_lms_mapped_elsewhere()]:
         try:
             plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
         except KeyError:

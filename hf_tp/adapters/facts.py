@@ -64,10 +64,14 @@ class Derivation:
     region_params: dict[str, tuple[str, ...]] = field(hash=False)  # module -> own parameters in a replicated block
     activations: tuple[str, ...]  # elementwise activations with learned scalars, on column-parallel outputs
     layer_norms: tuple[str, ...]
+    layer_linears: tuple[str, ...]  # Linears the layer calls itself, per token (replicated, on sequence shards)
     blocks: dict[str, Block] = field(hash=False)
     regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
     embedding: str = ""
-    top_norms: tuple[str, ...] = ()
+    top_norms: tuple[str, ...] = ()  # norms outside the layers (sequence parallel), model-relative
+    top_embeddings: tuple[str, ...] = ()  # further token embeddings (vocab-sharded as the input one)
+    top_linears: tuple[str, ...] = ()  # per-token Linears outside the layers (replicated, sequence parallel)
     lm_head: str = ""
     plain_lm_head: bool = False
     widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check
+    kv_vary: bool = False  # layer kinds differ in their K/V heads (no replication across tp ranks)

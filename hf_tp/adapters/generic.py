@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -54,6 +55,7 @@ from hf_tp.styles import (
     LocalHeadParams,
     LocalParamViews,
     MoERegion,
+    PerTokenOnShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
@@ -113,6 +115,8 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     if opts.sequence_parallel:
         for path in d.layer_norms:
             plan[path] = SequenceParallel()
+        for path in d.layer_linears:
+            plan[path] = PerTokenOnShards()
         for path, block in d.blocks.items():
             plan[path] = (
                 Compose(_gather_input(block), ReplicatedToSequenceShards())
@@ -160,9 +164,15 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
         plan[d.lm_head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     else:
         plan[d.lm_head] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    for path in d.top_embeddings:  # Gemma 4's per-layer embeddings: the input embedding's split
+        plan[path] = ScaledEmbeddingRowwise(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
+        )
     if opts.sequence_parallel:
         for path in d.top_norms:
             plan[path] = SequenceParallel()
+        for path in d.top_linears:  # per token: replicated weights on sequence shards
+            plan[path] = PerTokenOnShards()
     return plan
 
 
@@ -172,6 +182,11 @@ def _check_widths(d: Derivation, config: PretrainedConfig, tp: int) -> None:
         raise ValueError(
             f"tp must divide num_key_value_heads ({kv}) of this {d.model_type} model, got tp={tp}: its packed "
             f"{', '.join(d.kv_bound)} cannot give each KV head to several ranks; use tp <= {kv}"
+        )
+    if d.kv_vary and kv is not None and tp > kv:
+        raise ValueError(
+            f"tp ({tp}) is over num_key_value_heads ({kv}) of this {d.model_type} model, whose layers differ in their "
+            f"K/V heads ({', '.join(d.kv)} change width by layer), so no layer may share a KV head: use tp <= {kv}"
         )
     if d.width_norms and kv is not None and tp > kv:
         raise ValueError(
@@ -206,7 +221,8 @@ def derive(config: PretrainedConfig) -> Derivation:
     tp_plan = base_tp_plan(config)
     if not tp_plan:
         raise refuse(mt, "its config has no base_model_tp_plan (transformers cannot tensor-parallelize it either)")
-    with torch.device("meta"):
+    # outside any fake-tensor mode (hf-tp estimate's): building reads real scalars (Gemma 4's layer scalars)
+    with unset_fake_temporarily(), torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation

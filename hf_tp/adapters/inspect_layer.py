@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import moe_blocks, moe_region
-from hf_tp.adapters.modules import expert_holders, is_linear, is_norm, shapes
+from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
@@ -25,6 +25,10 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mla}
     moe = moe_blocks(layer, layer_styles)
+    if own := [
+        p for p, s in layer_styles.items() if s == "moe_tp_experts" and "." not in p and has_submodule(layer, p)
+    ]:
+        raise refuse(mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, not by a MoE block")
     if not moe and (holders := expert_holders(layer, config)):  # (transformers added expert plans in 5.21)
         raise refuse(
             mt,
@@ -38,8 +42,11 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     blocks = _blocks(mt, layer, facts, config.hidden_size, skip=set(moe))
     facts.update(_unplanned(layer, blocks, facts, head_dim))
     planned = facts.pop("planned")
+    # Linears the layer calls itself on the residual stream (Gemma 4's per-layer input gate): per token
+    linears = [n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in moe]
     facts.update(
-        layer_norms=_layer_norms(mt, layer, planned | set(moe), blocks, config.hidden_size),
+        layer_linears=linears,
+        layer_norms=_layer_norms(mt, layer, planned | set(moe) | set(linears), blocks, config.hidden_size),
         blocks=blocks,
         regions=regions,
     )
@@ -67,6 +74,8 @@ def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str
             head_norms.append(path)
         elif style == "local_params":  # the module's own per-head parameters (attention sinks)
             own = dict(module.named_parameters(recurse=False))
+            if not own and any(True for _ in module.children()):
+                continue  # a layer kind without them (MiMo-V2-Flash's full-attention layers have no sinks)
             if not own or any(p.dim() < 1 or p.shape[0] != config.num_attention_heads for p in own.values()):
                 raise refuse(mt, f"{path}'s own parameters ({shapes(module)}) are not one entry per attention head")
             head_params[path] = tuple(own)
@@ -96,7 +105,9 @@ def _kv_projections(config, layer: nn.Module, colwise: list[str], gathered: list
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     sharded = [p for p in colwise if p not in gathered and kv_heads != heads]
     width = {p: layer.get_submodule(p).out_features for p in sharded}
-    kv = [p for p in sharded if width[p] == kv_heads * head_dim]
+    # values may have their own head size (MiMo-V2-Flash's v_head_dim)
+    dims = {head_dim} | {v for m in layer.modules() if isinstance(v := m.__dict__.get("v_head_dim"), int)}
+    kv = [p for p in sharded if width[p] in {kv_heads * d for d in dims}]
     packed = [
         p
         for p in sharded
@@ -173,7 +184,7 @@ def _blocks(mt: str, layer: nn.Module, facts: dict, hidden: int, skip: set) -> d
     names = {p.split(".", 1)[0] for p in colwise + rowwise}
     for name, child in layer.named_children():  # blocks the plan leaves whole
         if name not in skip and name not in names and any(True for _ in child.parameters()):
-            if not is_norm(child, hidden):
+            if not is_norm(child, hidden) and not is_linear(child):  # a Linear the layer calls: layer_linears
                 names.add(name)
     blocks = {}
     for name in sorted(names):

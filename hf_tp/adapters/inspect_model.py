@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from hf_tp.adapters.facts import Derivation, refuse
-from hf_tp.adapters.inspect_layer import layer_facts
+from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
 from hf_tp.adapters.modules import has_submodule, is_linear, is_norm
 from hf_tp.adapters.source import plain_logits
@@ -31,7 +31,8 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     routers = router_classes(model)
     facts = [layer_facts(mt, config, layer, layer_styles, routers) for layer in kinds.values()]
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
-    embedding, top_norms, lm_head = _top_level(model, layers_path, config.hidden_size)
+    _norms_run_as_blocks(mt, merged, list(kinds.values()))
+    top = _top_level(model, layers_path, config.hidden_size)
     widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
     for i, each in enumerate(layers):
         present = [p for p in merged["colwise"] + merged["rowwise"] if has_submodule(each, p)]
@@ -47,11 +48,12 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         model_type=mt,
         layers_path=layers_path,
         **{k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()},
-        embedding=embedding,
-        top_norms=tuple(top_norms),
-        lm_head=lm_head,
-        plain_lm_head=plain_logits(model, lm_head),
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in top.items()},
+        # the fused loss runs get_decoder(): it must be the base model (Llama 4's returns the whole model)
+        plain_lm_head=plain_logits(model, top["lm_head"])
+        and model.get_decoder() is model.get_submodule(base_model_path(model)),
         widths=tuple(widths),
+        kv_vary=_kv_vary(layers, merged["kv"], config),
     )
 
 
@@ -78,13 +80,29 @@ def _merge(mt: str, key: str, values: list):
     return sorted({item for value in values for item in value})
 
 
+def _norms_run_as_blocks(mt: str, merged: dict, layers: list[nn.Module]) -> None:
+    """A layer-level module that is a plain norm in one layer kind and a block in another (AXK2's
+    gated norm on its MoE layers) runs as the block in every layer: whole on the gathered sequence,
+    its norm's parameters replicated with the block's own."""
+    for path in [p for p in merged["layer_norms"] if p in merged["blocks"]]:
+        if not merged["blocks"][path].replicated:
+            raise refuse(mt, f"{path} is a norm in some decoder layers and a sharded block in others")
+        names = set(merged["region_params"].get(path, ()))
+        for layer in layers:
+            if has_submodule(layer, path):
+                names |= {n for n, _ in layer.get_submodule(path).named_parameters(recurse=False)}
+        merged["region_params"][path] = tuple(sorted(names))
+        merged["layer_norms"].remove(path)
+
+
 def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The layers' ModuleList path and the plan relative to one layer."""
     mt = model.config.model_type
     # transformers >= 5.24 names the input embedding in some plans (vocab-sharded or replicated):
     # hf_tp's top plan shards it over the vocab anyway, handing sequence shards to the layers
     embed = model.get_input_embeddings()
-    base = model.get_submodule(model.base_model_prefix) if has_submodule(model, model.base_model_prefix) else model
+    prefix = base_model_path(model)
+    base = model.get_submodule(prefix)
     embed_path = next((n for n, m in base.named_modules() if m is embed), None)
     outside = sorted(k for k in tp_plan if ".*." not in k and k != embed_path)
     if outside:
@@ -94,7 +112,7 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
         raise refuse(mt, "its tp plan shards only the embedding (transformers leaves its decoder layers whole)")
     if len(lists) != 1:
         raise refuse(mt, f"its tp plan covers several layer lists ({', '.join(sorted(lists))})")
-    layers_path = f"{model.base_model_prefix}.{lists.pop()}"
+    layers_path = f"{prefix}.{lists.pop()}"
     try:
         layers = model.get_submodule(layers_path)
     except AttributeError:
@@ -104,8 +122,24 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
     return layers_path, {k.split(".*.", 1)[1]: v for k, v in tp_plan.items() if ".*." in k}
 
 
-def _top_level(model: nn.Module, layers_path: str, hidden: int) -> tuple[str, list[str], str]:
-    """Paths of the input embedding, the hidden-size norms outside the layers, and the lm_head."""
+def base_model_path(model: nn.Module) -> str:
+    """Where the base model (the module the tp plan's paths start from) sits: ``base_model_prefix``
+    where the model has it, else the module holding the input embedding (Llama 4's text model
+    declares ``language_model`` as its prefix but keeps its decoder at ``model``)."""
+    prefix = model.base_model_prefix
+    if has_submodule(model, prefix):
+        return prefix
+    embed = model.get_input_embeddings()
+    path = next((n for n, m in model.named_modules() if m is embed), "")
+    if "." not in path:
+        raise refuse(model.config.model_type, f"its base model is neither at '{prefix}' nor holds the input embedding")
+    return path.rpartition(".")[0]
+
+
+def _top_level(model: nn.Module, layers_path: str, hidden: int) -> dict:
+    """Paths of the input embedding, the lm_head, and what else sits outside the layers: norms,
+    further token embeddings and per-token Linears (Gemma 4's per-layer embeddings and their
+    projection, which feed every layer a sequence-sharded input of its own)."""
     mt = model.config.model_type
     paths = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -114,13 +148,36 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int) -> tuple[str, li
     if head is None or not is_linear(head):
         raise refuse(mt, "it has no nn.Linear output embedding (lm_head)")
     embedding, lm_head = paths[id(embed)], paths[id(head)]
-    norms = set()
-    for name, _ in model.named_parameters():
-        owner = name.rpartition(".")[0]
-        if owner in (embedding, lm_head) or owner.startswith(layers_path + "."):
-            continue
-        module = model.get_submodule(owner) if owner else model
-        if not owner or not is_norm(module, hidden):
-            raise refuse(mt, f"the parameter {name} outside the decoder layers has no place in a TP plan")
-        norms.add(owner)
-    return embedding, sorted(norms), lm_head
+    owners = {n.rpartition(".")[0] for n, _ in model.named_parameters()}
+    owners = {o for o in owners if o not in (embedding, lm_head) and not o.startswith(layers_path + ".")}
+    module = {o: model.get_submodule(o) if o else model for o in owners}
+    embeddings = sorted(o for o in owners if o and isinstance(module[o], nn.Embedding))
+    linears = sorted(o for o in owners if o and is_linear(module[o]))
+    extra = {module[o].embedding_dim for o in embeddings} | {module[o].out_features for o in linears}
+    norms = sorted(o for o in owners if o and any(is_norm(module[o], w) for w in {hidden} | _parts(extra)))
+    for owner in sorted(owners - set(embeddings) - set(linears) - set(norms)):
+        name = next(n for n, _ in module[owner].named_parameters(recurse=False))
+        where = f"{owner}.{name}" if owner else name
+        raise refuse(mt, f"the parameter {where} outside the decoder layers has no place in a TP plan")
+    return dict(
+        embedding=embedding,
+        lm_head=lm_head,
+        top_norms=norms,
+        top_embeddings=embeddings,
+        top_linears=linears,
+    )
+
+
+def _parts(widths: set[int]) -> set[int]:
+    """The widths of the further embeddings and Linears and their exact parts (a norm over one
+    layer's slice of Gemma 4's packed per-layer input)."""
+    return {d for w in widths for d in range(2, w + 1) if w % d == 0}
+
+
+def _kv_vary(layers: nn.ModuleList, kv: list[str], config) -> bool:
+    """The K/V projections' widths in units of each layer's head_dim differ between layers: the KV
+    head count changes by layer (MiMo-V2-Flash's sliding-window layers double it)."""
+    counts = [
+        {e.get_submodule(p).out_features // head_dim_of(e, config) for e in layers if has_submodule(e, p)} for p in kv
+    ]
+    return any(len(c) > 1 for c in counts)

@@ -54,6 +54,9 @@ GENERIC: dict[str, str] = {
     "smollm3": "no rotary embedding on every fourth layer",
     "starcoder2": "LayerNorm with bias, biased projections, GELU MLP without a gate",
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
+    "minicpm3": "latent attention (low-rank q and kv projections) runs whole on every rank, its parameters replicated",
+    "youtu": "latent attention (no tp plan for it) runs whole on every rank, its parameters replicated",
+    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); dense layers only (enable_moe_block=False: its layer calls its experts itself)",
 }
 
 # Mixture-of-experts families: model_type -> what the generic plan handles in it. Every MoE block
@@ -98,34 +101,33 @@ MOE: dict[str, str] = {
     "sarvam_mla": "shared experts; dense layers; latent attention runs whole on every rank",
     "sarvam_moe": "shared experts; dense layers; per-head q/k norms",
     "solar_open": "shared experts",
+    "axk2": "shared experts; latent attention with its indexer runs whole; a gated norm on MoE layers (a plain norm on the dense one) runs whole",
+    "llama4_text": "decoder found from the model (its base_model_prefix names no module); shared expert; dense layers interleaved; every expert runs on every token, so ep is refused",
+    "mimo_v2_flash": "value heads wider than query heads; per-head sinks on sliding-window layers only; KV heads change by layer (tp <= num_key_value_heads)",
+    "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
+    "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
 }
 
 # model_type -> why hf_tp refuses it (the error message names this reason)
 REFUSED: dict[str, str] = {
     "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
-    "minicpm3": "multi-head latent attention (low-rank q and kv projections) is not supported",
-    "youtu": "multi-head latent attention (low-rank q and kv projections) is not supported",
     "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
-    "llama4": "a multimodal wrapper whose language model (llama4_text) hf_tp does not train yet",
+    "llama4": "a multimodal wrapper whose text tower (Llama4ForCausalLM) lacks the base model its prefix names (language_model), so the wrapper path cannot re-root it; llama4_text trains on its own",
+    "gemma4": "a multimodal wrapper whose own forward mixes the embedding's pad row (of the vocab-sharded table) into the token embeddings with torch.where, outside the text tower; gemma4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
-    "axk2": "its first (dense) layer's post-attention norm is left without a placement by the generic plan",
-    "bailing_hybrid": "not verified: its tiny test config fails inside transformers, so hf_tp's grid cannot check parity",
-    "kimi_linear": "not verified: its tiny test config fails inside transformers, so hf_tp's grid cannot check parity",
     "minimax": "linear-attention and attention layers share the name self_attn with different plans",
     "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
     "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
-    "llama4_text": "its decoder layers sit outside the path its tp plan names",
     "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
     "inkling2_text": "its tp plan shards the embedding with its own style",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
     "deepseek_v4": "hyper-connection parameters outside the decoder layers",
     "hy_v4": "hyper-connection parameters outside the decoder layers",
-    "gemma4_text": "per-layer embeddings outside the decoder layers",
-    "mimo_v2_flash": "attention with a value head size different from the query's and per-head sinks",
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
 }

@@ -77,6 +77,17 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
     )
 
 
+def add_vision_arguments(p) -> None:
+    """What trains of a multimodal checkpoint (docs/multimodal.md)."""
+    p.add_argument(
+        "--train-vision-tower",
+        action="store_const",
+        const=True,
+        help="a multimodal checkpoint on image + text data: train its vision tower too (default: frozen; the "
+        "projector and the language model train)",
+    )
+
+
 def add_eval_arguments(p, default: Callable[[str], str]) -> None:
     """Held-out evaluation during training."""
     d = default

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_tp.cli import estimate, export, train
+from hf_tp.cli import estimate, export, plan, train
 from hf_tp.cli.formatting import HelpFormatter
 from hf_tp.compat import below_floor
 
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "train": (train, "train a model (launches tp*dp ranks)"),
     "export": (export, "checkpoint -> HF safetensors folder (+ Hub push)"),
     "estimate": (estimate, "per-rank memory and communication of a run, simulated on CPU"),
+    "plan": (plan, "the TP+SP plan hf_tp derives for a model: styles, shards, collectives"),
 }
 
 
@@ -21,6 +22,7 @@ EPILOG = """examples:
   hf-tp train                        # the embedded tiny Llama on CPU: 4 ranks, about a minute
   hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
   hf-tp export outputs/run exported/
+  hf-tp plan --model llama-3.1-8b --tp 8     # what each module becomes, and the collectives per layer
 
 hf-tp SUBCOMMAND --help lists every flag with its default."""
 

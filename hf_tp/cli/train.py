@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import fields
 
-from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments
+from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments, add_vision_arguments
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.train.config import AUX_LOSS_OVER, EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
 
@@ -66,6 +66,7 @@ def _model_and_data(p) -> None:
         "transformers has is always built from transformers' own classes)",
     )
     add_data_arguments(p, _default)
+    add_vision_arguments(p)
 
 
 def _sizes_and_optimizer(p) -> None:

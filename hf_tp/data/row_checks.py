@@ -15,7 +15,7 @@ from pathlib import Path
 import datasets
 
 from hf_tp.data.files import files_with_rows
-from hf_tp.data.formats import TEXT, DataFormat
+from hf_tp.data.formats import IMAGES, TEXT, DataFormat
 from hf_tp.data.formats.rows import row_problem
 from hf_tp.data.places import RowPlaces, split_total, summarize_places
 
@@ -33,12 +33,12 @@ def check_all_rows(
     ``ValueError`` naming the first bad row, what is wrong with it, and which others are bad; or,
     for text, that no row holds any text (the ranks would find no token)."""
     places = places or RowPlaces(f"'{source}'", str(ds.split) if ds.split else None, split_total(ds))
-    columns = [c for c in (fmt.column, "prompt", "completion") if c in ds.column_names]
+    columns = [c for c in (fmt.column, "prompt", "completion", "images") if c in ds.column_names]
     bad: list[tuple[int, str]] = []
     index, has_text = 0, fmt.kind != TEXT
     for batch in ds.select_columns(columns).iter(batch_size=1000):
         for row in (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)):
-            problem = row_problem(fmt, row)
+            problem = row_problem(fmt, row) if fmt.kind != IMAGES else image_problem(row, fmt.column, source)
             if problem is not None:
                 bad.append((index, problem))
             elif not has_text:
@@ -57,6 +57,14 @@ def check_all_rows(
             f"dataset '{source}' has no text: every row of column '{fmt.column}' is empty or blank; add text, or pass "
             "--text-column to train on another column"
         )
+
+
+def image_problem(row: dict, column: str, source: str) -> str | None:
+    """An image + text row's problem, its image paths read from the dataset's folder (or the working directory)."""
+    from hf_tp.data.formats.images import image_row_problem
+    from hf_tp.data.image_data import dataset_dir
+
+    return image_row_problem({"messages": row.get(column), "images": row.get("images")}, dataset_dir(source))
 
 
 def check_utf8(source: str, files: list[Path], builder: str, chunk: int = 1 << 24) -> None:

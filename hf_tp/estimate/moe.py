@@ -89,6 +89,10 @@ class RoutedRows:
         self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in experts]
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if len(args) < 2 and "top_k_index" not in kwargs:  # every expert on every token (Llama 4): stacked rows
+            self.rows.append(args[0].shape[0])
+            self.top_k = getattr(module, "num_experts", 0)
+            return
         index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # (tokens, top_k)
         self.rows.append(index.numel())
         self.top_k = index.shape[-1]

@@ -100,7 +100,8 @@ def fingerprint(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     for t in tensors:
         values = [-1]
         if t is not None:
-            flat = t.detach().reshape(-1).long()
+            flat = t.detach().reshape(-1)
+            flat = (flat.double() * 2**20).round().long() if flat.is_floating_point() else flat.long()  # pixels
             weights = torch.arange(flat.numel(), device=flat.device) % 65_521 + 1
             values = [t.ndim, *t.shape, *torch.stack([flat.sum(), (flat * weights).sum()]).tolist()]
         for v in values:
@@ -192,7 +193,8 @@ def generate(
         generate_kwargs["attention_mask"] = attention_mask
     rng: contextlib.AbstractContextManager = contextlib.nullcontext()
     if tp_mesh is not None and tp_mesh.size() > 1:
-        check_same_on_tp(tp_mesh, [input_ids, attention_mask], "input_ids/attention_mask")
+        images = [v for v in generate_kwargs.values() if isinstance(v, torch.Tensor)]  # pixel_values, ...
+        check_same_on_tp(tp_mesh, [input_ids, attention_mask, *images], "input_ids/attention_mask/images")
         if _samples(model, generate_kwargs):
             rng = shared_rng(tp_mesh)
     # type(model).generate: the class's method, even if an instance attribute shadows it.

@@ -43,8 +43,9 @@ def parallelize(
     compile: bool = False,
     fuse_partial_grads: bool = True,
     ep: int = 1,
+    train_vision_tower: bool = False,
 ) -> nn.Module:
-    """Tensor-parallelize a HF ``*ForCausalLM`` (or a multimodal wrapper, for text) over ``mesh`` in place; return it.
+    """Tensor-parallelize a HF ``*ForCausalLM`` (or a multimodal wrapper) over ``mesh`` in place; return it.
 
     ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")`` or ``("dp", "cp", "tp")``;
     a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
@@ -56,17 +57,16 @@ def parallelize(
     every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
     :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism.
 
-    ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each
-    decoder layer after TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for
-    the ``Partial`` gradients of weights replicated over tp (:mod:`hf_tp.parallel.partial_grads`).
-    ``ep`` > 1 (MoE): whole experts on ranks borrowed from dp (dp x cp), tokens moved by
-    all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the experts.
-    A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a
-    cp x tp group passes the same full rows (a multiple of 2 x cp x tp long); the logits are this
-    rank's tokens (``Layout.indices`` says which), a ``labels=`` loss the whole rows' on every rank.
+    ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after
+    TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for the ``Partial`` gradients of weights
+    replicated over tp (:mod:`hf_tp.parallel.partial_grads`). ``ep`` > 1 (MoE): whole experts on ranks borrowed from
+    dp (dp x cp), tokens moved by all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the
+    experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a cp x tp group
+    passes the same full rows (a multiple of 2 x cp x tp long); the logits are this rank's tokens (``Layout.indices``
+    says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
     """
-    outer = model
-    model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep)
+    outer, vision = model, train_vision_tower
+    model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
@@ -111,7 +111,9 @@ def _mark_parallelized(model: nn.Module, opts: PlanOptions, outer: nn.Module) ->
         keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
 
 
-def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int) -> tuple:
+def _check(
+    outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int, train_vision: bool
+) -> tuple:
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
     dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
     and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`); a multimodal
@@ -146,7 +148,7 @@ def _check(outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_par
         check_lora(model, adapter, opts, tp_mesh.size(), ep)
         adapter = lora_adapter(adapter)
         install_dropouts(model)
-    freeze_passengers(model, adapter)  # a wrapper's vision tower and projector: text never reaches them
+    freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 

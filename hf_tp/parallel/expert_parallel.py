@@ -30,6 +30,7 @@ estimate`` only (fake tensors have no values); every real run takes the path abo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
 from collections.abc import Iterator
@@ -117,6 +118,11 @@ def check_experts(model: nn.Module, layers_path: str, paths: tuple[str, ...], ep
     if not found:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model; {type(model).__name__} has no experts")
     for path, experts in found:
+        if len(inspect.signature(type(experts).forward).parameters) < 4:  # self, hidden_states, top_k_index, ...
+            what = "every expert on every token (scaled by the router, as Llama 4's), not routed tokens an all-to-all"
+            raise ValueError(
+                f"ep={ep} cannot place the experts of {path}: {type(experts).__name__} runs {what} could move; use ep=1 (tp splits each expert)"
+            )
         n = _num_experts(experts)
         if n % ep:
             raise ValueError(f"ep must divide the number of experts ({n}) of {path}, got ep={ep}")

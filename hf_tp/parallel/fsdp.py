@@ -12,6 +12,7 @@ from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, f
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
+from hf_tp.parallel.passengers import keep_output_capture
 
 
 def apply_fsdp(
@@ -55,6 +56,7 @@ def apply_fsdp(
         )
     # The root unit is needed in backward right away, so it is never resharded after forward.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=ignored_params)
+    keep_output_capture(model)  # fully_shard re-classes the modules it wraps
 
 
 def shard_experts_over_dp(

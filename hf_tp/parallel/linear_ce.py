@@ -288,6 +288,7 @@ def causal_lm_loss(
     labels: torch.Tensor,
     num_items_in_batch: int | None = None,
     position_ids: torch.Tensor | None = None,
+    **images: torch.Tensor,
 ) -> torch.Tensor:
     """``model(input_ids, attention_mask=..., labels=labels, position_ids=...).loss`` without the logits: HF's causal-LM
     loss (labels shifted by one inside, -100 ignored, sum / ``num_items_in_batch`` or the target
@@ -297,7 +298,8 @@ def causal_lm_loss(
     The decoder and the loss run as the model's own forward (so FSDP2's hooks on the root module
     gather and free its parameters as in a normal call); the model's ``forward`` is restored after.
     With context parallelism (full rows on every cp rank) each rank scores its own tokens and the
-    result is the whole rows' loss (:mod:`hf_tp.parallel.context`).
+    result is the whole rows' loss (:mod:`hf_tp.parallel.context`). ``images``: a multimodal
+    wrapper's image inputs (``pixel_values``, ``image_grid_thw``, ...), passed to its base model.
     """
     if not fusable(model):
         raise ValueError(
@@ -311,10 +313,10 @@ def causal_lm_loss(
     head = model.get_output_embeddings()
 
     def forward(
-        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, position_ids=None
+        input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, position_ids=None, **images
     ) -> torch.Tensor:
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **images
         ).last_hidden_state
         shifted = shift_labels(labels)  # HF: position i predicts token i+1, over the whole row
         count = num_items_in_batch if num_items_in_batch is not None else (shifted != IGNORE_INDEX).sum().item()
@@ -324,6 +326,6 @@ def causal_lm_loss(
     # the call (FSDP2's root hook moves its inputs to the device and expects at least one).
     model.forward = forward
     try:
-        return sum_over_cp(model, model(input_ids, attention_mask, labels, position_ids))
+        return sum_over_cp(model, model(input_ids, attention_mask, labels, position_ids, **images))
     finally:
         del model.forward

@@ -1,17 +1,32 @@
-"""A multimodal wrapper's passengers under hf_tp: what it refuses, and the frozen vision tower.
+"""A multimodal wrapper's passengers under hf_tp: what it refuses, what trains, and where the
+token stream is split.
 
-hf_tp trains a wrapper (:mod:`hf_tp.adapters.wrapper`) on text: its language model and lm_head
-are parallelized as the text model's, and the vision (or audio) tower and projector never run.
-They get no gradient, so they are frozen (``requires_grad`` False: no optimizer state, no
-gradient reduction) and refuse to run, naming what is missing, rather than fail inside torch on
-mixing their plain outputs with the sharded token stream.
+hf_tp places a wrapper (:mod:`hf_tp.adapters.wrapper`) through its language model; the vision
+(or audio) tower and the projector run whole on every tp rank (FSDP2 shards them over dp). The
+tower is frozen by default (the usual VLM recipe: no gradient, no optimizer state), the
+projector trains with the language model.
+
+Image features are merged into the token embeddings *before* sequence parallelism splits the
+sequence: a wrapper's embedding returns the full sequence (a plain tensor, the same on every tp
+rank), the wrapper's own forward scatters the image features into it, and a pre-hook on the
+language model turns ``inputs_embeds`` into a sequence-sharded DTensor, so the decoder layers see
+exactly what the text path gives them.
 """
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hf_tp.adapters.adapter import Adapter
+
+# A passenger (or a module inside one) is a tower when its name says so; anything else (the
+# projector, LLaVA-NeXT's image_newline, Qwen's vision merger) trains with the language model.
+TOWER = re.compile(r"(vision|visual|audio|speech|image_encoder|tower|vqmodel|vq_model)")
+PROJECTOR_INSIDE_TOWER = ("merger",)  # Qwen-VL / Qwen3.5 keep the projector inside model.visual
 
 
 def check_wrapper(adapter: Adapter, *, peft: bool, ep: int, cp: bool) -> None:
@@ -39,34 +54,92 @@ def passenger_parameters(model: nn.Module, adapter: Adapter) -> list[tuple[str, 
     return [(n, p) for n, p in model.named_parameters() if adapter.is_passenger(n)]
 
 
-def freeze_passengers(model: nn.Module, adapter: Adapter) -> int:
-    """Freeze the passengers and make them refuse to run; returns how many elements were frozen."""
+def in_tower(adapter: Adapter, name: str) -> bool:
+    """True for a parameter of a wrapper's vision (or audio) tower, not of its projector."""
+    top = next((p for p in adapter.passengers if name == p or name.startswith(p + ".")), None)
+    if top is None or not TOWER.search(top.rsplit(".", 1)[-1]):
+        return False
+    inner = name[len(top) + 1 :].split(".")
+    return not any(part in PROJECTOR_INSIDE_TOWER for part in inner)
+
+
+def freeze_passengers(model: nn.Module, adapter: Adapter, *, train_vision_tower: bool = False) -> int:
+    """Freeze the wrapper's tower (unless ``train_vision_tower``); returns how many elements were frozen."""
     frozen = 0
-    for _, p in passenger_parameters(model, adapter):
-        p.requires_grad_(False)
-        frozen += p.numel()
-    modules = dict(model.named_modules())
-    for path in adapter.passengers:
-        if path in modules:
-            modules[path].register_forward_pre_hook(_refuse_to_run(adapter.model_type, path))
+    for name, p in passenger_parameters(model, adapter):
+        if in_tower(adapter, name) and not train_vision_tower:
+            p.requires_grad_(False)
+            frozen += p.numel()
     return frozen
 
 
 def describe(model: nn.Module, adapter: Adapter) -> str:
     """One line for a run's start: what trains and what is frozen."""
-    frozen = sum(p.numel() for _, p in passenger_parameters(model, adapter))
-    tops = sorted({path.split(".")[-1] for path in adapter.passengers})
+    params = passenger_parameters(model, adapter)
+    frozen = sum(p.numel() for _, p in params if not p.requires_grad)
+    trained = sorted({_part(adapter, n) for n, p in params if p.requires_grad})
+    still = sorted({_part(adapter, n) for n, p in params if not p.requires_grad})
+    tail = f"{', '.join(still)} ({frozen:,} parameters) frozen" if still else "nothing frozen"
     return (
         f"hf-tp: {adapter.model_type} is a multimodal checkpoint: training its language model "
-        f"({adapter.language_model}) and lm_head on text; {', '.join(tops)} ({frozen:,} parameters) frozen"
+        f"({adapter.language_model}), {', '.join(['lm_head', *trained])}; {tail}"
     )
 
 
-def _refuse_to_run(model_type: str, path: str):
-    def hook(module: nn.Module, args) -> None:
-        raise ValueError(
-            f"hf_tp trains a multimodal {model_type} checkpoint on text only for now: its {path} was called "
-            "(images or other non-text inputs were passed); pass token ids only"
-        )
+def _part(adapter: Adapter, name: str) -> str:
+    """The passenger a parameter belongs to, by its short name (a tower's projector named inside it)."""
+    top = next(p for p in adapter.passengers if name == p or name.startswith(p + "."))
+    short = top.rsplit(".", 1)[-1]
+    if TOWER.search(short) and not in_tower(adapter, name):
+        inner = name[len(top) + 1 :].split(".")
+        return f"{short}.{next(p for p in inner if p in PROJECTOR_INSIDE_TOWER)}"
+    return short
 
-    return hook
+
+def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh) -> None:
+    """Install the pre-hook that sequence-shards the language model's ``inputs_embeds``.
+
+    The wrapper's embedding returns the full sequence (its plan's output is replicated), so image
+    features merge into a plain tensor; here the merged tensor becomes ``Shard(1)`` (a local slice,
+    no communication; its backward all-gathers the gradient, which every tp rank then holds whole
+    for the projector and tower). A language model called with ``input_ids`` gets them embedded here.
+    """
+    lm = model.get_submodule(adapter.language_model)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            ids = kwargs.get("input_ids")
+            if ids is None and args:  # input_ids passed by position (HF passes keywords)
+                ids, args = args[0], (None, *args[1:])
+            elif ids is not None:
+                kwargs = {**kwargs, "input_ids": None}
+            if ids is None:
+                return None
+            embeds = module.get_input_embeddings()(ids)
+        if isinstance(embeds, DTensor):
+            return None
+        full = DTensor.from_local(embeds, tp_mesh, [Replicate()], run_check=False)
+        return args, {**kwargs, "inputs_embeds": full.redistribute(tp_mesh, [Shard(1)])}
+
+    lm.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def keep_output_capture(model: nn.Module) -> None:
+    """Give each module FSDP2 re-classed (``FSDP<Name>``) its class's output-capture flags back.
+
+    transformers (5.x) looks a model's ``_can_record_outputs`` up by its class's name, so after
+    ``fully_shard`` a vision tower no longer records the hidden states its wrapper selects from
+    (LLaVA's ``vision_feature_layer``: ``'NoneType' object is not subscriptable``).
+    """
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY as registry  # private, no public API
+    except ImportError:
+        return
+    for module in model.modules():
+        key = str(type(module))
+        if key in registry:
+            continue
+        found = next((str(c) for c in type(module).__mro__[1:] if str(c) in registry), None)
+        if found is not None:
+            dict.__setitem__(registry, key, dict.get(registry, found))

@@ -20,6 +20,7 @@ class ParamShard:
     split: bool  # tp splits it (a Shard placement over tp)
     partial_grad: bool = False  # replicated over tp, its gradient a partial sum (the fused all-reduce)
     placed: bool = True  # False: no plan entry places it (parallelize refuses such a plan)
+    packed: bool = False  # two halves (gate | up) along the split dim, each split
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from hf_tp.styles import (
     DenseOrMoE,
     LocalParamViews,
     MoERegion,
+    PerTokenOnShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
@@ -56,12 +57,12 @@ class Placed:
 
 WORDS = {
     "gather_in": "all-gather the sequence in",
-    "whole_block": "runs whole: all-gather in, output sliced back to sequence shards",
+    "whole_block": "runs whole on the gathered sequence, output sliced to sequence shards",
     "colwise": "colwise",
     "colwise_own": "colwise (its own output copy: the block edits it in place)",
     "colwise_gathered": "colwise, output all-gathered",
     "rowwise": "rowwise, reduce-scatter to sequence shards",
-    "rowwise_gathered": "rowwise on its slice of the whole input, reduce-scatter to sequence shards",
+    "rowwise_gathered": "rowwise from the whole input, reduce-scatter to sequence shards",
     "rowwise_plain": "rowwise",
     "embedding": "vocab-parallel embedding, reduce-scatter to sequence shards",
     "embedding_scaled": "vocab-parallel embedding, reduce-scatter to sequence shards, then scaled",
@@ -72,6 +73,7 @@ WORDS = {
     "activation": "activation with learned scalars, on the rank's columns",
     "width_norm": "norm over the whole width: weight split, all-reduce of per-token sums",
     "moe": "expert-TP region: all-gather in, reduce-scatter out",
+    "per_token": "per token on the rank's sequence shard, weights whole",
 }
 
 
@@ -85,9 +87,8 @@ def parts(style: ParallelStyle, module: nn.Module) -> list[Part]:
     kind = _kind(style, module)
     if kind == "kv_replicated":
         return [Part(kind, f"replicated KV heads (x{style.replicas} copies)", style)]
-    if kind == "own_params":
-        split = isinstance(style.placement, Shard)
-        return [Part(kind, "per-head parameters split with the heads" if split else "", style)]
+    if kind == "own_params":  # (its parameters carry the words)
+        return [Part(kind, "", style)]
     if kind == "custom":
         return [Part(kind, f"{type(style).__name__} (a style hf-tp plan cannot read)", style)]
     return [Part(kind, WORDS[kind], style)] if kind else []
@@ -103,6 +104,8 @@ def _kind(style: ParallelStyle, module: nn.Module) -> str:
         return "moe"
     if isinstance(style, WidthNormParallel):
         return "width_norm"
+    if isinstance(style, PerTokenOnShards):
+        return "per_token"
     if isinstance(style, ReplicatedToSequenceShards):
         return ""  # part of a whole block (with its PrepareModuleInput)
     if isinstance(style, PrepareModuleInput):
@@ -140,13 +143,17 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
     if kind.startswith(("rowwise", "embedding")):
         dim = 0 if isinstance(module, nn.Embedding) else 1
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
-    if kind in ("sp_norm", "head_norm", "activation", "kv_replicated"):
+    if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
+    if kind == "per_token":
+        return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters(recurse=False)}
+    if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
+        return {n: Placed(None, "") for n, _ in module.named_parameters()}
     if kind == "width_norm":
         return {n: Placed(0, "") for n, _ in module.named_parameters(recurse=False)}
     if kind == "own_params":
         split = isinstance(style.placement, Shard)
-        words = "per-head, split with the heads" if split else "replicated: the block runs whole"
+        words = "per-head, split with the heads" if split else "replicated (the block runs whole)"
         return {n: Placed(0 if split else None, words) for n in style.names if _has_param(module, n)}
     if kind == "moe":
         return {n: _role(module, n, r) for n, r in style.roles.items() if _has_param(module, n)}
@@ -165,11 +172,11 @@ def _role(module: nn.Module, name: str, role) -> Placed:
     """A MoE region parameter's placement, in words."""
     ndim = module.get_parameter(name).dim()
     if role.kind == "replicate":
-        return Placed(None, "replicated in the region (router), gradient summed over tp", partial=True)
+        return Placed(None, "replicated router, gradient summed over tp", partial=True)
     if role.kind == "additive":
         return Placed(None, "replicated, each rank adds 1/tp of it", partial=True)
     if ndim == 3:
-        words = "expert TP, packed gate|up halves each split" if role.packed else "expert TP"
+        words = "expert TP"
     elif ndim == 2:
         words = "colwise in the region" if role.dim == 0 else "rowwise in the region"
     else:

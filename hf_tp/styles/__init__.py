@@ -8,7 +8,7 @@ from hf_tp.styles.embedding import ScaledEmbeddingRowwise
 from hf_tp.styles.experts import DenseOrMoE, MoERegion, Role
 from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
-from hf_tp.styles.linear import ColwiseOwnOutput
+from hf_tp.styles.linear import ColwiseOwnOutput, PerTokenOnShards
 from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Role",
     "LocalHeadParams",
     "LocalParamViews",
+    "PerTokenOnShards",
     "ReplicatedToSequenceShards",
     "HEADS_DIM",
     "KVHeadLinear",

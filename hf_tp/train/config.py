@@ -56,6 +56,7 @@ class TrainConfig:
     document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
     streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
     skip_bad_rows: bool = False  # drop malformed rows (reported once) instead of stopping before launch
+    train_vision_tower: bool = False  # a multimodal checkpoint's vision tower trains too (default: frozen)
     # held-out evaluation
     eval_dataset: str | None = None  # Hub id, local file or dir, read like the training data
     eval_dataset_split: str = "train"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -15,7 +16,9 @@ import torch.distributed as dist
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import load_stream
-from hf_tp.data.formats.rows import ROW_COLUMN
+from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
+from hf_tp.data.formats.rows import ROW_COLUMN, skipped_summary
+from hf_tp.data.image_data import check_image_rows, dataset_dir, encode_image_dataset
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
@@ -29,6 +32,9 @@ def build_batches(
     """What the loop reads: this dp rank's batches of every step, and the evaluation set (or None).
     Rows are padded to a multiple of tp (the sequence is split over the tp ranks; 2 x cp x tp
     with context parallelism)."""
+    images = image_batches(cfg, dp_rank, device)
+    if images is not None:
+        return images, None
     data, eval_data = build_data(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple, row_lengths=True)
@@ -38,6 +44,35 @@ def build_batches(
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple)
     sizes = (cfg.batch_size, cfg.global_batch, cfg.eval_batches)
     return batches, EvalSet(eval_data, collate, dp_rank, cfg.dp, *sizes, device)
+
+
+def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepBatchSource | None:
+    """Image + text conversations (:mod:`hf_tp.data.formats.images`): each row encoded once with
+    the checkpoint's processor, batches processed per step; None for any other dataset. Not
+    packed (a row is one conversation, padded to a multiple of tp), no evaluation set yet."""
+    if cfg.streaming or not cfg.dataset or not Path(cfg.dataset).expanduser().exists():
+        return None
+    raw = rank0_first(lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config))
+    if not is_image_data(raw.column_names):
+        return None
+    if cfg.eval_split or cfg.eval_dataset:
+        raise ValueError("hf_tp does not evaluate image + text data yet: drop --eval-split / --eval-dataset")
+    from transformers import AutoProcessor
+
+    processor = rank0_first(lambda: AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
+    base, label = dataset_dir(cfg.dataset), f"'{cfg.dataset}'"
+    if not cfg.skip_bad_rows:
+        check_image_rows(raw, label, base)
+    encode = dict(seq_len=cfg.seq_len, assistant_only=cfg.assistant_only_loss, label=label, base_dir=base)
+    train, dropped = rank0_first(lambda: encode_image_dataset(raw, processor, skip=cfg.skip_bad_rows, **encode))
+    if dropped:
+        report_on_rank0(skipped_summary(dropped, label))
+    if len(train) == 0:
+        raise ValueError(f"dataset {label}: every row is bad (--skip-bad-rows dropped all {len(dropped)})")
+    if cfg.pack and dist.get_rank() == 0:
+        print("hf-tp: image + text rows are not packed: each row is one conversation, padded", file=sys.stderr)
+    collate = ImageBatchCollator(processor, multiple_of=cfg.row_multiple, base_dir=base)
+    return batch_source(cfg, train, collate, dp_rank, device)
 
 
 def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | PackedStream, datasets.Dataset | None]:
@@ -96,7 +131,11 @@ def report_on_rank0(line: str) -> None:
 
 
 def batch_source(
-    cfg: TrainConfig, train: datasets.Dataset | PackedStream, collate: PadToMultipleCollator, dp_rank: int, device
+    cfg: TrainConfig,
+    train: datasets.Dataset | PackedStream,
+    collate: PadToMultipleCollator | ImageBatchCollator,
+    dp_rank: int,
+    device,
 ) -> StepBatchSource | StreamingBatchSource:
     """What the loop calls for each step's batches: from a shuffled dataset or from the stream."""
     sizes = dict(micro_batch=cfg.batch_size, grad_accum=cfg.grad_accum, device=torch.device(device))

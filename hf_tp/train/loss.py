@@ -61,7 +61,8 @@ def training_loss(
             batch["labels"],
             num_items_in_batch,
             position_ids=batch.get("position_ids"),
-        )
+            **{k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "labels", "position_ids")},
+        )  # the rest: a multimodal batch's pixel_values and the family's image inputs
         return loss, None
     return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss, None
 

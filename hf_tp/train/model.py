@@ -73,6 +73,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
         loss_parallel=cfg.loss_parallel,
         mp_policy=mixed_precision(compute_dtype(cfg, device)),
         activation_checkpointing=cfg.activation_checkpointing,
+        train_vision_tower=cfg.train_vision_tower,
         compile=cfg.compile,
         ep=cfg.ep,
     )

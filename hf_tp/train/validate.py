@@ -233,12 +233,14 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
 
     from transformers import AutoTokenizer
 
-    from hf_tp.data.formats import CHAT, encode_batch
+    from hf_tp.data.formats import CHAT, IMAGES, encode_batch
     from hf_tp.data.formats.chat import check_chat_tokenizer
     from hf_tp.data.places import RowPlaces
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     for source, (fmt, row) in first_rows.items():
+        if fmt.kind == IMAGES:
+            continue  # rendered by the checkpoint's processor in the ranks (hf_tp.data.image_data)
         if fmt.kind == CHAT:
             check_chat_tokenizer(tokenizer)
         fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)

@@ -71,8 +71,8 @@ def test_support_tables_are_consistent() -> None:
 
 
 def test_refusal_names_module_and_fix() -> None:
-    with pytest.raises(ValueError, match=r"'minicpm3': multi-head latent attention .*register_adapter"):
-        hf_tp.get_adapter(grid_config("minicpm3"))
+    with pytest.raises(ValueError, match=r"'hrm_text': two nested decoder stacks .*register_adapter"):
+        hf_tp.get_adapter(grid_config("hrm_text"))
     # A family the tables do not know is refused by the derivation, naming the module.
     with pytest.raises(ValueError, match=r"'doge'.*input_residual.*register_adapter"):
         generic_adapter(grid_config("doge"))

@@ -8,11 +8,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
 from tests.helpers import run_threaded
+from tests.image_grid import ImageCase, run_image_cases
 from tests.wrapper_grid import WrapperCase, run_cases, wrapper_config, wrapper_model, wrapper_types
 
 # One wrapper per kind of language model: Llama (LLaVA), Gemma 3 (its own adapter, scaled
@@ -42,19 +42,29 @@ def test_wrapper_with_its_own_loss_is_refused() -> None:
         hf_tp.get_adapter(wrapper_config("qwen2_audio"))
 
 
-def test_unverified_features_and_image_inputs_are_refused() -> None:
+def test_unverified_features_are_refused() -> None:
     config = wrapper_config("llava")
     model = wrapper_model(config)
-    pixels = torch.zeros(1, 3, 28, 28, dtype=torch.float64)
     candidates = [copy.deepcopy(model) for _ in range(2)]
 
     def rank_fn(rank: int) -> None:
         mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
         with pytest.raises(ValueError, match=r"llava checkpoint's language model without expert parallelism"):
             hf_tp.parallelize(candidates[rank], mesh, ep=2)
-        hf_tp.parallelize(candidates[rank], mesh)
-        ids = torch.tensor([[5, 6, 7, 8]])
-        with pytest.raises(ValueError, match=r"on text only for now: its model.vision_tower was called"):
-            candidates[rank](input_ids=ids, pixel_values=pixels)
 
     run_threaded(2, rank_fn)
+
+
+def test_images_at_tp2_and_tp2_dp2() -> None:
+    # Image features merge into the full sequence before the language model's entry splits it:
+    # logits, loss, every trainable gradient (projector, language model; the vision tower too
+    # when asked), an AdamW step, and greedy generate with images at tp2.
+    cases = [
+        ImageCase("llava"),
+        ImageCase("mistral3"),
+        ImageCase("smolvlm"),
+        ImageCase("gemma3", dp=2),
+        ImageCase("llava", dp=2, train_vision_tower=True),
+    ]
+    diffs = run_image_cases(cases)
+    assert all(max(d.values()) < 1e-5 for d in diffs.values()), diffs

@@ -16,11 +16,12 @@ from hf_tp.data.formats.base import (
     COMPLETION,
     DEFAULT_MESSAGES_COLUMN,
     DEFAULT_TEXT_COLUMN,
+    IMAGES,
     TEXT,
     DataFormat,
 )
 
-__all__ = ["CHAT", "COMPLETION", "DEFAULT_MESSAGES_COLUMN", "DEFAULT_TEXT_COLUMN", "TEXT", "DataFormat"]
+__all__ = ["CHAT", "COMPLETION", "IMAGES", "DEFAULT_MESSAGES_COLUMN", "DEFAULT_TEXT_COLUMN", "TEXT", "DataFormat"]
 __all__ += ["detect_format", "encode_batch"]
 
 
@@ -42,6 +43,8 @@ def detect_format(
     shown = ", ".join(columns)
     if text_column and messages_column:
         raise ValueError("pass either --text-column or --messages-column, not both")
+    if not text_column and "images" in columns and (messages_column or DEFAULT_MESSAGES_COLUMN) in columns:
+        return DataFormat(IMAGES, messages_column or DEFAULT_MESSAGES_COLUMN, assistant_only)  # formats.images
     for given, kind, flag in ((messages_column, CHAT, "--messages-column"), (text_column, TEXT, "--text-column")):
         if given:
             if given not in columns:

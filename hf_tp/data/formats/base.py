@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TEXT, CHAT, COMPLETION = "text", "chat", "completion"
+TEXT, CHAT, COMPLETION, IMAGES = "text", "chat", "completion", "images"
 DEFAULT_TEXT_COLUMN, DEFAULT_MESSAGES_COLUMN = "text", "messages"
 
 
@@ -20,4 +20,6 @@ class DataFormat:
     def describe(self) -> str:
         if self.kind == COMPLETION:
             return "prompt/completion (columns prompt, completion)"
+        if self.kind == IMAGES:
+            return f"image + text conversations (columns '{self.column}', images)"
         return f"{self.kind} (column '{self.column}')"

@@ -12,7 +12,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from hf_tp.data.formats.base import CHAT, TEXT, DataFormat
+from hf_tp.data.formats.base import CHAT, IMAGES, TEXT, DataFormat
 from hf_tp.data.formats.chat import encode_conversation, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_problem
 from hf_tp.data.formats.text import encode_text_batch, text_problem
@@ -30,6 +30,10 @@ def row_problem(fmt: DataFormat, row: dict[str, Any]) -> str | None:
         return text_problem(row.get(fmt.column), fmt.column)
     if fmt.kind == CHAT:
         return messages_problem(row.get(fmt.column))
+    if fmt.kind == IMAGES:  # image files are checked where the dataset's folder is known (row_checks)
+        from hf_tp.data.formats.images import image_row_problem
+
+        return image_row_problem({"messages": row.get(fmt.column), "images": row.get("images")}, files=False)
     return pair_problem(row.get(PROMPT), row.get(COMPLETION))
 
 

@@ -1,0 +1,54 @@
+"""``hf-tp plan``: the TP+SP plan hf_tp derives for a model, per decoder-layer kind and the top level.
+
+Each module's style and shard shapes, the share of weights tp splits, why a part runs whole, and
+the collectives per layer with their sizes. Offline: the model is built on the meta device from
+its config (a bundled name, a local folder or config.json, or a Hub id in the cache), no weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hf_tp.cli.formatting import subcommand_parser
+
+EPILOG = """examples:
+  hf-tp plan --model llama-3.1-8b --tp 8
+  hf-tp plan --model qwen3-30b-a3b --tp 4 --ep 8 --seq-len 4096
+  hf-tp plan --model ./my-model --tp 2 --cp 2 --seq-len 32768
+  hf-tp plan --model Qwen/Qwen2-0.5B --tp 2 --json
+
+Sizes are per forward and backward of one row of --seq-len tokens at the model's dtype, padded as
+hf-tp train pads rows; all-to-all sizes assume even routing over the experts."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
+
+    names = ", ".join(bundled_models())
+    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (ranks borrowed from dp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each row's tokens split over cp ranks")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row, for the collectives' sizes")
+    p.add_argument("--json", action="store_true", help="print the plan record as JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_tp.plan import format_plan, plan_for
+
+    try:
+        plan = plan_for(args.model, tp=args.tp, ep=args.ep, cp=args.cp, seq_len=args.seq_len)
+    except ValueError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"hf-tp plan: error: {first}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan), end="" if not args.json else "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = subcommand_parser("hf-tp plan", __doc__, EPILOG)
+    add_arguments(p)
+    return run(p.parse_args(argv))

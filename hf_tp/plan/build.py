@@ -1,0 +1,208 @@
+"""``hf_tp.plan_for``: the TP+SP plan of a model, derived as ``hf_tp.parallelize`` derives it,
+described without applying it (no mesh, no process group, no weights: a meta-device model).
+
+The same adapter (:func:`hf_tp.get_adapter`), plan options and checks as parallelize and
+``hf-tp train`` (:func:`hf_tp.train.validate.validate_model_config`, the plan paths, the
+wrapper, context- and expert-parallel checks), so a model and layout they refuse is refused
+here with the same one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.overrides import base_tp_plan
+from hf_tp.adapters.registry import registered_model_types
+from hf_tp.adapters.support import GENERIC, MOE
+from hf_tp.plan.collectives import Sizes, keep, top_collectives
+from hf_tp.plan.layers import Context, describe_layer, group_layers
+from hf_tp.plan.record import ModelPlan
+from hf_tp.plan.top import describe_top
+
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k")
+
+
+def plan_for(
+    model_or_config: nn.Module | PretrainedConfig | str,
+    tp: int = 2,
+    *,
+    ep: int = 1,
+    cp: int = 1,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    name: str | None = None,
+) -> ModelPlan:
+    """The plan ``hf_tp.parallelize`` applies to this model at ``tp`` (with ``ep``/``cp``), described:
+    per distinct decoder-layer kind and the top level, each module's style and shard shapes, the
+    share of weights tp splits, why parts run whole, and the collectives of one forward and
+    backward of ``batch_size`` rows of ``seq_len`` tokens. Takes a model (not yet parallelized),
+    a config, or what ``hf-tp plan --model`` takes (bundled name, local folder, cached Hub id).
+    Raises ``ValueError`` (one line) for a model or layout hf_tp refuses."""
+    from hf_tp.train.validate import validate_model_config
+
+    for flag, value in (("tp", tp), ("ep", ep), ("cp", cp), ("seq-len", seq_len), ("batch-size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--{flag} must be a positive integer, got {value!r}")
+    model, config, label = _resolve(model_or_config)
+    validate_model_config(config, tp, seq_len, ep=ep)
+    adapter = get_adapter(config)
+    text = adapter.layers_config(config)
+    opts = PlanOptions(kv_replicas=adapter.kv_replicas(config, tp))
+    if model is None:
+        model = _meta_model(config)
+    _check(model, adapter, opts, ep, cp)
+    multiple = tp * (2 * cp if cp > 1 else 1)  # training pads rows to this multiple
+    padded = -(-seq_len // multiple) * multiple
+    dtype = _dtype(text, config)
+    sizes = Sizes(batch_size * padded // cp, text.hidden_size, dtype.itemsize, tp, cp, ep, _top_k(text))
+    header = dict(model=name or label or config.model_type, seq_len=padded, batch_size=batch_size)
+    return _describe(model, adapter, opts, text, sizes, dtype=str(dtype).removeprefix("torch."), **header)
+
+
+def _describe(
+    hf_model: nn.Module, adapter: Adapter, opts: PlanOptions, text: PretrainedConfig, sizes: Sizes, **header
+) -> ModelPlan:
+    """Describe every layer, group them, and add the top level and the notes (``header``: the
+    model's name, its padded sequence length, batch size and dtype)."""
+    heads = text.num_attention_heads
+    tp_plan = {k.split(".*.", 1)[1]: v for k, v in base_tp_plan(text).items() if ".*." in k}
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    ctx = Context(sizes, tp_plan, kv, heads, tuple(adapter.experts))
+    plan = adapter.layer_plan(opts)
+    layers = hf_model.get_submodule(adapter.layers_path)
+    described = [describe_layer(layer, plan, ctx) for layer in layers]
+    labels = [_label(text, i, d.moe, adapter.moe) for i, d in enumerate(described)]
+    dims = {"tp": sizes.tp, "cp": sizes.cp, "ep": sizes.ep}
+    kinds = [
+        replace(kind, forward=keep(kind.forward, dims), backward=keep(kind.backward, dims))
+        for kind in group_layers(described, labels)
+    ]
+    top_rows, top_kinds, top_partial = describe_top(hf_model, adapter, adapter.top_plan(opts), ctx)
+    fwd, bwd = top_collectives(top_kinds, sizes, top_partial + sum(d.partial for d in described))
+    mt = hf_model.config.model_type
+    return ModelPlan(
+        **header,
+        model_type=mt,
+        adapter=_origin(adapter, text),
+        note=GENERIC.get(text.model_type) or MOE.get(text.model_type) or "",
+        tp=sizes.tp,
+        ep=sizes.ep,
+        cp=sizes.cp,
+        layers_path=adapter.layers_path,
+        kinds=tuple(kinds),
+        top=top_rows,
+        top_forward=keep(fwd, dims),
+        top_backward=keep(bwd, dims),
+        notes=_notes(adapter, sizes, kv),
+    )
+
+
+def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
+    """(model to read, or None to build one on meta; its config; a label)."""
+    if isinstance(given, nn.Module):
+        if hasattr(given, "hf_tp_options"):  # parallelized: its shapes are no longer the plan's input
+            return None, given.config, ""
+        return given, given.config, ""
+    if isinstance(given, PretrainedConfig):
+        return None, given, ""
+    config, label = resolve_config(str(given))
+    return None, config, label
+
+
+def resolve_config(model: str) -> tuple[PretrainedConfig, str]:
+    """``hf-tp estimate``'s resolution (bundled name, local folder or config.json, Hub id), with a
+    Hub id read from the Hub cache first: no request at all when it is there."""
+    from hf_tp.estimate.configs import bundled_models, resolve_model_config
+
+    bundled = {k.lower() for k in bundled_models()} | {v.lower() for v in bundled_models().values() if v}
+    if "/" in model and not Path(model).expanduser().exists() and model.lower() not in bundled:
+        from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
+
+        try:
+            return auto_config(model, False, say=None, local_files_only=True), model
+        except RemoteCodeRefused:
+            raise
+        except (OSError, ValueError):
+            pass  # not in the cache: the estimate's resolution asks the Hub, or says why not
+    return resolve_model_config(model)
+
+
+def _meta_model(config: PretrainedConfig) -> nn.Module:
+    """The model of ``config`` on the meta device (shapes only), as parallelize would get it."""
+    from hf_tp.adapters.wrapper import model_from_config
+
+    with torch.device("meta"):
+        return model_from_config(config)
+
+
+def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: int) -> None:
+    """parallelize's own checks that need the model (its plan paths, wrapper, cp and ep)."""
+    from hf_tp.parallel.context_install import check_context_parallel
+    from hf_tp.parallel.expert_parallel import check_experts
+    from hf_tp.parallel.passengers import check_wrapper
+    from hf_tp.parallel.tp import check_plan_paths
+
+    check_plan_paths(model, adapter, opts)
+    check_wrapper(adapter, peft=False, ep=ep, cp=cp > 1)
+    if cp > 1:
+        check_context_parallel(model, adapter.layers_path, cp)
+    if ep > 1:
+        check_experts(model, adapter.layers_path, adapter.experts, ep)
+
+
+def _dtype(text: PretrainedConfig, config: PretrainedConfig) -> torch.dtype:
+    value = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    value = getattr(torch, value) if isinstance(value, str) else value
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def _top_k(config: PretrainedConfig) -> int:
+    for field in TOP_K_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, list | tuple) and value:
+            value = value[0]
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
+
+
+def _label(config: PretrainedConfig, index: int, moe: bool, moe_model: bool) -> tuple[str, str]:
+    """What sets layer ``index`` apart: its layer type and, in a MoE model, dense or MoE."""
+    types = getattr(config, "layer_types", None)
+    kind = types[index] if isinstance(types, list | tuple) and index < len(types) else ""
+    return str(kind), ("MoE" if moe else "dense") if moe_model else ""
+
+
+def _origin(adapter: Adapter, text: PretrainedConfig) -> str:
+    if adapter.language_model:
+        return f"multimodal wrapper: its language model ({text.model_type}) at {adapter.language_model}"
+    return "hand-written" if adapter.model_type in registered_model_types() else "derived from the model (generic)"
+
+
+def _notes(adapter: Adapter, s: Sizes, kv: int) -> tuple[str, ...]:
+    notes = []
+    if s.tp == 1:
+        notes.append("tp 1: parallelize applies no tensor parallelism; the styles are what tp > 1 applies")
+    if s.tp > kv:
+        notes.append(
+            f"tp {s.tp} > {kv} KV heads: each KV head is computed on {s.tp // kv} ranks (Megatron's replication)"
+        )
+    if adapter.plain_lm_head:
+        notes.append(
+            "hf-tp train fuses the lm_head with the loss: one all-gather of 2 fp32 numbers per token "
+            "replaces loss parallel's three all-reduces"
+        )
+    if s.ep > 1:
+        notes.append(
+            f"ep {s.ep} borrows its ranks from dp x cp (a multiple of {s.ep}); all-to-all sizes assume even routing"
+        )
+    if s.cp > 1:
+        notes.append(f"cp {s.cp}: each rank keeps 2 chunks of every row; tp collectives carry its {s.tokens} tokens")
+    return tuple(notes)

@@ -1,0 +1,43 @@
+"""Image + text parity of the multimodal wrappers in tests/image_grid.py: hf_tp at tp=2 and
+tp2 x dp2 against plain transformers on the same tiny wrapper (logits, loss, every trainable
+gradient, an AdamW step; greedy generate with images at tp=2). Prints a markdown table:
+
+    OMP_NUM_THREADS=1 python scripts/image_grid.py [MODEL_TYPE ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from tests.image_grid import FAMILIES, ImageCase, run_image_cases  # noqa: E402
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    names = sys.argv[1:] or list(FAMILIES)
+    print("| wrapper | mesh | vision tower | logits | loss | loss after AdamW | grads | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mt in names:
+        for dp, tower in ((1, False), (2, False), (2, True)):
+            start = time.time()
+            try:
+                diffs = run_image_cases([ImageCase(mt, dp=dp, train_vision_tower=tower)])[(mt, dp)]
+            except AssertionError as exc:
+                print(f"| {mt} | tp2 x dp{dp} | FAILS: {str(exc).splitlines()[-1][:150]} |||||||")
+                continue
+            cells = " | ".join(f"{diffs[k]:.1e}" for k in ("logits", "loss", "loss after AdamW", "grads"))
+            mesh = "tp2" if dp == 1 else "tp2 x dp2"
+            print(f"| {mt} | {mesh} | {'trained' if tower else 'frozen'} | {cells} | {time.time() - start:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

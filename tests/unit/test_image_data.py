@@ -1,0 +1,128 @@
+"""Image + text data (TRL's messages + images columns) through a tiny LLaVA processor built
+offline: rows encoded with assistant-only labels, batches of rows with different image counts,
+and bad rows named by their line before launch (or where the processor rejects them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_tp.data.datasets import check_text_dataset, load_text_dataset
+from hf_tp.data.formats import IMAGES, detect_format
+from hf_tp.data.formats.images import ImageBatchCollator
+from hf_tp.data.image_data import check_image_rows, encode_image_dataset
+from hf_tp.labels import IGNORE_INDEX
+from tests.image_data import IMAGE_TOKEN, image_rows, llava_processor, write_images, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return llava_processor()
+
+
+def _encode(processor, path: Path, seq_len: int = 64, skip: bool = False):
+    raw = load_text_dataset(str(path))
+    rows, dropped = encode_image_dataset(
+        raw, processor, seq_len=seq_len, assistant_only=True, label=f"'{path}'", base_dir=path.parent, skip=skip
+    )
+    return (rows, dropped) if skip else rows
+
+
+def test_rows_encode_with_assistant_labels_and_collate_mixed_image_counts(processor, tmp_path) -> None:
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 3), counts=(1, 2, 0)))
+    assert detect_format(["messages", "images"]).kind == IMAGES
+    rows = _encode(processor, path)
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    tok = processor.tokenizer
+    for row, count, city in zip(rows, (1, 2, 0), ("paris", "rome", "oslo"), strict=True):
+        assert row["input_ids"].count(image_id) == 4 * count  # 2x2 patches per 28x28 image
+        targets = [t for t in row["labels"] if t != IGNORE_INDEX]
+        assert tok.decode(targets) == f"go to {city} . <|im_end|>"  # the answer and its end token only
+    batch = ImageBatchCollator(processor, multiple_of=4, base_dir=tmp_path)([rows[i] for i in range(3)])
+    assert batch["input_ids"].shape[1] % 4 == 0
+    assert tuple(batch["pixel_values"].shape) == (3, 3, 28, 28)  # the three images, in row order
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert batch["input_ids"][i, :n].tolist() == row["input_ids"]
+        assert batch["labels"][i, :n].tolist() == row["labels"]
+        assert (batch["labels"][i, n:] == IGNORE_INDEX).all() and (batch["attention_mask"][i, n:] == 0).all()
+
+
+def test_bad_rows_are_named_before_launch(processor, tmp_path) -> None:
+    names = write_images(tmp_path, 2)
+    rows = image_rows(names, counts=(1, 1, 1))
+    rows[1]["images"] = ["missing.png"]
+    path = write_jsonl(tmp_path / "images.jsonl", rows)
+    with pytest.raises(ValueError, match=r"line 2 of .*images.jsonl: image 0 \(missing.png\) is not a file"):
+        check_text_dataset(str(path), every_row=True)
+    rows[1]["images"] = [names[0], names[1]]  # two images for one image part
+    write_jsonl(path, rows)
+    with pytest.raises(ValueError, match=r"line 2 of .*: the messages hold 1 image parts but column 'images' holds 2"):
+        check_image_rows(load_text_dataset(str(path)), f"'{path}'", tmp_path)
+
+
+def test_rows_the_processor_rejects_or_too_long_are_named(processor, tmp_path) -> None:
+    names = write_images(tmp_path, 2)
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    rows = image_rows(names, counts=(1, 1))
+    rows[1]["images"] = ["broken.png"]
+    path = write_jsonl(tmp_path / "broken.jsonl", rows)
+    with pytest.raises(ValueError, match=r"line 2 of .*broken.jsonl: the processor or PIL rejects it"):
+        _encode(processor, path)
+    path = write_jsonl(tmp_path / "long.jsonl", image_rows(names, counts=(2,)))
+    with pytest.raises(ValueError, match=r"line 1 of .*: 2\d tokens with its image tokens, over --seq-len 12"):
+        _encode(processor, path, seq_len=12)
+    # --skip-bad-rows: the broken image, the missing file and the long row are dropped, each named
+    rows = image_rows(names, counts=(1, 1, 1, 2, 1))
+    rows[1]["images"], rows[2]["images"] = ["broken.png"], ["missing.png"]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    kept, dropped = _encode(processor, path, seq_len=20, skip=True)
+    assert len(kept) == 2 and [line.split(":")[0] for line in dropped] == [f"line {i} of {path}" for i in (2, 3, 4)]
+
+
+def test_collated_batches_train_a_parallel_llava_as_plain_hf(processor, tmp_path) -> None:
+    # The batch path of hf-tp train: processor batches (rows of 1, 2, 0, 1 images) through
+    # training_loss (the fused lm_head + loss where the model allows it) at tp=2 give plain HF's
+    # loss and every trainable gradient (the vision tower frozen in both).
+    import copy
+
+    import torch
+
+    import hf_tp
+    from hf_tp.labels import count_targets
+    from hf_tp.parallel.linear_ce import fusable
+    from hf_tp.parallel.passengers import in_tower
+    from hf_tp.train.loss import training_loss
+    from tests.helpers import full, full_grads, run_threaded
+    from tests.image_grid import image_config
+    from tests.wrapper_grid import wrapper_model
+
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 3), counts=(1, 2, 0, 1)))
+    rows = _encode(processor, path)
+    batch = ImageBatchCollator(processor, multiple_of=2, base_dir=tmp_path)([rows[i] for i in range(4)])
+    config = image_config("llava")
+    config.image_token_index = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    ref = wrapper_model(config)
+    adapter = hf_tp.get_adapter(config)
+    candidates = [copy.deepcopy(ref) for _ in range(2)]
+    for name, p in ref.named_parameters():
+        p.requires_grad_(not in_tower(adapter, name))
+    want = ref(**batch, use_cache=False).loss
+    want.backward()
+    want_grads = full_grads(ref)
+    targets = count_targets(batch["labels"])
+
+    def rank_fn(rank: int) -> None:
+        model = hf_tp.parallelize(candidates[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        assert fusable(model)
+        with hf_tp.loss_parallel():
+            loss, _ = training_loss(model, dict(batch), targets, fused=True)
+            loss.backward()
+        assert abs(full(loss).item() - want.item()) <= 1e-6 * abs(want.item())
+        got = full_grads(model)
+        assert got.keys() == want_grads.keys(), sorted(got.keys() ^ want_grads.keys())
+        for name, w in want_grads.items():
+            torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=name)
+
+    run_threaded(2, rank_fn)

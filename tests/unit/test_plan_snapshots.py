@@ -1,0 +1,77 @@
+"""Golden snapshots of ``hf-tp plan`` at tp=2 for every supported family: the grid's tiny
+configs (tests/family_grid.py, tests/helpers.py), the plan text under tests/plans/<model_type>.txt.
+
+A transformers release (or an hf_tp change) that changes a derived plan shows up here as a
+readable diff of the plan. Regenerate with ``python scripts/update_plan_snapshots.py`` (or run
+this test with ``HF_TP_UPDATE_SNAPSHOTS=1``) and read the diff before committing it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+from transformers import CONFIG_MAPPING, PretrainedConfig
+
+import hf_tp
+from hf_tp.compat import family_refusal
+from hf_tp.plan import format_plan, plan_for
+from tests.family_grid import grid_config
+from tests.helpers import FAMILY_SETTINGS, tiny_config
+
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "plans"
+TP, SEQ_LEN = 2, 64
+UPDATE = os.environ.get("HF_TP_UPDATE_SNAPSHOTS") == "1"
+
+
+def families() -> list[str]:
+    """Every supported family this transformers has (and is not too old for)."""
+    return sorted(mt for mt in hf_tp.supported_model_types() if mt in CONFIG_MAPPING and not family_refusal(mt))
+
+
+def family_config(model_type: str) -> PretrainedConfig:
+    """The tiny config the grids test the family with (the hand-written families' own settings)."""
+    return tiny_config(model_type) if model_type in FAMILY_SETTINGS else grid_config(model_type)
+
+
+def snapshot_text(model_type: str) -> str:
+    return format_plan(plan_for(family_config(model_type), tp=TP, seq_len=SEQ_LEN, name=model_type))
+
+
+def write_snapshots(model_types: list[str] | None = None) -> list[str]:
+    """Write the snapshots of ``model_types`` (default: every family); the paths changed."""
+    changed = []
+    for mt in model_types or families():
+        path = SNAPSHOTS / f"{mt}.txt"
+        text = snapshot_text(mt)
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            changed.append(str(path))
+    return changed
+
+
+def test_every_supported_family_matches_its_snapshot() -> None:
+    if UPDATE:
+        write_snapshots()
+    stale, missing = [], []
+    for mt in families():
+        path = SNAPSHOTS / f"{mt}.txt"
+        if not path.is_file():
+            missing.append(mt)
+            continue
+        want, got = path.read_text(), snapshot_text(mt)
+        if got != want:
+            diff = difflib.unified_diff(want.splitlines(), got.splitlines(), f"{mt}.txt", "derived now", lineterm="")
+            stale.append("\n".join(list(diff)[:40]))
+    assert not missing, f"no snapshot for {missing}: run python scripts/update_plan_snapshots.py"
+    assert not stale, "derived plans changed (python scripts/update_plan_snapshots.py):\n" + "\n\n".join(stale)
+
+
+def test_no_snapshot_of_a_family_gone() -> None:
+    # A snapshot whose family is no longer supported (or installed) would go unread.
+    known = set(families())
+    extra = sorted(p.stem for p in SNAPSHOTS.glob("*.txt") if p.stem not in known and p.stem in CONFIG_MAPPING)
+    if extra and not UPDATE:
+        pytest.fail(f"snapshots of families not supported now: {extra}; delete them or restore the support")
