@@ -12,6 +12,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import hf_tp
 from hf_tp.adapters.generic import derive
+from hf_tp.compat import family_refusal
 from tests.family_grid import grid_config, run_family, run_family_ep
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +34,13 @@ def test_axk2_norm_that_is_a_block_elsewhere_runs_as_the_block() -> None:
     assert d.blocks["post_attention_layernorm"].replicated
 
 
+LATER = {
+    mt: pytest.mark.skipif(bool(family_refusal(mt)), reason=str(family_refusal(mt)))
+    for mt in ("mimo_v2_flash", "mistral4")
+}
+
+
+@LATER["mimo_v2_flash"]
 def test_mimo_value_heads_and_kv_heads_by_layer() -> None:
     d = derive(grid_config("mimo_v2_flash"))
     assert set(d.kv) == {"self_attn.k_proj", "self_attn.v_proj"} and d.kv_vary
@@ -51,11 +59,15 @@ def test_gemma4_per_layer_embeddings_placed() -> None:
         derive(grid_config("gemma4_text", enable_moe_block=True))
 
 
+@LATER["mistral4"]
 def test_mistral4_builds_as_a_causal_lm() -> None:
     assert type(_meta_model("mistral4")).__name__ == "Mistral4ForCausalLM"
 
 
-@pytest.mark.parametrize(("model_type", "kv"), [("gemma4_text", 2), ("llama4_text", 2), ("mimo_v2_flash", 4)])
+@pytest.mark.parametrize(
+    ("model_type", "kv"),
+    [("gemma4_text", 2), ("llama4_text", 2), pytest.param("mimo_v2_flash", 4, marks=LATER["mimo_v2_flash"])],
+)
 def test_new_blocks_tp4(model_type: str, kv: int) -> None:
     # 8 heads at tp=4; 2 KV heads replicated on 2 ranks each where the layers allow it
     assert run_family(model_type, tp=4, heads=8, kv=kv).status == "parity"

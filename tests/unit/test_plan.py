@@ -114,9 +114,13 @@ def test_collectives_are_what_a_parallelized_model_issues(model_type: str, fake_
 
 
 def test_cp_and_ep_collectives_are_what_the_estimate_simulates() -> None:
+    from hf_tp.compat import moe_estimate_refusal
     from hf_tp.estimate.api import estimate
 
-    for config, layout in ((tiny_config("llama"), dict(cp=2)), (grid_config("qwen3_moe"), dict(ep=2))):
+    cases = [(tiny_config("llama"), dict(cp=2))]
+    if moe_estimate_refusal("fp32") is None:  # an fp32 MoE estimate needs a later transformers than the floor
+        cases.append((grid_config("qwen3_moe"), dict(ep=2)))
+    for config, layout in cases:
         plan = whole_model(plan_for(config, tp=2, seq_len=64, **layout))
         simulated = estimate(config, 2, 2 if "ep" in layout else 1, 64, 1, dtype="fp32", **layout)
         for s in simulated.comms:
