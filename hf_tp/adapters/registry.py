@@ -14,8 +14,8 @@ from transformers import PretrainedConfig
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.overrides import base_tp_plan
-from hf_tp.adapters.support import GENERIC, MOE, REFUSED
-from hf_tp.adapters.wrapper import text_config_of, wrapper_adapter
+from hf_tp.adapters.support import GENERIC, MOE, REFUSED, WRAPPER_REFUSED
+from hf_tp.adapters.wrapper import refuse, text_config_of, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -64,6 +64,8 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
         raise ValueError(
             f"hf_tp does not support model_type '{model_type}': {REFUSED[model_type]}. Add an adapter with {how}"
         )
+    if model_type in WRAPPER_REFUSED:
+        raise refuse(model_type, WRAPPER_REFUSED[model_type])
     if not isinstance(config_or_type, str) and (text := text_config_of(config_or_type)) is not None:
         return wrapper_adapter(config_or_type, _text_adapter(model_type, text))
     if isinstance(config_or_type, str):

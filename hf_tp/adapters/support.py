@@ -114,8 +114,7 @@ REFUSED: dict[str, str] = {
     "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
     "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
-    "llama4": "a multimodal wrapper whose text tower (Llama4ForCausalLM) lacks the base model its prefix names (language_model), so the wrapper path cannot re-root it; llama4_text trains on its own",
-    "gemma4": "a multimodal wrapper whose own forward mixes the embedding's pad row (of the vocab-sharded table) into the token embeddings with torch.where, outside the text tower; gemma4_text trains on its own",
+    "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
@@ -130,4 +129,15 @@ REFUSED: dict[str, str] = {
     "hy_v4": "hyper-connection parameters outside the decoder layers",
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
+}
+
+# Multimodal wrappers refused before their language model is looked at: model_type -> why (the
+# error message is this one line, naming the wrapper)
+WRAPPER_REFUSED: dict[str, str] = {
+    mt: (
+        "its language model takes 3-D mrope position ids (temporal, height, width per token), which "
+        "hf_tp does not yet compute and split over the sequence for sequence parallelism; wrappers of "
+        "other language models (LLaVA, Gemma 3, Mistral 3, Qwen3.5, ...) train with hf_tp"
+    )
+    for mt in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 }

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.adapters.inspect_model import base_model_path
 from hf_tp.adapters.source import plain_logits, source_tree
 
 
@@ -137,7 +138,10 @@ def _read(config: PretrainedConfig) -> tuple:
             f"{type(model).__name__}'s forward computes its own cross entropy (over the attention mask's "
             "tokens) instead of transformers' causal-LM loss, which vocab-sharded logits cannot take",
         )
-    prefix = text_lm.base_model_prefix
+    try:
+        prefix = base_model_path(text_lm)  # Llama 4's text model keeps it elsewhere than its prefix says
+    except ValueError as exc:
+        raise refuse(mt, str(exc).split(": ", 1)[-1]) from None
     base = text_lm.get_submodule(prefix)
     paths = {id(m): n for n, m in model.named_modules()}
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
+from hf_tp.adapters import get_adapter
 from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
@@ -23,8 +24,17 @@ from hf_tp.estimate.comm import CommCounter, CommStat
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
 from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
 from hf_tp.estimate.simulate import simulation
-from hf_tp.estimate.step import DTYPES, build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
+from hf_tp.estimate.step import (
+    DTYPES,
+    build_optimizer,
+    init_optimizer_state,
+    make_batch,
+    model_from_config,
+    text_vocab_size,
+    train_step,
+)
 from hf_tp.estimate.work import Work, WorkCounter
+from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import validate_model_config
 
@@ -63,6 +73,11 @@ class Estimate:
     lora_r: int = 0  # > 0: a LoRA run (frozen base in the compute dtype, fp32 adapters and their state)
     lora_target_modules: str = ""
     trainable_params: int = 0
+    # a multimodal wrapper: its vision (or audio) tower's parameters, frozen as hf-tp train's default
+    # (no gradient, no optimizer state), and its projector's, trained; both replicated over tp and
+    # FSDP2-sharded over dp. The step is text-only: neither runs (see :func:`estimate`)
+    tower_params: int = 0
+    projector_params: int = 0
 
     @property
     def world_size(self) -> int:
@@ -141,11 +156,12 @@ def estimate(
     ``all-linear`` or comma-separated names): the frozen base in the compute dtype, fp32 adapters
     with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer (Qwen2-0.5B ~8 s,
     Llama-3.1-70B ~30 s); no GPU, weights or network.
+
+    A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector
+    whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
     """
     validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp)
-    if lora_r:  # the checks of hf-tp train's --lora-r / --lora-target-modules
-        TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
-    config = full_precision(config)  # (a quantized checkpoint: hf_tp trains its dequantized copy)
+    config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
         mesh, groups = _mesh_and_groups(tp, cp, dp)
@@ -156,9 +172,10 @@ def estimate(
             model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
             optimizer = build_optimizer(model)
             init_optimizer_state(model, optimizer)
-            batch = make_batch(config.vocab_size, batch_size, seq_len)
+            batch = make_batch(text_vocab_size(config), batch_size, seq_len)
         num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        tower, projector = _passenger_params(model, config)
         experts = find_experts(model, config)
         counter = CommCounter(groups, _expert_groups(experts, groups), _functional_groups(mesh, cp))
         peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, dp, config, experts, counter)
@@ -183,7 +200,32 @@ def estimate(
         lora_target_modules=lora_target_modules if lora_r else "",
         trainable_params=trainable,
         cp=cp,
+        tower_params=tower,
+        projector_params=projector,
     )
+
+
+def _checked_for_training(
+    config: PretrainedConfig, ep: int, lora_r: int, lora_target_modules: str, cp: int
+) -> PretrainedConfig:
+    """The checks ``hf-tp train`` makes of LoRA and cp (on a multimodal wrapper: what hf_tp has not
+    verified there, refused before building); returns the config in full precision (a quantized
+    checkpoint: hf_tp trains its dequantized copy)."""
+    if lora_r or cp > 1:
+        check_wrapper(get_adapter(full_precision(config)), peft=lora_r > 0, ep=ep, cp=cp > 1)
+    if lora_r:
+        TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
+    return full_precision(config)
+
+
+def _passenger_params(model, config: PretrainedConfig) -> tuple[int, int]:
+    """A multimodal wrapper's (vision tower, projector) parameter counts; (0, 0) for a causal LM."""
+    adapter = get_adapter(config)
+    if not adapter.language_model:
+        return 0, 0
+    params = passenger_parameters(model, adapter)
+    tower = sum(p.numel() for n, p in params if in_tower(adapter, n))
+    return tower, sum(p.numel() for _, p in params) - tower
 
 
 def _tracked_step(

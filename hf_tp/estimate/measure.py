@@ -17,7 +17,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from hf_tp.estimate.memory import MemoryBreakdown, PeakMemTracker
-from hf_tp.estimate.step import build_optimizer, init_optimizer_state, make_batch, model_from_config, train_step
+from hf_tp.estimate.step import (
+    build_optimizer,
+    init_optimizer_state,
+    make_batch,
+    model_from_config,
+    text_vocab_size,
+    train_step,
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def measure(
         model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
         optimizer = build_optimizer(model)
         init_optimizer_state(model, optimizer)
-        batch = make_batch(config.vocab_size, batch_size, seq_len)
+        batch = make_batch(text_vocab_size(config), batch_size, seq_len)
     can_reset = _reset_peak_rss()  # the steps' peak, not the model build's temporary copies
     if cuda:
         torch.cuda.synchronize()

@@ -25,6 +25,11 @@ def _mib(n: float) -> str:
 
 
 def describe_model(est: Estimate) -> str:
+    if est.tower_params or est.projector_params:  # a multimodal wrapper
+        return (
+            f"{est.model} ({est.model_type}, {_params(est.num_params)} params: vision tower "
+            f"{_params(est.tower_params)} frozen, projector {_params(est.projector_params)} trained)"
+        )
     return f"{est.model} ({est.model_type}, {_params(est.num_params)} params)"
 
 
@@ -64,6 +69,13 @@ def format_estimate(est: Estimate) -> str:
     else:
         lines.append("collectives per step: none (a single rank)")
     lines += format_moe(est)
+    if est.tower_params or est.projector_params:
+        lines += [
+            "",
+            "Multimodal wrapper: the vision tower's and projector's weights are counted (replicated over tp,",
+            "sharded over dp; the frozen tower without gradients or optimizer state), but the step is text-only:",
+            "image activations and the merged image + text sequence are not simulated.",
+        ]
     lines += [
         "",
         "Peak: the largest sum of live tensors on one rank during a step (forward, backward, clipping, AdamW),",

@@ -175,6 +175,24 @@ def fake_grouped_mm_any_dtype() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fake_trunc_normal() -> Iterator[None]:
+    """Truncated-normal initialization without its data-dependent resampling check, which fake
+    tensors cannot answer (a vision tower's ``lecun_normal_``, e.g. SigLIP's): the values of a
+    fake tensor do not matter, only its shape and dtype."""
+    original = torch.nn.init._no_grad_trunc_normal_  # private: torch's trunc_normal_ calls it by name
+
+    def clamped(tensor, mean, std, a, b, generator=None):
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    torch.nn.init._no_grad_trunc_normal_ = clamped
+    try:
+        yield
+    finally:
+        torch.nn.init._no_grad_trunc_normal_ = original
+
+
+@contextlib.contextmanager
 def simulation(world_size: int) -> Iterator[None]:
     """Everything an estimate needs around its fake-tensor run; all undone on exit.
 
@@ -189,5 +207,6 @@ def simulation(world_size: int) -> Iterator[None]:
         separate_sharding_fake_mode(),
         unmasked_causal_attention(),
         quiet_redistribute_warning(),
+        fake_trunc_normal(),
     ):
         yield

@@ -9,9 +9,11 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
+from hf_tp.adapters import get_adapter, wrapper
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
@@ -38,11 +40,17 @@ def model_from_config(
 
     bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
     ``lora_r`` > 0: peft LoRA adapters on ``lora_target_modules`` as ``hf-tp train --lora-r`` wraps
-    them, the frozen base stored in the compute dtype, the adapters in fp32.
+    them, the frozen base stored in the compute dtype, the adapters in fp32. A multimodal wrapper
+    is built as its ``*ForConditionalGeneration`` class, as ``hf-tp train`` builds it: parallelize
+    replicates its vision tower and projector over tp, shards them over dp and freezes the tower.
     """
     # (a copy: parallelize may change the config, e.g. the attention implementation under cp)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
     model.train()
+    if wrapper.text_config_of(config) is not None:
+        # its adapter builds it on the meta device once (cached per config): not under fake tensors
+        with unset_fake_temporarily():
+            get_adapter(model.config)
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     if lora_r:
         # peft moves each new module to its base layer's device and dtype, here already theirs (one
@@ -73,6 +81,11 @@ def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def text_vocab_size(config: PretrainedConfig) -> int:
+    """The vocabulary the batch's token ids come from: a multimodal wrapper's language model's."""
+    return (wrapper.text_config_of(config) or config).vocab_size
 
 
 def make_batch(vocab_size: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:

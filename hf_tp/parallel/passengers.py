@@ -15,13 +15,17 @@ exactly what the text path gives them.
 
 from __future__ import annotations
 
+import ast
 import re
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 
 from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.source import source_tree
 
 # A passenger (or a module inside one) is a tower when its name says so; anything else (the
 # projector, LLaVA-NeXT's image_newline, Qwen's vision merger) trains with the language model.
@@ -123,6 +127,54 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
         return args, {**kwargs, "inputs_embeds": full.redistribute(tp_mesh, [Shard(1)])}
 
     lm.register_forward_pre_hook(hook, with_kwargs=True)
+    _whole_rows_before_language_model(model, adapter.language_model)
+
+
+class _WholeWhere(TorchFunctionMode):
+    """``torch.where`` of a plain tensor and a DTensor runs on the DTensor made whole."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.where, torch.Tensor.where):
+            values = (*args, *kwargs.values())
+            if any(isinstance(a, DTensor) for a in values) and any(
+                isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() > 0 for a in values
+            ):
+                args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
+                kwargs = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _whole_rows_before_language_model(model: nn.Module, lm_path: str) -> None:
+    """Let the wrapper's own forward mix a row of a tensor-parallel parameter into the plain
+    full-sequence embeddings before its language model runs.
+
+    Gemma 4's forward puts the pad token's row of the (vocab-sharded) input embedding at its image
+    positions with ``torch.where`` before the per-layer embeddings; that row is a DTensor, the
+    embeddings a plain tensor. Between the wrapper's entry and its language model's (and only for
+    a wrapper whose forward indexes a ``weight``), such a ``torch.where`` takes the row whole.
+    """
+    parent = model.get_submodule(lm_path.rpartition(".")[0])
+    tree = source_tree(type(parent).forward)
+    if tree is None or not any(
+        isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute) and n.value.attr == "weight"
+        for n in ast.walk(tree)
+    ):
+        return
+    active: list[TorchFunctionMode] = []  # per thread: torch keeps its function-mode stack per thread
+
+    def enter(*_):
+        mode = _WholeWhere()
+        mode.__enter__()
+        active.append(mode)
+
+    def leave(*_):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    parent.register_forward_pre_hook(enter)
+    parent.register_forward_hook(leave, always_call=True)
+    model.get_submodule(lm_path).register_forward_pre_hook(leave, prepend=True)
 
 
 def keep_output_capture(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from transformers import CONFIG_MAPPING, AutoConfig
 
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
@@ -17,9 +18,10 @@ from tests.wrapper_grid import WrapperCase, run_cases, wrapper_config, wrapper_m
 
 # One wrapper per kind of language model: Llama (LLaVA), Gemma 3 (its own adapter, scaled
 # embedding), Mistral (Mistral 3: Pixtral tower), Qwen3.5 (hybrid linear attention), Llama under
-# SmolVLM (a text_model, not a language_model).
-TP2 = ("llava", "gemma3", "mistral3", "qwen3_5", "smolvlm")
-TP2_DP2 = ("llava", "gemma3")
+# SmolVLM (a text_model, not a language_model), Gemma 4 (its forward mixes the vocab-sharded
+# embedding's pad row into the whole sequence, and embeds per layer outside its language model).
+TP2 = ("llava", "gemma3", "mistral3", "qwen3_5", "smolvlm", "gemma4")
+TP2_DP2 = ("llava", "gemma3", "gemma4")
 
 
 def test_wrapper_sample_at_tp2_and_tp2_dp2() -> None:
@@ -40,6 +42,21 @@ def test_wrapper_with_its_own_loss_is_refused() -> None:
         pytest.skip("this transformers has no Qwen2-Audio")
     with pytest.raises(ValueError, match=r"multimodal qwen2_audio checkpoint: .*computes its own cross entropy"):
         hf_tp.get_adapter(wrapper_config("qwen2_audio"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_mrope_wrapper_is_refused_naming_its_positions(model_type: str) -> None:
+    # Their language models take 3-D mrope position ids: one line saying so (not that the text
+    # tower cannot be built), and that other wrappers' language models train.
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    with pytest.raises(ValueError) as info:
+        hf_tp.get_adapter(AutoConfig.for_model(model_type))
+    message = str(info.value)
+    assert "\n" not in message and f"multimodal {model_type} checkpoint" in message, message
+    assert "3-D mrope position ids" in message and "sequence parallelism" in message, message
+    assert "could not be built" not in message and "issue" not in message, message
+    assert "Qwen3.5" in message, message
 
 
 def test_unverified_features_are_refused() -> None:
