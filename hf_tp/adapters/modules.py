@@ -16,6 +16,15 @@ def has_submodule(module: nn.Module, path: str) -> bool:
     return True
 
 
+def has_parameter(module: nn.Module, path: str) -> bool:
+    """``module.get_parameter(path)`` exists."""
+    try:
+        module.get_parameter(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def is_linear(module: nn.Module) -> bool:
     """A plain ``nn.Linear`` (not a subclass with a forward of its own)."""
     return type(module) is nn.Linear

@@ -148,6 +148,10 @@ def _check(
         check_lora(model, adapter, opts, tp_mesh.size(), ep)
         adapter = lora_adapter(adapter)
         install_dropouts(model)
+    if train_vision and not adapter.passengers:
+        raise ValueError(
+            f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
+        )
     freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hf_tp.adapters.modules import has_submodule
+from hf_tp.adapters.modules import has_parameter, has_submodule
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
@@ -154,18 +154,10 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
     if kind == "own_params":
         split = isinstance(style.placement, Shard)
         words = "per-head, split with the heads" if split else "replicated (the block runs whole)"
-        return {n: Placed(0 if split else None, words) for n in style.names if _has_param(module, n)}
+        return {n: Placed(0 if split else None, words) for n in style.names if has_parameter(module, n)}
     if kind == "moe":
-        return {n: _role(module, n, r) for n, r in style.roles.items() if _has_param(module, n)}
+        return {n: _role(module, n, r) for n, r in style.roles.items() if has_parameter(module, n)}
     return {}
-
-
-def _has_param(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _role(module: nn.Module, name: str, role) -> Placed:

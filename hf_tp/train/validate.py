@@ -189,6 +189,11 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    if cfg.train_vision_tower and getattr(model_config, "text_config", None) is None:
+        raise ValueError(
+            f"--train-vision-tower needs a multimodal checkpoint; this {model_config.model_type} model has no "
+            "vision tower (leave the flag out)"
+        )
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
     rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}

@@ -316,6 +316,12 @@ ROWS = [
         with_file("d.txt", "\n\n  \n", train("--dataset", "{tmp}/d.txt")),
         E + r"dataset '.*d\.txt' is empty",
     ),
+    Row(
+        "train-vision-tower-on-a-text-model",
+        train("--train-vision-tower"),
+        E
+        + r"--train-vision-tower needs a multimodal checkpoint; this llama model has no vision tower \(leave the flag out\)",
+    ),
     # --- optional packages the flags name (finding 6: --lora-r without peft failed inside the ranks)
     Row(
         "lora-without-peft",
