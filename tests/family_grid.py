@@ -53,6 +53,13 @@ FAMILY_EXTRAS: dict[str, dict] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
     ),
 }
+
+
+def _mrope(t: int, h: int, w: int, **extra) -> dict:
+    """Rotary parameters whose mrope sections (temporal, height, width) fit the grid's head_dim."""
+    return {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [t, h, w], **extra}
+
+
 # Mixture-of-experts sizes (set where the config class has the field): 4 experts, 2 per token,
 # an aux-loss weight large enough that a wrong router gradient from it shows; no router noise.
 MOE_SIZES = dict(
@@ -104,6 +111,12 @@ FAMILY_EXTRAS.update(
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),
+        # Text towers with 3-D mrope: the (t, h, w) sections of the grid's 8 rotary frequencies
+        **{
+            mt: dict(rope_parameters=_mrope(3, 3, 2))
+            for mt in ("qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+        },
+        "glm4v_moe_text": dict(rope_parameters=_mrope(2, 1, 1, partial_rotary_factor=0.5)),
     }
 )
 # The prefill and two cached decode steps: the second is the first whose position is not the

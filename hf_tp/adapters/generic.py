@@ -42,12 +42,13 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.facts import Block, Derivation, refuse
 from hf_tp.adapters.inspect_model import inspect_model
 from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
+from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
@@ -224,7 +225,7 @@ def derive(config: PretrainedConfig) -> Derivation:
     # outside any fake-tensor mode (hf-tp estimate's): building reads real scalars (Gemma 4's layer scalars)
     with unset_fake_temporarily(), torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(config)
+            model = causal_lm_from_config(config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation
             raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {exc})") from None
     try:

@@ -132,12 +132,7 @@ REFUSED: dict[str, str] = {
 }
 
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the
-# error message is this one line, naming the wrapper)
-WRAPPER_REFUSED: dict[str, str] = {
-    mt: (
-        "its language model takes 3-D mrope position ids (temporal, height, width per token), which "
-        "hf_tp does not yet compute and split over the sequence for sequence parallelism; wrappers of "
-        "other language models (LLaVA, Gemma 3, Mistral 3, Qwen3.5, ...) train with hf_tp"
-    )
-    for mt in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-}
+# error message is this one line, naming the wrapper). None today: Qwen2.5-VL / Qwen3-VL, refused
+# until their 3-D mrope positions and DeepStack features were checked under sequence parallelism,
+# hold parity (docs/multimodal.md).
+WRAPPER_REFUSED: dict[str, str] = {}

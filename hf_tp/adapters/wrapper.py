@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.inspect_model import base_model_path
 from hf_tp.adapters.source import plain_logits, source_tree
+from hf_tp.adapters.text_tower import causal_lm_from_config
 
 
 def refuse(model_type: str, what: str) -> ValueError:
@@ -128,7 +129,7 @@ def _read(config: PretrainedConfig) -> tuple:
     with torch.device("meta"):
         try:
             model = model_from_config(config)
-            text_lm = AutoModelForCausalLM.from_config(text_config)
+            text_lm = causal_lm_from_config(text_config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no plan
             first = (str(exc).strip().splitlines() or [""])[0]
             raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {first})") from None
