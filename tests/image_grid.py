@@ -38,6 +38,21 @@ FAMILIES: dict[str, tuple[dict[str, dict], int, int]] = {
     "idefics3": ({"": dict(image_token_id=IMAGE, scale_factor=2)}, 1, 28),
     "qwen3_5": ({"": dict(image_token_id=IMAGE, vision_start_token_id=291, vision_end_token_id=292)}, 1, 28),
 }
+# Qwen-VL families: each image a (t, h, w) grid of 14-pixel patches, merged 2x2 into tokens; a
+# 4 x 6 grid gives 6 tokens whose 3-D mrope positions differ in height and width.
+QWEN_IDS = dict(image_token_id=IMAGE, vision_start_token_id=291, vision_end_token_id=292, video_token_id=293)
+PATCH_GRID = (1, 4, 6)
+FAMILIES.update(
+    {
+        "qwen2_5_vl": ({"": QWEN_IDS}, 6, 0),
+        # one vision layer, tapped for DeepStack (its features join the first decoder layer's output)
+        **{
+            mt: ({"": QWEN_IDS, "vision_config": dict(deepstack_visual_indexes=[0])}, 6, 0)
+            for mt in ("qwen3_vl", "qwen3_vl_moe")
+        },
+    }
+)
+PATCHES = ("qwen3_5", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # pixel_values: flattened patches, + image_grid_thw
 IMAGES_PER_ROW = (2, 0, 1, 1)  # dp halves hold as many image (hence label) tokens: their mean losses average to HF's
 PADDING = (0, 3, 3, 0)
 
@@ -58,7 +73,8 @@ def image_rows(model_type: str, config, seed: int = 3) -> list[dict]:
     padding tokens), attention mask, and that row's images (random pixels, never all zero)."""
     _, per_image, side = FAMILIES[model_type]
     g = torch.Generator().manual_seed(seed)
-    channels = 3 * 2 * 14 * 14 if model_type == "qwen3_5" else 3
+    channels = 3 * 2 * 14 * 14 if model_type in PATCHES else 3
+    grid = (1, 2, 2) if model_type == "qwen3_5" else PATCH_GRID
     rows = []
     for n, pad in zip(IMAGES_PER_ROW, PADDING, strict=True):
         ids = torch.randint(3, 280, (SEQ,), generator=g)
@@ -70,8 +86,9 @@ def image_rows(model_type: str, config, seed: int = 3) -> list[dict]:
             mask[-pad:] = 0
             ids[-pad:] = 0
         labels = ids.masked_fill((mask == 0) | (ids == IMAGE), -100)
-        if model_type == "qwen3_5":
-            images = [torch.rand(4, channels, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
+        if model_type in PATCHES:
+            patches = grid[0] * grid[1] * grid[2]
+            images = [torch.rand(patches, channels, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
         else:
             images = [torch.rand(3, side, side, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
         rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "images": images})
@@ -92,9 +109,9 @@ def collate(model_type: str, rows: list[dict]) -> dict[str, torch.Tensor]:
                 pixels[i, j] = im
         out["pixel_values"] = pixels
         out["pixel_attention_mask"] = torch.ones(len(rows), most, side, side, dtype=torch.bool)
-    elif model_type == "qwen3_5":  # patches of every image in a row, and each image's (t, h, w) grid
+    elif model_type in PATCHES:  # patches of every image in a row, and each image's (t, h, w) grid
         out["pixel_values"] = torch.cat(images)
-        out["image_grid_thw"] = torch.tensor([[1, 2, 2]] * len(images))
+        out["image_grid_thw"] = torch.tensor([[1, 2, 2] if model_type == "qwen3_5" else list(PATCH_GRID)] * len(images))
         out["mm_token_type_ids"] = is_image.int()
     else:
         out["pixel_values"] = torch.stack(images)

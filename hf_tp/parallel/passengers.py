@@ -30,7 +30,9 @@ from hf_tp.adapters.source import source_tree
 # A passenger (or a module inside one) is a tower when its name says so; anything else (the
 # projector, LLaVA-NeXT's image_newline, Qwen's vision merger) trains with the language model.
 TOWER = re.compile(r"(vision|visual|audio|speech|image_encoder|tower|vqmodel|vq_model)")
-PROJECTOR_INSIDE_TOWER = ("merger",)  # Qwen-VL / Qwen3.5 keep the projector inside model.visual
+# Qwen-VL / Qwen3.5 / GLM-4V keep the projector inside model.visual; Qwen3-VL also its DeepStack
+# mergers (the same patch-merger module, one per tapped vision layer, writing into the hidden size)
+PROJECTOR_INSIDE_TOWER = ("merger", "deepstack_merger_list")
 
 
 def check_wrapper(adapter: Adapter, *, peft: bool, ep: int, cp: bool) -> None:

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.dropout import install_model_dropout
+from hf_tp.parallel.deepstack import shard_deepstack
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
@@ -83,6 +84,7 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         _check_all_placed(model, adapter)
     if adapter.language_model and opts.sequence_parallel:
         split_at_language_model(model, adapter, tp_mesh)  # a wrapper: after its image features merged in
+        shard_deepstack(model.get_submodule(adapter.language_model))  # Qwen3-VL's features in early layers
     install_model_dropout(model, adapter, opts, tp_mesh)  # the model's own dropout: masks right under tp
     _say_if_mostly_whole(model, adapter, tp_mesh.size())
     if tied:
