@@ -52,7 +52,16 @@ FAMILIES.update(
         },
     }
 )
-PATCHES = ("qwen3_5", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # pixel_values: flattened patches, + image_grid_thw
+GLM_IDS = dict(image_token_id=IMAGE, image_start_token_id=291, image_end_token_id=292, video_token_id=293)
+FAMILIES.update({mt: ({"": GLM_IDS}, 6, 0) for mt in ("glm4v", "glm4v_moe")})
+PATCHES = (
+    "qwen3_5",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "glm4v_moe",
+)  # pixel_values: flattened patches, + image_grid_thw
 IMAGES_PER_ROW = (2, 0, 1, 1)  # dp halves hold as many image (hence label) tokens: their mean losses average to HF's
 PADDING = (0, 3, 3, 0)
 

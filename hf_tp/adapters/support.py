@@ -2,7 +2,9 @@
 
 Kept true by the parity grid: tests/unit/test_family_grid.py runs every dense family of the
 installed transformers and checks each entry here (parity for GENERIC, a refusal naming the reason
-for REFUSED); scripts/family_grid.py regenerates docs/architectures.md from the same runs. A family
+for REFUSED); scripts/family_grid.py regenerates docs/architectures.md from the same runs.
+TEXT_TOWERS (language models transformers builds only inside a wrapper) are kept true by the
+wrapper and image grids (tests/wrapper_grid.py, tests/image_grid.py). A family
 in neither table (a newer transformers) still goes through the generic derivation, which holds
 parity or refuses with a reason of its own. Data only: this module imports nothing.
 """
@@ -129,6 +131,19 @@ REFUSED: dict[str, str] = {
     "hy_v4": "hyper-connection parameters outside the decoder layers",
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
+}
+
+# Language models with no causal LM of their own in transformers (a bare *TextModel, the lm_head in
+# the wrapper), trained inside their wrapper only: model_type -> what the generic plan handles in it
+# (the wrapper grid and the image grid hold them at parity)
+TEXT_TOWERS: dict[str, str] = {
+    "qwen2_vl_text": "Qwen2 layers; 3-D mrope positions built by the wrapper from the whole sequence",
+    "qwen2_5_vl_text": "Qwen2 layers; 3-D mrope positions built by the wrapper from the whole sequence",
+    "qwen3_vl_text": "Qwen3 layers (hf_tp's plan: transformers' names only the embedding); 3-D interleaved mrope; "
+    "DeepStack visual features added on sequence shards",
+    "qwen3_vl_moe_text": "Qwen3-MoE layers; 3-D interleaved mrope; DeepStack visual features added on sequence shards",
+    "glm4v_text": "GLM-4 layers (packed gate_up_proj run gathered); 3-D mrope positions",
+    "glm4v_moe_text": "GLM-4.5 MoE layers with shared experts; partial 3-D mrope positions",
 }
 
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the

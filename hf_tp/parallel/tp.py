@@ -12,8 +12,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
-from hf_tp.parallel.dropout import install_model_dropout
 from hf_tp.parallel.deepstack import shard_deepstack
+from hf_tp.parallel.dropout import install_model_dropout
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
