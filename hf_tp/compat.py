@@ -39,6 +39,8 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # Mistral4ForCausalLM is not found from its config); the releases between were not run.
     "mimo_v2_flash": ("5.24.0", "a tensor-parallel plan of its attention sinks"),
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
+    # Qwen3-VL-MoE's language model: 5.17's plan names no experts (held to parity at 5.24)
+    "qwen3_vl_moe_text": ("5.24.0", EXPERTS),
 }
 
 

@@ -1,0 +1,63 @@
+"""Wrappers whose language models take 3-D mrope positions (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+GLM-4V): the positions are built by the wrapper from the whole merged sequence, Qwen3-VL's
+DeepStack features land on the sequence shards, and logits, loss, every trainable gradient and
+an AdamW step equal plain transformers with images (tests/image_grid.py; the whole grid is
+scripts/image_grid.py). Their language models have no causal LM of their own: alone, refused."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import CONFIG_MAPPING
+
+import hf_tp
+from hf_tp.adapters.support import TEXT_TOWERS
+from hf_tp.compat import family_refusal
+from hf_tp.parallel.passengers import in_tower
+from tests.family_grid import grid_config
+from tests.image_grid import ImageCase, image_config, run_image_cases
+from tests.wrapper_grid import WrapperCase, run_cases
+
+
+def _skip_unless(*model_types: str) -> None:
+    for mt in model_types:
+        if mt not in CONFIG_MAPPING:
+            pytest.skip(f"this transformers has no {mt}")
+        text = CONFIG_MAPPING[mt]().text_config.model_type
+        if refusal := family_refusal(text):
+            pytest.skip(refusal)
+
+
+def test_text_tower_alone_is_refused_naming_its_wrapper() -> None:
+    _skip_unless("qwen2_5_vl")
+    assert "qwen2_5_vl_text" in TEXT_TOWERS and "qwen2_5_vl_text" not in hf_tp.supported_model_types()
+    with pytest.raises(
+        ValueError, match=r"'qwen2_5_vl_text' is the language model of a multimodal wrapper.*text_config"
+    ):
+        hf_tp.get_adapter(grid_config("qwen2_5_vl_text"))
+
+
+def test_deepstack_mergers_train_with_the_projector() -> None:
+    _skip_unless("qwen3_vl")
+    config = image_config("qwen3_vl")
+    adapter = hf_tp.get_adapter(config)
+    assert adapter.language_model == "model.language_model"
+    assert not in_tower(adapter, "model.visual.deepstack_merger_list.0.linear_fc1.weight")
+    assert not in_tower(adapter, "model.visual.merger.linear_fc1.weight")
+    assert in_tower(adapter, "model.visual.blocks.0.attn.qkv.weight")
+
+
+def test_mrope_wrappers_on_text_at_tp2() -> None:
+    # text-only rows: the wrapper's positions are the plain 0..S-1 on all three axes
+    _skip_unless("qwen2_5_vl", "qwen3_vl")
+    results = run_cases([WrapperCase("qwen2_5_vl"), WrapperCase("qwen3_vl")])
+    assert [r.status for r in results] == ["parity"] * 2, [(r.model_type, r.reason) for r in results]
+
+
+def test_mrope_wrappers_with_images_at_tp2_and_tp2_dp2() -> None:
+    # Images of 6, 2, 4 and 4 tokens (4x6, 2x4, 4x4 patch grids) in rows of 2, 0, 1, 1 images:
+    # 3-D positions from the whole rows, DeepStack features added after the first decoder layer,
+    # greedy generate with images at tp2; the tower trained too at tp2 x dp2.
+    _skip_unless("qwen2_5_vl", "qwen3_vl")
+    cases = [ImageCase("qwen2_5_vl"), ImageCase("qwen3_vl"), ImageCase("qwen3_vl", dp=2, train_vision_tower=True)]
+    diffs = run_image_cases(cases)
+    assert all(max(d.values()) < 1e-5 for d in diffs.values()), diffs
