@@ -29,10 +29,10 @@ def shard_deepstack(language_model: nn.Module) -> None:
     own = getattr(type(language_model), DEEPSTACK, None)
     if own is None:
         return
-    if tuple(inspect.signature(own).parameters)[1:] != ARGUMENTS:
+    if tuple(inspect.signature(own).parameters)[1:] != ARGUMENTS or not _adds_at_positions(language_model, own):
         raise ValueError(
-            f"hf_tp cannot place {type(language_model).__name__}'s DeepStack merge ({DEEPSTACK} takes "
-            f"{tuple(inspect.signature(own).parameters)[1:]}, not {ARGUMENTS}) on sequence shards; "
+            f"hf_tp cannot place {type(language_model).__name__}'s DeepStack merge on sequence shards: its "
+            f"{DEEPSTACK} is not the addition of {ARGUMENTS[2]} at {ARGUMENTS[1]} that hf_tp knows; "
             "pass sequence_parallel=False"
         )
 
@@ -42,6 +42,21 @@ def shard_deepstack(language_model: nn.Module) -> None:
         return hidden_states + sequence_addend(hidden_states, visual_pos_masks, visual_embeds)
 
     setattr(language_model, DEEPSTACK, process)
+
+
+def _adds_at_positions(language_model: nn.Module, own) -> bool:
+    """The model's merge adds the features at the masked positions (checked on a small example):
+    only then may hf_tp add them on sequence shards instead."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    positions = torch.tensor([[True, False, True], [False, False, True]])
+    values = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    want = hidden + torch.zeros_like(hidden).index_put((positions,), values)
+    try:
+        got = own(language_model, hidden.clone(), positions, values)
+    except Exception:  # noqa: BLE001 - a merge that cannot run on plain tensors is one hf_tp does not know
+        return False
+    return isinstance(got, torch.Tensor) and torch.equal(got, want)
 
 
 def sequence_addend(hidden_states: DTensor, positions: torch.Tensor, values: torch.Tensor) -> DTensor:

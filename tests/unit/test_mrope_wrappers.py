@@ -61,3 +61,19 @@ def test_mrope_wrappers_with_images_at_tp2_and_tp2_dp2() -> None:
     cases = [ImageCase("qwen2_5_vl"), ImageCase("qwen3_vl"), ImageCase("qwen3_vl", dp=2, train_vision_tower=True)]
     diffs = run_image_cases(cases)
     assert all(max(d.values()) < 1e-5 for d in diffs.values()), diffs
+
+
+def test_deepstack_merge_hf_tp_does_not_know_is_refused() -> None:
+    # A merge that writes the features instead of adding them cannot become a sharded addition.
+    from torch import nn
+
+    from hf_tp.parallel.deepstack import shard_deepstack
+
+    class Writes(nn.Module):
+        def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+            hidden_states = hidden_states.clone()
+            hidden_states[visual_pos_masks, :] = visual_embeds
+            return hidden_states
+
+    with pytest.raises(ValueError, match=r"Writes's DeepStack merge on sequence shards.*sequence_parallel=False"):
+        shard_deepstack(Writes())
