@@ -18,6 +18,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate
 
 DEEPSTACK = "_deepstack_process"  # transformers' name for the merge (Qwen3-VL, Qwen3-VL-MoE, Cohere Compass)
@@ -47,16 +48,17 @@ def shard_deepstack(language_model: nn.Module) -> None:
 def _adds_at_positions(language_model: nn.Module, own) -> bool:
     """The model's merge adds the features at the masked positions (checked on a small example):
     only then may hf_tp add them on sequence shards instead."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
-    positions = torch.tensor([[True, False, True], [False, False, True]])
-    values = torch.randn(3, 4, generator=g, dtype=torch.float64)
-    want = hidden + torch.zeros_like(hidden).index_put((positions,), values)
-    try:
-        got = own(language_model, hidden.clone(), positions, values)
-    except Exception:  # noqa: BLE001 - a merge that cannot run on plain tensors is one hf_tp does not know
-        return False
-    return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    with unset_fake_temporarily():  # real CPU tensors, also under hf-tp estimate's fake tensors
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, device="cpu")
+        positions = torch.tensor([[True, False, True], [False, False, True]], device="cpu")
+        values = torch.randn(3, 4, generator=g, dtype=torch.float64, device="cpu")
+        want = hidden + torch.zeros_like(hidden).index_put((positions,), values)
+        try:
+            got = own(language_model, hidden.clone(), positions, values)
+        except Exception:  # noqa: BLE001 - a merge that cannot run on plain tensors is one hf_tp does not know
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
 
 
 def sequence_addend(hidden_states: DTensor, positions: torch.Tensor, values: torch.Tensor) -> DTensor:

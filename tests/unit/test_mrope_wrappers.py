@@ -77,3 +77,28 @@ def test_deepstack_merge_hf_tp_does_not_know_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"Writes's DeepStack merge on sequence shards.*sequence_parallel=False"):
         shard_deepstack(Writes())
+
+
+def test_estimate_counts_deepstack_mergers_as_projector() -> None:
+    # hf-tp estimate runs the parallelized wrapper on fake tensors: the DeepStack merge is checked
+    # on real ones, and its mergers are trained projector weights.
+    _skip_unless("qwen3_vl")
+    from hf_tp.estimate import estimate
+    from tests.wrapper_grid import wrapper_config
+
+    config = wrapper_config("qwen3_vl")
+    split = estimate(config, tp=2, dp=2, seq_len=64, batch_size=1, dtype="bf16")
+    model = _meta_model(config)
+    adapter = hf_tp.get_adapter(config)
+    passengers = [(n, p.numel()) for n, p in model.named_parameters() if adapter.is_passenger(n)]
+    assert split.projector_params == sum(k for n, k in passengers if not in_tower(adapter, n))
+    assert any("deepstack_merger_list" in n for n, _ in passengers if not in_tower(adapter, n))
+
+
+def _meta_model(config):
+    import torch
+
+    from hf_tp.adapters.wrapper import model_from_config
+
+    with torch.device("meta"):
+        return model_from_config(config)
