@@ -47,6 +47,8 @@ GLM_IDS = dict(image_token_id=IMAGE, image_start_token_id=291, image_end_token_i
 DEEPSTACK = {"vision_config": dict(deepstack_visual_indexes=[0])}
 FAMILIES.update(
     {
+        # Qwen2-VL's vision hidden_size is its merger's output: the language model's width
+        "qwen2_vl": ({"": QWEN_IDS, "vision_config": dict(hidden_size=64)}, 0, 0),
         "qwen2_5_vl": ({"": QWEN_IDS}, 0, 0),
         **{mt: ({"": QWEN_IDS, **DEEPSTACK}, 0, 0) for mt in ("qwen3_vl", "qwen3_vl_moe")},
         **{mt: ({"": GLM_IDS}, 0, 0) for mt in ("glm4v", "glm4v_moe")},

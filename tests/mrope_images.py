@@ -1,4 +1,4 @@
-"""Images for the image grid's 3-D mrope families (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4V):
+"""Images for the image grid's 3-D mrope families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4V(-MoE)):
 random RGB pictures of different sizes through each family's own image processor, built offline
 with the grid's vision sizes (14-pixel patches, two frames per temporal patch, 2x2 merge), so that
 ``pixel_values`` and ``image_grid_thw`` are laid out as the processor lays them out and each image
@@ -12,6 +12,7 @@ import torch
 
 # model_type -> its image processor (transformers' PIL one: the torchvision one needs torchvision)
 IMAGE_PROCESSORS = {
+    "qwen2_vl": "Qwen2VLImageProcessorPil",
     "qwen2_5_vl": "Qwen2VLImageProcessorPil",
     "qwen3_vl": "Qwen2VLImageProcessorPil",
     "qwen3_vl_moe": "Qwen2VLImageProcessorPil",
