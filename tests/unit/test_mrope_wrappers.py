@@ -102,3 +102,39 @@ def _meta_model(config):
 
     with torch.device("meta"):
         return model_from_config(config)
+
+
+def test_packed_text_rows_keep_their_documents_apart() -> None:
+    # hf_tp packs documents with position_ids that restart (no attention mask). Qwen2.5-VL expands
+    # 2-D position_ids to its three rotary rows only, so its masks never see them; hf_tp hands them
+    # over as transformers' 4-row packing form (text first), which plain HF is given here too.
+    _skip_unless("qwen2_5_vl")
+    import copy
+
+    import torch
+
+    from tests.helpers import run_threaded
+    from tests.parity import assert_parity, train_steps
+    from tests.wrapper_grid import wrapper_config, wrapper_model
+
+    config = wrapper_config("qwen2_5_vl")
+    ref = wrapper_model(config)
+    candidates = [copy.deepcopy(ref) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 280, (2, 16), generator=g)
+    positions = torch.cat([torch.arange(7), torch.arange(9)]).expand(2, 16)
+    data = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    four = {**data, "position_ids": positions[None].expand(4, 2, 16)}
+    with torch.no_grad():
+        apart, mixed = (ref(**d, use_cache=False).logits for d in (four, data))
+    assert (apart - mixed).abs().max() > 1e-3  # the 2-D form lets the documents see each other
+    # plain HF given the 4-row form at its entry (train_steps slices every input by rows)
+    ref.register_forward_pre_hook(lambda _, args, kw: (args, {**kw, **four}), with_kwargs=True)
+    want = train_steps(ref, data, steps=2)
+
+    def rank_fn(rank: int) -> None:
+        model = hf_tp.parallelize(candidates[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        got = train_steps(model, data, steps=2, ctx=hf_tp.loss_parallel)
+        assert_parity(got, want)
+
+    run_threaded(2, rank_fn)
