@@ -14,7 +14,6 @@ from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.deepstack import shard_deepstack
 from hf_tp.parallel.dropout import install_model_dropout
-from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
@@ -83,8 +82,6 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
-    if adapter.language_model:  # packed text rows: the document positions in the form its masks read
-        pass_packed_positions(model.get_submodule(adapter.language_model))
     if adapter.language_model and opts.sequence_parallel:
         split_at_language_model(model, adapter, tp_mesh)  # a wrapper: after its image features merged in
         shard_deepstack(model.get_submodule(adapter.language_model))  # Qwen3-VL's features in early layers
