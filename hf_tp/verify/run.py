@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
 from hf_tp.verify.compare import adam_error, tensor_error
 from hf_tp.verify.faults import requested
 from hf_tp.verify.model import make_batch, random_model, save_model
 from hf_tp.verify.reference import Settings, reference_run
-from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.verify.report import ADAM, EXACT, NORM, VALUES, Check
 
 # from_pretrained is not thread-safe (ranks run as threads of one process in the unit tests)
@@ -28,14 +28,15 @@ _LOADING = threading.Lock()
 LORA_B_STD = 0.1  # LoRA's B starts at zero in training; random here, so the first gradients reach A
 
 
-def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> list[Check]:
-    """The checks of ``cfg``'s layout on this rank (the process group is up). ``work``: a folder
-    every rank can read (the checkpoint is written there)."""
+def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str, list[Check]]:
+    """(what was checked, in words; the checks of ``cfg``'s layout on this rank). The process
+    group is up; ``work`` is a folder every rank can read (the checkpoint is written there)."""
     from hf_tp.plan.build import resolve_config
     from hf_tp.verify.shrink import cut_config
 
     fault = requested()
     config = cut_config(resolve_config(cfg.model)[0], cfg.tp, cfg.seq_len)
+    about = describe(cfg, config, device)
     if dist.get_rank() == 0:  # rank 0 draws the weights; every rank's reference and candidate load them
         save_model(random_model(config, cfg.seed), work / "model")
     dist.barrier()
@@ -52,7 +53,7 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> list[Chec
     try:
         logits = candidate.first_forward(model, batch, rank)
     except Exception as exc:  # noqa: BLE001 - a layout that cannot run: reported, the rest not run
-        return [Check.crashed("logits", exc)] + [Check.skipped(n, "the first forward failed") for n in LATER]
+        return about, [Check.crashed("logits", exc)] + [Check.skipped(n, "the first forward failed") for n in LATER]
     checks = [
         Check.of(
             "logits",
@@ -68,7 +69,19 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> list[Chec
     ref.load_state_dict(got.params, strict=False)  # the export must hold the layout's own weights
     error = roundtrip.on_rank0(lambda: roundtrip.export_error(ckpt, work / "export", peft or ref, bool(peft)))
     checks.append(Check.of("export round trip", error, EXACT))
-    return checks
+    return about, checks
+
+
+def describe(cfg: TrainConfig, config, device: torch.device) -> str:
+    """The header line: the layout, the cut model and the data."""
+    layout = f"tp {cfg.tp}" + (f" x cp {cfg.cp}" if cfg.cp > 1 else "") + f" x dp {cfg.dp}"
+    layout += (f" (ep {cfg.ep})" if cfg.ep > 1 else "") + (f", LoRA r {cfg.lora_r}" if cfg.lora_r else "")
+    return (
+        f"hf-tp verify: {layout} on {cfg.world_size} {device.type} rank{'s' if cfg.world_size > 1 else ''} vs one "
+        f"rank; {cfg.model} cut to {config.num_hidden_layers} layer{'s' if config.num_hidden_layers > 1 else ''} "
+        f"(one of each kind), hidden {config.hidden_size}, vocab {config.vocab_size}, random fp32 weights; "
+        f"{_rows(cfg)} rows of {cfg.seq_len} tokens, {cfg.max_steps} AdamW steps"
+    )
 
 
 LATER = ("loss", "gradients", "gradient norm", "buffers", "AdamW steps", "checkpoint resume", "export round trip")
