@@ -21,6 +21,9 @@ from hf_tp.styles.experts import hf_shapes
 KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm.bias")
 
 
+MOVED_FLOOR = 1e-4
+
+
 @dataclass(frozen=True)
 class Error:
     """The largest difference over a set of tensors: absolute, and relative to the largest
@@ -97,8 +100,9 @@ def adam_error(
     grads: dict[str, torch.Tensor] | None = None,
     got_grads: dict[str, torch.Tensor] | None = None,
 ) -> Error:
-    """Weights after AdamW steps: the largest, over tensors, of |W_got - W_want| / |W_want - W_start|
-    (norms) over the elements whose first gradient is resolved; ``rel`` is that ratio.
+    """Weights after AdamW steps: the largest, over tensors, of |W_got - W_want| / (|W_want - W_start|
+    + 1e-4) (norms) over the elements whose first gradient is resolved; ``rel`` is that ratio (the
+    1e-4: a tensor that barely moved is allowed 1e-7 of round-off at a tolerance of 1e-3).
 
     An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
     lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
@@ -120,7 +124,7 @@ def adam_error(
         moved = (w - start[name])[resolved].norm().item()
         err = (got[name].to(w.device, w.dtype) - w)[resolved].norm().item()
         err = math.inf if math.isnan(err) else err
-        rel = err / moved if moved > 0 else (0.0 if err <= 1e-7 else math.inf)
+        rel = err / (moved + MOVED_FLOOR)
         if rel > worst.rel:
             worst = Error(err, rel, name)
     return worst

@@ -14,12 +14,11 @@ RESULT_ENV = "HF_TP_VERIFY_RESULT"  # file the launching process reads the exit 
 def rank_main(cfg: TrainConfig) -> int:
     """0 when every check passed, 1 otherwise (the report printed by rank 0)."""
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
     from hf_tp.train.distributed import init_distributed, resolve_device
     from hf_tp.verify.report import gathered, render
     from hf_tp.verify.run import remove, verify_rank, work_dir
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the tiny model's saves and loads: no bars between the lines
     device = resolve_device(cfg)
