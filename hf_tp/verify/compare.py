@@ -99,6 +99,7 @@ def adam_error(
     start: dict[str, torch.Tensor],
     grads: dict[str, torch.Tensor] | None = None,
     got_grads: dict[str, torch.Tensor] | None = None,
+    max_unresolved: float = 1e-3,
 ) -> Error:
     """Weights after AdamW steps: the largest, over tensors, of |W_got - W_want| / (|W_want - W_start|
     + 1e-4) (norms) over the elements whose first gradient is resolved; ``rel`` is that ratio (the
@@ -107,8 +108,9 @@ def adam_error(
     An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
     lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
     elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the
-    tensor's RMS gradient, scaled by the dtype's epsilon) are left out; at most 1 in 1000 of a
-    tensor may be, or the tensor counts as failed (``where`` says so). Given ``got_grads`` too, an
+    tensor's RMS gradient, scaled by the dtype's epsilon) are left out; at most ``max_unresolved``
+    of a tensor may be (far less than one tp shard of it), or the tensor counts as failed
+    (``where`` says so). Given ``got_grads`` too, an
     element whose gradient differs by over a tenth of itself is not resolved either (at most 1 in
     100): a float64 model that computes parts in fp32 has fp32 round-off in its gradients.
     """
@@ -118,7 +120,7 @@ def adam_error(
     for name, w in want.items():
         if name.endswith(KEY_BIASES):  # exactly zero gradient in exact arithmetic: its update is round-off
             continue
-        resolved, problem = _resolved(name, w, grads, got_grads)
+        resolved, problem = _resolved(name, w, grads, got_grads, max_unresolved)
         if problem:
             return Error(math.inf, math.inf, problem)
         moved = (w - start[name])[resolved].norm().item()
@@ -131,7 +133,7 @@ def adam_error(
 
 
 def _resolved(
-    name: str, w: torch.Tensor, grads: dict | None, got_grads: dict | None
+    name: str, w: torch.Tensor, grads: dict | None, got_grads: dict | None, max_unresolved: float
 ) -> tuple[torch.Tensor, str | None]:
     """The elements of ``w`` whose first gradient is resolved, or a reason the tensor cannot pass."""
     resolved = torch.ones_like(w, dtype=torch.bool)
@@ -142,7 +144,7 @@ def _resolved(
     floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
     resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
     unresolved = int((~resolved).sum())
-    if unresolved > g.numel() // 1000:
+    if unresolved > int(g.numel() * max_unresolved):
         return resolved, f"{name}: {unresolved} of {g.numel()} gradients are ~0"
     if got_grads is not None and name in got_grads:
         noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name].to(g.device, g.dtype) - g).abs())

@@ -13,6 +13,11 @@ from hf_tp.verify.compare import Error
 # relative to each tensor's largest magnitude; on AdamW weights, relative to how far they moved.
 VALUES = 1e-5
 ADAM = 1e-3
+# The share of a tensor whose first gradient may be too small to give AdamW's update a direction
+# (left out of the AdamW check). The test grids' tiny models allow 1 in 1000; a real vocabulary
+# seen by a few dozen tokens has more: 1903 of 1.7M (0.11%) of Llama-3.2-1B's cut tied embedding.
+# 1% is still far below one tp shard of a tensor.
+UNRESOLVED = 1e-2
 EXACT = 1e-6  # what a checkpoint or export only copies
 # A gradient norm sums a million squares in fp32: measured against float64, torch's own clip was
 # 3e-5 off and hf_tp's 1.5e-5 (gradients equal to 6e-7); a wrong norm (a replicated weight counted
