@@ -3,7 +3,6 @@ model's config from a local folder, expert parallelism over FSDP2 on CPU (gloo).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,16 +12,15 @@ from pathlib import Path
 import pytest
 
 from tests.family_grid import grid_config
+from tests.verify_grid import model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
 def test_moe_expert_parallel_passes(tmp_path) -> None:
-    folder = tmp_path / "moe"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(grid_config("qwen3_moe", vocab_size=300).to_dict()))
-    cmd = [sys.executable, "-m", "hf_tp.cli.main", "verify", "--model", str(folder), "--device", "cpu"]
+    folder = model_dir(tmp_path / "moe", grid_config("qwen3_moe", vocab_size=300))
+    cmd = [sys.executable, "-m", "hf_tp.cli.main", "verify", "--model", folder, "--device", "cpu"]
     cmd += ["--tp", "1", "--dp", "2", "--ep", "2", "--max-steps", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
