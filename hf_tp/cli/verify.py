@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hf_tp.cli.formatting import subcommand_parser
+from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
 
 EPILOG = """examples:
   hf-tp verify --model llama-3.1-8b --tp 2                  # 2 ranks: GPUs if visible, else CPU
@@ -32,14 +32,7 @@ SHARED = ("model", "tp", "dp", "cp", "ep", "lora_r", "lora_alpha", "lora_target_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
-
-    names = ", ".join(bundled_models())
-    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE); must divide dp x cp")
+    add_model_and_layout(p, dp=True)
     p.add_argument("--lora-r", type=int, default=0, help="check LoRA adapters of this rank (peft); 0: full training")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x r)")
     p.add_argument("--lora-target-modules", default="all-linear", help="LoRA targets, as hf-tp train takes them")
