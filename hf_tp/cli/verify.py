@@ -73,6 +73,10 @@ def checked(cfg) -> str:
     from hf_tp.verify.shrink import cut_config
 
     cfg.resolve().validate()
+    if cfg.nnodes > 1 and not cfg.output_dir:
+        raise ValueError(
+            "on several nodes give --output-dir: a folder every node sees (the model and checkpoint go there)"
+        )
     check_packages(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)

@@ -53,14 +53,6 @@ class Check:
         return f"{'ok  ' if self.ok else 'FAIL'}  {self.name:<{width}}  {self.text}"
 
 
-def worst(*errors: Error) -> Error:
-    """The error with the largest relative part (names that differ first)."""
-    for e in errors:
-        if e.missing:
-            return e
-    return max(errors, key=lambda e: (e.rel, e.abs))
-
-
 def gathered(checks: list[Check]) -> list[Check]:
     """Every rank's checks, merged: a check fails if it failed on any rank (that rank's line)."""
     everyone: list = [None] * dist.get_world_size()

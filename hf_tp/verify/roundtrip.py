@@ -36,7 +36,10 @@ def other_layouts(cfg: TrainConfig) -> list[TrainConfig]:
     world = cfg.world_size
     shapes = [(1, world), (world, 1)] + ([(2, world // 2)] if world % 2 == 0 else [])
     current = (cfg.tp, cfg.dp) if cfg.cp == 1 and cfg.ep == 1 else None
-    return [dataclasses.replace(cfg, tp=tp, dp=dp, cp=1, ep=1) for tp, dp in shapes if (tp, dp) != current]
+    others = [
+        dataclasses.replace(cfg, tp=tp, dp=dp, cp=1, ep=1) for tp, dp in dict.fromkeys(shapes) if (tp, dp) != current
+    ]
+    return others or [cfg]  # one rank: resumed on the same mesh
 
 
 def resume_model(cfg: TrainConfig, device: torch.device, lora_state: dict | None, build) -> tuple:
