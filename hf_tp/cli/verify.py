@@ -21,7 +21,7 @@ from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
 
 EPILOG = """examples:
   hf-tp verify --model llama-3.1-8b --tp 2                  # 2 ranks: GPUs if visible, else CPU
-  hf-tp verify --model qwen3-30b-a3b --tp 2 --dp 2 --ep 2
+  hf-tp verify --model qwen3-30b-a3b --tp 1 --dp 2 --ep 2      # a MoE under expert parallelism
   hf-tp verify --model ./my-model --tp 2 --cp 2 --lora-r 8
 
 Exit code: 0 every check passed, 1 a check failed, 2 the model or layout was refused. The weights
