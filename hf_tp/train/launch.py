@@ -52,8 +52,9 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     )
 
 
-def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
-    """The ``accelerate launch`` arguments that run ``python -m hf_tp.train`` on every rank."""
+def launcher_args(cfg: TrainConfig, config_path: Path, module: str = "hf_tp.train") -> list[str]:
+    """The ``accelerate launch`` arguments that run ``python -m MODULE --config CONFIG_PATH`` on
+    every rank (``hf_tp.train``; ``hf_tp.verify`` for ``hf-tp verify``)."""
     return [
         "--multi_gpu",  # accelerate's switch for "several processes"; it works with gloo on CPU
         "--num_processes",
@@ -71,13 +72,13 @@ def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
         "--dynamo_backend",
         "no",
         "-m",
-        "hf_tp.train",
+        module,
         "--config",
         str(config_path),
     ]
 
 
-def launch(cfg: TrainConfig, *, verbose: bool = False) -> int:
+def launch(cfg: TrainConfig, *, verbose: bool = False, module: str = "hf_tp.train") -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
     ranks ended) as the last line; returns 0, 2 (bad input), 1, 75 when a stop signal (SIGTERM,
     SIGUSR1) made the ranks save a checkpoint and exit, or 128 + N when signal N (Ctrl-C) ended them.
@@ -93,7 +94,7 @@ def launch(cfg: TrainConfig, *, verbose: bool = False) -> int:
         config_path = Path(folder) / "config.yaml"  # the ranks' settings; not the run's record
         cfg.save(config_path)
         with _environment(env):
-            code = _run_launcher(launcher_args(cfg, config_path), Path(folder), verbose)
+            code = _run_launcher(launcher_args(cfg, config_path, module), Path(folder), verbose)
         if code == 0 or code > 128:  # success, or stopped by a signal (said already)
             return code
         if (Path(folder) / PREEMPTED_FILE).is_file():  # rank 0 printed where the checkpoint is
