@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
-from hf_tp.verify.compare import adam_error
+from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,
     batch,

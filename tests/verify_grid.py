@@ -27,7 +27,13 @@ from hf_tp.verify.run import verify_rank
 from tests.family_grid import grid_config
 from tests.helpers import run_threaded, tiny_config
 
-DENSE = ("--tp", "2"), ("--tp", "2", "--dp", "2"), ("--tp", "1", "--cp", "2"), ("--tp", "2", "--lora-r", "4")
+DENSE = (
+    ("--tp", "2"),
+    ("--tp", "2", "--dp", "2"),
+    ("--tp", "1", "--cp", "2"),
+    ("--tp", "2", "--cp", "2"),
+    ("--tp", "2", "--lora-r", "4"),
+)
 MOE = ("--tp", "2"), ("--tp", "2", "--dp", "2"), ("--tp", "1", "--dp", "2", "--ep", "2")
 _BUILDING = threading.Lock()
 

@@ -45,6 +45,7 @@ class Rank:
     mesh: DeviceMesh
     dp: int
     loss_parallel: bool
+    fused: bool  # the loss fused with the lm_head, decided as the loop decides it: once, right after the build
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per = batch["input_ids"].shape[0] // self.dp
@@ -78,10 +79,10 @@ def want_logits(model: nn.Module, reference: torch.Tensor, rank: Rank) -> torch.
 def train(model: nn.Module, opt, batch: dict[str, torch.Tensor], rank: Rank, s: Settings, steps: int) -> Trace:
     """``steps`` optimizer steps of the training loop on this rank's rows of ``batch``."""
     trace = Trace(start=full_params(model, trainable_only=True), buffers=full_buffers(model))
-    local, count, fused = rank.rows(batch), targets(batch), fusable(model)
+    local, count = rank.rows(batch), targets(batch)
     for step in range(steps):
         with loss_context(rank.loss_parallel):
-            loss, _ = training_loss(model, local, count, fused, rank.route_group)
+            loss, _ = training_loss(model, local, count, rank.fused, rank.route_group)
             # the loss is over the global target count: the dp ranks' gradients add up (FSDP2 averages)
             (loss * rank.dp).backward()
         total = full(loss).detach().float().clone()
@@ -101,7 +102,7 @@ def run(
 ) -> tuple[nn.Module, torch.optim.Optimizer, Rank]:
     """Build the candidate and its optimizer (as the loop builds it: fused AdamW on GPUs)."""
     model = build(cfg, mesh, device, lora_state, fault)
-    rank = Rank(mesh, cfg.dp, cfg.loss_parallel)
+    rank = Rank(mesh, cfg.dp, cfg.loss_parallel, fusable(model))
     return model, optimizer(model, settings_of(cfg), fused=device.type == "cuda"), rank
 
 
