@@ -75,6 +75,13 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
     return batch_source(cfg, train, collate, dp_rank, device)
 
 
+def saved_with_checkpoints(batches: object, tokenizer: Any) -> Any:
+    """What a checkpoint keeps for export beside the config: the processor that rendered image +
+    text rows (its image processor and chat template, with the tokenizer), else the tokenizer."""
+    collate = getattr(batches, "collate", None)
+    return collate.processor if isinstance(collate, ImageBatchCollator) else tokenizer
+
+
 def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | PackedStream, datasets.Dataset | None]:
     """The training rows and the evaluation set (None without one), built on rank 0 first (the
     cache is shared). ``--eval-split`` holds out a seeded fraction of the training documents before
