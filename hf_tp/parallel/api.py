@@ -133,7 +133,7 @@ def _check(
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
-    check_wrapper(adapter, peft=peft, ep=ep, cp=cp is not None)
+    check_wrapper(adapter, ep=ep, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
@@ -152,6 +152,8 @@ def _check(
         raise ValueError(
             f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
         )
+    if train_vision and peft:
+        raise ValueError("train_vision_tower trains the tower's own weights, which a peft LoRA model freezes: drop one")
     freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 

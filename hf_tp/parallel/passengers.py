@@ -33,14 +33,13 @@ TOWER = re.compile(r"(vision|visual|audio|speech|image_encoder|tower|vqmodel|vq_
 PROJECTOR_INSIDE_TOWER = ("merger",)  # Qwen-VL / Qwen3.5 keep the projector inside model.visual
 
 
-def check_wrapper(adapter: Adapter, *, peft: bool, ep: int, cp: bool) -> None:
+def check_wrapper(adapter: Adapter, *, ep: int, cp: bool) -> None:
     """Refuse, in one line, what hf_tp has not verified on a multimodal wrapper."""
     if not adapter.language_model:
         return
     unverified = [
         what
         for what, asked in (
-            ("LoRA", peft),
             ("expert parallelism (ep > 1)", ep > 1),
             ("context parallelism (cp > 1)", cp),
         )
