@@ -124,7 +124,7 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
     """Merge image features into the whole sequence, then split it at the language model's entry.
 
     The embedding keeps the text model's plan (a sequence-sharded DTensor out of a reduce-scatter).
-    For a call of the wrapper's base model that carries images, a hook makes it whole (plain, the
+    For a call of the wrapper (or its base model) that carries images, a hook makes it whole (plain, the
     same on every tp rank: one all-gather; backward a local slice), so the wrapper's own forward
     scatters the image features into it; a pre-hook on the language model then turns the merged
     ``inputs_embeds`` into ``Shard(1)`` again (a local slice, no communication; its backward
@@ -136,11 +136,16 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
     embedding = model.get_input_embeddings()
     base = model.get_submodule(adapter.language_model.rpartition(".")[0])
 
-    def images_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        embedding.hf_tp_whole = carries_images(kwargs) or any(isinstance(a, torch.Tensor) for a in args[1:])
+    calls: list[bool] = []  # the wrapper's and its base model's calls under way: whether each carries images
 
-    def text_after(*_) -> None:
-        embedding.hf_tp_whole = False
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append(carries_images(kwargs) or any(isinstance(a, torch.Tensor) for a in args[1:]))
+        embedding.hf_tp_whole = any(calls)
+
+    def leave(*_) -> None:
+        if calls:
+            calls.pop()
+        embedding.hf_tp_whole = any(calls)
 
     def whole(module: nn.Module, args: tuple, output):
         return output.full_tensor() if module.__dict__.get("hf_tp_whole") and isinstance(output, DTensor) else None
@@ -162,8 +167,9 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
             )
         return args, {**kwargs, "inputs_embeds": embeds}
 
-    base.register_forward_pre_hook(images_in, with_kwargs=True)
-    base.register_forward_hook(text_after, always_call=True)
+    for entry in {id(m): m for m in (model, base)}.values():  # the fused loss calls the base model itself
+        entry.register_forward_pre_hook(enter, with_kwargs=True)
+        entry.register_forward_hook(leave, always_call=True)
     embedding.register_forward_hook(whole)
     lm.register_forward_pre_hook(hook, with_kwargs=True)
     _whole_rows_before_language_model(model, adapter.language_model)
