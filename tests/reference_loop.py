@@ -52,6 +52,7 @@ def reference_run(
     raw = load_text_dataset(dataset)
     held_out = None
     if is_image_data(raw.column_names):  # image + text rows: the processor encodes and batches them
+        assert not eval_split, "hf-tp train evaluates no image + text data"
         processor = AutoProcessor.from_pretrained(model_dir)
         where = dict(label=f"'{dataset}'", base_dir=dataset_dir(dataset))
         data, _ = encode_image_dataset(raw, processor, seq_len=seq_len, assistant_only=True, **where)
