@@ -71,8 +71,9 @@ def test_image_train_resume_on_another_mesh_export_and_generate(tmp_path: Path) 
     want, _, _ = reference_run(str(model_dir), str(data), **schedule, wrap=_frozen_tower, weights_out=want_weights)
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for step, (r, w) in enumerate(zip(records, want, strict=True)):
-        assert abs(r["loss"] - w) <= 1e-5 * abs(w), f"step {step + 1}: hf-tp loss {r['loss']} vs plain HF {w}"
+    got_losses = [r["loss"] for r in records]
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got_losses, want, strict=True))
+    assert worst <= 1e-5, f"hf-tp losses {got_losses} vs plain HF {want}"
 
     export = run / "export"
     got = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
@@ -92,4 +93,6 @@ def test_image_train_resume_on_another_mesh_export_and_generate(tmp_path: Path) 
     tokens, logits = _greedy(got.eval(), prompt)
     want_tokens, want_logits = _greedy(start.eval(), prompt)
     assert torch.equal(tokens, want_tokens), f"export decodes {tokens.tolist()}, plain HF {want_tokens.tolist()}"
-    assert ((logits - want_logits).abs().max() / want_logits.abs().max()).item() < 1e-5
+    logits_diff = ((logits - want_logits).abs().max() / want_logits.abs().max()).item()
+    assert logits_diff < 1e-5
+    print(f"image e2e: losses {worst:.1e} (relative), generate logits {logits_diff:.1e} (of the largest)")
