@@ -37,8 +37,12 @@ class StepBatchSource:
         rows = self.order.local_indices(
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
-        batches = [to_device(self.collate([self.data[i] for i in r]), self.device) for r in rows]
+        batches = [to_device(self.collate(self.micro_rows(step, m, r)), self.device) for m, r in enumerate(rows)]
         return StepBatches(num_targets, sum(len(ex["input_ids"]) for ex in examples), batches)
+
+    def micro_rows(self, step: int, micro_step: int, indices: list[int]) -> list:
+        """The rows this rank collates for one micro-step (the rows of ``indices``)."""
+        return [self.data[i] for i in indices]
 
 
 def count_batch_targets(examples: list, step: int) -> int:

@@ -211,8 +211,8 @@ def _checked_for_training(
     """The checks ``hf-tp train`` makes of LoRA and cp (on a multimodal wrapper: what hf_tp has not
     verified there, refused before building); returns the config in full precision (a quantized
     checkpoint: hf_tp trains its dequantized copy)."""
-    if lora_r or cp > 1:
-        check_wrapper(get_adapter(full_precision(config)), peft=lora_r > 0, ep=ep, cp=cp > 1)
+    if cp > 1:
+        check_wrapper(get_adapter(full_precision(config)), ep=ep, cp=True)
     if lora_r:
         TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
     return full_precision(config)

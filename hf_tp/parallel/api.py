@@ -135,7 +135,7 @@ def _check(
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
-    check_wrapper(adapter, peft=peft, ep=ep, cp=cp is not None)
+    check_wrapper(adapter, ep=ep, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
@@ -154,6 +154,8 @@ def _check(
         raise ValueError(
             f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
         )
+    if train_vision and peft:
+        raise ValueError("train_vision_tower trains the tower's own weights, which a peft LoRA model freezes: drop one")
     freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
     if adapter.language_model:  # a wrapper's packed text rows: document positions as its masks read them
         pass_packed_positions(model.get_submodule(adapter.language_model))

@@ -75,7 +75,15 @@ def _refusal(module: nn.Module, style: ParallelStyle | object | None) -> str | N
 def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
     """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
     ``ep``. At tp = 1 and ep = 1 nothing is sharded and every peft module runs as in plain peft;
-    with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them."""
+    with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them.
+    On a multimodal wrapper LoRA sits on the language model: its tower and projector run whole."""
+    for path in _peft_modules(model):
+        if adapter.is_passenger(path):
+            raise ValueError(
+                f"LoRA on {path}: it lies in the {adapter.model_type} wrapper's vision tower or projector, which "
+                "hf_tp runs whole and has not verified LoRA on; put LoRA on the language model (peft's "
+                "exclude_modules, or hf-tp train's default)"
+            )
     if tp == 1 and ep == 1:
         return
     plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."

@@ -19,6 +19,7 @@ from hf_tp.data.datasets import load_stream
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
 from hf_tp.data.formats.rows import ROW_COLUMN, skipped_summary
 from hf_tp.data.image_data import check_image_rows, dataset_dir, encode_image_dataset
+from hf_tp.data.image_steps import ImageStepBatchSource
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
@@ -73,6 +74,13 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
         print("hf-tp: image + text rows are not packed: each row is one conversation, padded", file=sys.stderr)
     collate = ImageBatchCollator(processor, multiple_of=cfg.row_multiple, base_dir=base)
     return batch_source(cfg, train, collate, dp_rank, device)
+
+
+def saved_with_checkpoints(batches: object, tokenizer: Any) -> Any:
+    """What a checkpoint keeps for export beside the config: the processor that rendered image +
+    text rows (its image processor and chat template, with the tokenizer), else the tokenizer."""
+    collate = getattr(batches, "collate", None)
+    return collate.processor if isinstance(collate, ImageBatchCollator) else tokenizer
 
 
 def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | PackedStream, datasets.Dataset | None]:
@@ -142,7 +150,8 @@ def batch_source(
     if isinstance(train, PackedStream):
         return StreamingBatchSource(train, cfg.global_batch, collate, dp_rank, cfg.dp, **sizes)
     order = GlobalBatchOrder(num_examples=len(train), global_batch=cfg.global_batch, seed=cfg.seed)
-    return StepBatchSource(train, order, collate, dp_rank, cfg.dp, **sizes)
+    source = ImageStepBatchSource if isinstance(collate, ImageBatchCollator) else StepBatchSource  # dp ranks in step
+    return source(train, order, collate, dp_rank, cfg.dp, **sizes)
 
 
 def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> TrainConfig:

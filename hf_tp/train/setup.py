@@ -20,7 +20,7 @@ from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.data import build_batches, with_document_masking_checked
+from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
@@ -41,7 +41,7 @@ class Run:
     out: Path
     device: torch.device
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: object  # saved with checkpoints: the tokenizer, or the processor for image + text data
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatchSource | StreamingBatchSource
@@ -89,7 +89,7 @@ def set_up(cfg: TrainConfig) -> Run:
         out=out,
         device=device,
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=saved_with_checkpoints(batches, tokenizer),
         opt=opt,
         sched=build_scheduler(opt, cfg),
         batches=batches,

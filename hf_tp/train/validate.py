@@ -108,7 +108,7 @@ def validate_model_config(
     if adapter.language_model and ep > 1:
         from hf_tp.parallel.passengers import check_wrapper
 
-        check_wrapper(adapter, peft=False, ep=ep, cp=False)
+        check_wrapper(adapter, ep=ep, cp=False)
     config = adapter.layers_config(config)  # a multimodal wrapper's sizes are its language model's
     if ep > 1:
         experts = num_experts(config)
@@ -194,6 +194,8 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
             f"--train-vision-tower needs a multimodal checkpoint; this {model_config.model_type} model has no "
             "vision tower (leave the flag out)"
         )
+    if cfg.train_vision_tower and cfg.lora_r:
+        raise ValueError("--train-vision-tower trains the tower's own weights, which --lora-r freezes: drop one")
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
     rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
