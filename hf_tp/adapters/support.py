@@ -107,6 +107,8 @@ MOE: dict[str, str] = {
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "nemotron_h": "one mixer per layer, Mamba-2 (whole on every rank), attention, ReLU^2 MLP or MoE by layer index: each layer's mixer gets its kind's plan (attention and MLP projections named by hf_tp)",
+    "minimax": "lightning linear attention (whole on every rank) and softmax attention (split by heads) under one name (self_attn), each layer's by its kind",
 }
 
 # model_type -> why hf_tp refuses it (the error message names this reason)
@@ -118,10 +120,8 @@ REFUSED: dict[str, str] = {
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
-    "minimax": "linear-attention and attention layers share the name self_attn with different plans",
     "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
     "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
-    "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
     "inkling2_text": "its tp plan shards the embedding with its own style",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",

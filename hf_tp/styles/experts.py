@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.styles.choice import PerLayerChoice
+
 
 @dataclass(frozen=True)
 class Role:
@@ -67,7 +69,8 @@ class MoERegion(ParallelStyle):
 
     ``roles`` maps every parameter under the block (dotted names relative to it) to its
     :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
-    keyword ``hidden_states``, else the number of positional arguments, hidden states first).
+    keyword ``hidden_states``, else the number of positional arguments, hidden states first; -1: as
+    each call passes them, by that keyword or else first).
     """
 
     def __init__(
@@ -107,7 +110,7 @@ class MoERegion(ParallelStyle):
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
                 owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
-            if self.positional == 0:
+            if self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs):
                 kwargs = {**kwargs, "hidden_states": to_region(kwargs["hidden_states"])}
             else:
                 args = (to_region(args[0]), *args[1:])
@@ -175,7 +178,7 @@ def _scale_aux_grad(router: nn.Module, scale: float) -> None:
     router.register_forward_hook(scaled)
 
 
-class DenseOrMoE(ParallelStyle):
+class DenseOrMoE(PerLayerChoice):
     """One plan entry for a block that is a dense MLP in some layers and a MoE block in others
     (DeepSeek's first dense layers, Qwen's ``mlp_only_layers``): the MoE style where the block has
     its experts module, the dense one elsewhere."""
@@ -184,9 +187,9 @@ class DenseOrMoE(ParallelStyle):
         super().__init__()
         self.dense, self.moe, self.experts = dense, moe, experts
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def select(self, module: nn.Module) -> ParallelStyle | None:
         try:
             module.get_submodule(self.experts)
         except AttributeError:
-            return module if self.dense is None else self.dense._apply(module, device_mesh)
-        return self.moe._apply(module, device_mesh)
+            return self.dense
+        return self.moe
