@@ -93,7 +93,7 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
         moe=bool(d.regions),
-        experts=tuple(sorted(f"{b}.{r.experts}" if r.experts else b for b, r in d.regions.items())),
+        experts=tuple(sorted(f"{b}.{r.experts}" for b, r in d.regions.items())),
     )
 
 
