@@ -39,6 +39,8 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # Mistral4ForCausalLM is not found from its config); the releases between were not run.
     "mimo_v2_flash": ("5.24.0", "a tensor-parallel plan of its attention sinks"),
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
+    # per-layer mixers: held to parity at 5.24, earlier releases not run
+    **{mt: ("5.24.0", "a tensor-parallel plan of its per-layer mixers") for mt in ("minimax", "nemotron_h")},
 }
 
 

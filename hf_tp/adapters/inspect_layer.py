@@ -28,7 +28,14 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     if own := [
         p for p, s in layer_styles.items() if s == "moe_tp_experts" and "." not in p and has_submodule(layer, p)
     ]:
-        raise refuse(mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, not by a MoE block")
+        raise refuse(
+            mt,
+            f"its routed experts ({own[0]}) are called by the decoder layer itself, not by a MoE block (Gemma 4's "
+            "enable_moe_block=True): the layer flattens batch and sequence into tokens for its own router and "
+            "experts, and torch's DTensor cannot flatten a sequence-parallel one-token sequence (generate's decode "
+            "steps: 'would remove or reshape sharded dimension 1'); the dense variant trains with hf_tp, this one "
+            "only without tensor parallelism (FSDP2 over dp)",
+        )
     if not moe and (holders := expert_holders(layer, config)):  # (transformers added expert plans in 5.21)
         raise refuse(
             mt,
