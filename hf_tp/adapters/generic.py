@@ -93,7 +93,8 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
         moe=bool(d.regions),
-        experts=tuple(sorted(f"{b}.{r.experts}" for b, r in d.regions.items())),
+        experts=tuple(sorted(f"{b}.{r.experts}" if r.experts else b for b, r in d.regions.items())),
+        flattens_tokens=any(not r.experts for r in d.regions.values()),  # experts the layer calls itself
     )
 
 

@@ -29,8 +29,8 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     kinds: dict[tuple[str, ...], nn.Module] = {}  # parameter names -> first layer of that kind
     for layer in layers:
         kinds.setdefault(tuple(n for n, _ in layer.named_parameters()), layer)
-    routers = router_classes(model)
-    facts = [layer_facts(mt, config, layer, layer_styles, routers) for layer in kinds.values()]
+    routers = (router_classes(model), router_classes(model, base=True))
+    facts = [layer_facts(mt, config, layer, layer_styles, *routers) for layer in kinds.values()]
     mixers = per_kind_blocks(mt, facts, list(kinds.values()))  # blocks whose kind changes by layer
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     _norms_run_as_blocks(mt, merged, list(kinds.values()))

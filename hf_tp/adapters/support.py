@@ -56,7 +56,7 @@ GENERIC: dict[str, str] = {
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
     "minicpm3": "latent attention (low-rank q and kv projections) runs whole on every rank, its parameters replicated",
     "youtu": "latent attention (no tp plan for it) runs whole on every rank, its parameters replicated",
-    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); dense layers only (enable_moe_block=True is refused: its layer flattens the split sequence for its own experts, which DTensor cannot do for generate's one-token steps)",
+    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); its MoE variant (enable_moe_block=True: the layer calls router and experts itself on flattened tokens) runs the experts as an expert-TP region, router and norms per token",
 }
 
 # Mixture-of-experts families: model_type -> what the generic plan handles in it. Every MoE block

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.dropout import install_model_dropout
+from hf_tp.parallel.one_token import gather_one_token_steps
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
@@ -78,6 +79,8 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         for attention in {p.rpartition(".")[0] for p in replicated_kv if has_submodule(layer, p)}:
             set_local_kv_groups(layer.get_submodule(attention), config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
+        if adapter.flattens_tokens:
+            gather_one_token_steps(layer)
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
