@@ -114,7 +114,7 @@ MOE: dict[str, str] = {
 # model_type -> why hf_tp refuses it (the error message names this reason)
 REFUSED: dict[str, str] = {
     "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
-    "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
+    "gemma3n_text": "its residual stream is 4 AltUp streams stacked ahead of the batch ([altup, batch, seq, hidden]: the sequence is dim 2, not the dim 1 that sequence parallelism splits) and its MLP's activation sparsity takes the mean and std over the whole intermediate width that tp splits; train it with plain FSDP2 or DDP",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
     "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",

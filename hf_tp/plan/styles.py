@@ -146,8 +146,8 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
     if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
-    if kind == "per_token":
-        return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters(recurse=False)}
+    if kind == "per_token":  # (a router with its own submodules too)
+        return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
     if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
         return {n: Placed(None, "") for n, _ in module.named_parameters()}
     if kind == "width_norm":
