@@ -131,6 +131,13 @@ REFUSED: dict[str, str] = {
     "lfm2_moe": "its model cannot be built from its default config",
 }
 
+# model_type -> why bf16 mixed precision (FSDP2: bf16 compute, fp32 master weights and buffers)
+# cannot train it; fp32 can (the refusal says so)
+MIXED_PRECISION_REFUSED: dict[str, str] = {
+    "minimax": "its lightning attention multiplies its fp32 decay buffers with bf16 activations and then "
+    "matmuls the fp32 result with a bf16 state (RuntimeError: expected scalar type Float but found BFloat16)",
+}
+
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the
 # error message is this one line, naming the wrapper)
 WRAPPER_REFUSED: dict[str, str] = {

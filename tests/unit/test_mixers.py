@@ -75,3 +75,12 @@ def test_nemotron_h_tp4_replicates_kv_heads_of_its_attention_layers_only() -> No
 def test_nemotron_h_tp2_ep2() -> None:
     # experts split over tp and placed whole over ep in its MoE layer, the other kinds as at tp2
     run_family_ep("nemotron_h", tp=2)
+
+
+def test_minimax_under_bf16_mixed_precision_is_refused_before_anything_is_built() -> None:
+    # its lightning attention mixes fp32 decay buffers with bf16 compute: a RuntimeError deep in
+    # the forward otherwise (hf-tp train checks the same before launch)
+    from hf_tp.estimate.api import estimate
+
+    with pytest.raises(ValueError, match=r"bf16 mixed precision cannot train this minimax model: .*--dtype fp32"):
+        estimate(grid_config("minimax"), tp=2, dp=1, seq_len=16, batch_size=1, dtype="bf16")
