@@ -84,3 +84,13 @@ def test_minimax_under_bf16_mixed_precision_is_refused_before_anything_is_built(
 
     with pytest.raises(ValueError, match=r"bf16 mixed precision cannot train this minimax model: .*--dtype fp32"):
         estimate(grid_config("minimax"), tp=2, dp=1, seq_len=16, batch_size=1, dtype="bf16")
+
+
+def test_lora_on_every_kind_of_minimax_attention() -> None:
+    # LoRA on softmax attention (split with its heads) and on lightning attention (whole on every
+    # rank, its factors replicated): the ByKind entry's kinds are LoRA-aware, each in its layers
+    from tests.family_grid import grid_model
+    from tests.lora_grid import attention_targets, lora, run_lora
+
+    model = grid_model(grid_config("minimax", vocab_size=300))
+    assert run_lora(lora(model, attention_targets(model)), tp=2)["lora"] == 14
