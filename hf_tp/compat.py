@@ -41,6 +41,8 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
     # Qwen3-VL-MoE's language model: 5.17's plan names no experts (held to parity at 5.24)
     "qwen3_vl_moe_text": ("5.24.0", EXPERTS),
+    # per-layer mixers: held to parity at 5.24, earlier releases not run
+    **{mt: ("5.24.0", "a tensor-parallel plan of its per-layer mixers") for mt in ("minimax", "nemotron_h")},
 }
 
 

@@ -101,6 +101,15 @@ FAMILY_EXTRAS.update(
         "lfm3": dict(layer_types=["conv", "full_attention"]),
         "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
         "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_ssm=128),
+        # One layer of each mixer kind (Mamba, MoE, attention, MLP: its default), Mamba and shared expert scaled
+        "nemotron_h": dict(
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            chunk_size=16,
+            moe_shared_expert_intermediate_size=48,
+        ),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
         # A dense layer (its MLP is intermediate_size_mlp wide, 16384 by default), then a MoE layer

@@ -5,6 +5,7 @@ Layers, each importing only those below it:
   wrapper                   a multimodal wrapper: its language model's adapter re-rooted, passengers
   generic                   the rules: facts read off a model -> the TP+SP plans of an Adapter
   inspect_model             read a model: its layer kinds merged, embedding, final norms, lm_head
+  mixers                    blocks whose kind changes by layer (a plan entry per module class)
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them
   inspect_moe               read a layer's mixture-of-experts blocks: each parameter's role
   adapter, facts, modules,  the types (Adapter, Derivation), small module/config queries, source

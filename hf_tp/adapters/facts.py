@@ -33,6 +33,15 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Mixer:
+    """One kind of a layer-level block whose kind changes by layer (Nemotron-H's ``mixer``, MiniMax's
+    ``self_attn``): how that kind is called and the parameters it runs whole with (replicated)."""
+
+    block: Block
+    params: tuple[str, ...] = ()  # its own parameters outside the plan (a block that runs whole)
+
+
+@dataclass(frozen=True)
 class Region:
     """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
 
@@ -75,3 +84,6 @@ class Derivation:
     plain_lm_head: bool = False
     widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check
     kv_vary: bool = False  # layer kinds differ in their K/V heads (no replication across tp ranks)
+    # blocks whose kind changes by layer: path -> module class name -> that kind (the plan's entry
+    # chooses per layer; a MoE kind is in ``regions``)
+    mixers: dict[str, dict[str, Mixer]] = field(hash=False, default_factory=dict)

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -45,14 +46,17 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
-from hf_tp.adapters.facts import Block, Derivation, refuse
+from hf_tp.adapters.facts import Block, Derivation, Mixer, refuse
 from hf_tp.adapters.inspect_model import inspect_model
 from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
+from hf_tp.adapters.source import AS_CALLED
 from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.styles import (
+    ByKind,
     ColwiseOwnOutput,
     Compose,
     DenseOrMoE,
+    GatherAsCalled,
     LocalHeadParams,
     LocalParamViews,
     MoERegion,
@@ -90,7 +94,8 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
         moe=bool(d.regions),
-        experts=tuple(sorted(f"{b}.{r.experts}" for b, r in d.regions.items())),
+        experts=tuple(sorted(f"{b}.{r.experts}" if r.experts else b for b, r in d.regions.items())),
+        flattens_tokens=any(not r.experts for r in d.regions.values()),  # experts the layer calls itself
     )
 
 
@@ -119,11 +124,10 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
         for path in d.layer_linears:
             plan[path] = PerTokenOnShards()
         for path, block in d.blocks.items():
-            plan[path] = (
-                Compose(_gather_input(block), ReplicatedToSequenceShards())
-                if block.replicated
-                else _gather_input(block)
-            )
+            if path not in d.mixers:
+                plan[path] = _block_style(block)
+    for path, kinds in d.mixers.items():  # a block whose kind changes by layer: each kind's plan
+        plan[path] = ByKind({cls: _mixer_style(m, opts) for cls, m in kinds.items()})
     for path, names in d.region_params.items():
         own = LocalParamViews(names, Replicate())
         plan[path] = Compose(plan[path], own) if path in plan else own
@@ -136,10 +140,24 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     return dict(sorted(plan.items()))
 
 
+def _block_style(block: Block) -> ParallelStyle:
+    """A block's entry: its input gathered; a replicated block's output handed back as shards."""
+    return Compose(_gather_input(block), ReplicatedToSequenceShards()) if block.replicated else _gather_input(block)
+
+
+def _mixer_style(mixer: Mixer, opts: PlanOptions) -> ParallelStyle | None:
+    """One kind of a per-layer mixer: as its block (under SP), its own parameters replicated."""
+    styles = [_block_style(mixer.block)] if opts.sequence_parallel else []
+    styles += [LocalParamViews(mixer.params, Replicate())] if mixer.params else []
+    return Compose(*styles) if len(styles) > 1 else next(iter(styles), None)
+
+
 def _gather_input(block: Block) -> PrepareModuleInput:
     """All-gather the block's hidden-states input from sequence shards (the other inputs pass); a
     replicated block gets it as a plain tensor (its code mixes it with plain tensors)."""
     local = block.replicated
+    if block.positional == AS_CALLED:  # the layer's calls differ (by layer kind)
+        return GatherAsCalled(use_local_output=local)
     if block.positional == 0:
         return PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},

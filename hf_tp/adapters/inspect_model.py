@@ -15,6 +15,7 @@ from torch import nn
 from hf_tp.adapters.facts import Derivation, refuse
 from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
+from hf_tp.adapters.mixers import per_kind_blocks
 from hf_tp.adapters.modules import has_submodule, is_linear, is_norm
 from hf_tp.adapters.source import plain_logits
 
@@ -28,8 +29,9 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     kinds: dict[tuple[str, ...], nn.Module] = {}  # parameter names -> first layer of that kind
     for layer in layers:
         kinds.setdefault(tuple(n for n, _ in layer.named_parameters()), layer)
-    routers = router_classes(model)
-    facts = [layer_facts(mt, config, layer, layer_styles, routers) for layer in kinds.values()]
+    routers = (router_classes(model), router_classes(model, base=True))
+    facts = [layer_facts(mt, config, layer, layer_styles, *routers) for layer in kinds.values()]
+    mixers = per_kind_blocks(mt, facts, list(kinds.values()))  # blocks whose kind changes by layer
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     _norms_run_as_blocks(mt, merged, list(kinds.values()))
     top = _top_level(model, layers_path, config.hidden_size)
@@ -54,6 +56,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         and model.get_decoder() is model.get_submodule(base_model_path(model)),
         widths=tuple(widths),
         kv_vary=_kv_vary(layers, merged["kv"], config),
+        mixers=mixers,
     )
 
 

@@ -134,9 +134,13 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-def router_classes(model: nn.Module) -> tuple[type, ...]:
-    """The module classes whose output HF records as ``router_logits``."""
+def router_classes(model: nn.Module, base: bool = False) -> tuple[type, ...]:
+    """The module classes whose output HF records as ``router_logits``; with ``base``, the base
+    model's too where the causal LM declares none (Gemma 4's router, a child of its layer)."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
+    if base and not recorders.get("router_logits"):
+        found = (getattr(m, "_can_record_outputs", None) or {} for m in model.modules())
+        recorders = next((r for r in found if r.get("router_logits")), {})
     rec = recorders.get("router_logits")
     out = []
     for item in rec if isinstance(rec, list | tuple) else [rec]:
@@ -164,3 +168,23 @@ def moe_region(
         widths=tuple(widths),
         aux_exact=all(returns_tuple(layer.get_submodule(f"{block}.{r}" if r else block)) for r in router_paths),
     )
+
+
+def layer_experts_region(mt: str, layer: nn.Module, path: str, layer_styles: dict[str, str]) -> Region:
+    """Experts the decoder layer calls itself (Gemma 4's MoE layers: its router and experts are the
+    layer's own children, called on the flattened tokens): the experts module alone is the region,
+    its input and routing gathered from the rank's tokens, its partial output reduce-scattered back
+    to them; the router runs per token on the rank's tokens (a plan entry of its own)."""
+    module = layer.get_submodule(path)
+    if any(True for c in module.children() if any(True for _ in c.parameters())):
+        raise refuse(mt, f"the experts {path} that its decoder layer calls itself hold submodules with parameters")
+    own = dict(module.named_parameters(recurse=False))
+    transposed = bool(getattr(module, "is_transposed", False))
+    roles = {n: _expert_role(mt, path, n, p, layer_styles, own, transposed) for n, p in own.items()}
+    widths = [
+        (f"{path}.{n}", own[n].shape[r.dim] // (2 if r.packed else 1)) for n, r in roles.items() if r.kind == "shard"
+    ]
+    positional = hidden_states_passing(layer, path)
+    if positional is None:
+        raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {path}")
+    return Region(roles=roles, positional=positional, routers=(), experts="", widths=tuple(widths), aux_exact=True)

@@ -11,7 +11,10 @@ the family grid.
 - LFM2: attention layers (``out_proj``, per-head norms) mixed with short-convolution layers;
   SwiGLU ``feed_forward`` as ``w1`` (gate), ``w3`` (up), ``w2`` (down);
 - LFM3: as LFM2, plus ``g_proj``, one sigmoid output gate per query head (split with the heads);
-- Bamba, Falcon-H1: Mamba-2 mixers (whole) beside attention, a gated ``feed_forward``.
+- Bamba, Falcon-H1: Mamba-2 mixers (whole) beside attention, a gated ``feed_forward``;
+- Nemotron-H: one ``mixer`` per layer that is Mamba-2, attention, a ReLU^2 MLP or a MoE block by
+  layer index; transformers' plan names only the experts, hf_tp adds the attention and MLP
+  projections (each layer's mixer gets its kind's plan: :mod:`hf_tp.adapters.mixers`).
 """
 
 from hf_tp.adapters.overrides import register_plan_overrides
@@ -37,3 +40,10 @@ register_plan_overrides(
     {**_attention(), "layers.*.self_attn.g_proj": "colwise", **_mlp("feed_forward", "w1", "w3", "w2")},
 )
 register_plan_overrides(("bamba", "falcon_h1"), {**_attention(), **_mlp("feed_forward")})
+register_plan_overrides(
+    ("nemotron_h",),
+    {
+        **{f"layers.*.mixer.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj", "up_proj")},
+        **{f"layers.*.mixer.{p}": "rowwise" for p in ("o_proj", "down_proj")},
+    },
+)

@@ -70,12 +70,21 @@ def call_style(call: ast.Call, first: str | None) -> int | None:
     return None
 
 
+AS_CALLED = -1  # the calls differ (by layer kind): the hidden states as each call passes them
+
+
 def hidden_states_passing(layer: nn.Module, child: str) -> int | None:
     """How ``layer``'s forward passes the hidden states to its child ``child`` (as
-    :func:`call_style`), or None when the calls disagree or cannot be read."""
+    :func:`call_style`); :data:`AS_CALLED` when several calls differ but each passes them first or
+    by the keyword ``hidden_states`` (a child whose kind changes by layer: Nemotron-H's mixer is
+    called by keyword as attention, by position as Mamba or an MLP); None when unreadable."""
     first = first_param(type(layer.get_submodule(child)).forward)
-    styles = {call_style(call, first) for call in self_calls(type(layer).forward).get(child, [])}
-    return styles.pop() if len(styles) == 1 and None not in styles else None
+    calls = self_calls(type(layer).forward).get(child, [])
+    styles = {call_style(call, first) for call in calls}
+    if len(styles) == 1 and None not in styles:
+        return styles.pop()
+    readable = all(call_style(call, "hidden_states") is not None for call in calls)
+    return AS_CALLED if len(calls) > 1 and readable else None
 
 
 def returns_tuple(module: nn.Module) -> bool:

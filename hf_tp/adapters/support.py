@@ -58,7 +58,7 @@ GENERIC: dict[str, str] = {
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
     "minicpm3": "latent attention (low-rank q and kv projections) runs whole on every rank, its parameters replicated",
     "youtu": "latent attention (no tp plan for it) runs whole on every rank, its parameters replicated",
-    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); dense layers only (enable_moe_block=False: its layer calls its experts itself)",
+    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); its MoE variant (enable_moe_block=True: the layer calls router and experts itself on flattened tokens) runs the experts as an expert-TP region, router and norms per token",
 }
 
 # Mixture-of-experts families: model_type -> what the generic plan handles in it. Every MoE block
@@ -109,21 +109,21 @@ MOE: dict[str, str] = {
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "nemotron_h": "one mixer per layer, Mamba-2 (whole on every rank), attention, ReLU^2 MLP or MoE by layer index: each layer's mixer gets its kind's plan (attention and MLP projections named by hf_tp)",
+    "minimax": "lightning linear attention (whole on every rank) and softmax attention (split by heads) under one name (self_attn), each layer's by its kind; fp32 only (its fp32 decay buffers break bf16 mixed precision)",
 }
 
 # model_type -> why hf_tp refuses it (the error message names this reason)
 REFUSED: dict[str, str] = {
     "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
-    "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
+    "gemma3n_text": "its residual stream is 4 AltUp streams stacked ahead of the batch ([altup, batch, seq, hidden]: the sequence is dim 2, not the dim 1 that sequence parallelism splits) and its MLP's activation sparsity takes the mean and std over the whole intermediate width that tp splits; train it with plain FSDP2 or DDP",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
     "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
-    "minimax": "linear-attention and attention layers share the name self_attn with different plans",
     "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
     "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
-    "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
     "inkling2_text": "its tp plan shards the embedding with its own style",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
@@ -144,6 +144,13 @@ TEXT_TOWERS: dict[str, str] = {
     "qwen3_vl_moe_text": "Qwen3-MoE layers; 3-D interleaved mrope; DeepStack visual features added on sequence shards",
     "glm4v_text": "GLM-4 layers (packed gate_up_proj run gathered); 3-D mrope positions",
     "glm4v_moe_text": "GLM-4.5 MoE layers with shared experts; partial 3-D mrope positions",
+}
+
+# model_type -> why bf16 mixed precision (FSDP2: bf16 compute, fp32 master weights and buffers)
+# cannot train it; fp32 can (the refusal says so)
+MIXED_PRECISION_REFUSED: dict[str, str] = {
+    "minimax": "its lightning attention multiplies its fp32 decay buffers with bf16 activations and then "
+    "matmuls the fp32 result with a bf16 state (RuntimeError: expected scalar type Float but found BFloat16)",
 }
 
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the

@@ -36,7 +36,7 @@ from hf_tp.estimate.step import (
 from hf_tp.estimate.work import Work, WorkCounter
 from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.validate import validate_model_config
+from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
 __all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "validate_inputs"]
 
@@ -119,6 +119,7 @@ def validate_inputs(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
+    check_mixed_precision(config, dtype)
     if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
         raise UnsupportedRelease(refusal)
     if (dp * cp) % ep:

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.styles.choice import PerLayerChoice
+
 
 @dataclass(frozen=True)
 class Role:
@@ -67,7 +69,8 @@ class MoERegion(ParallelStyle):
 
     ``roles`` maps every parameter under the block (dotted names relative to it) to its
     :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
-    keyword ``hidden_states``, else the number of positional arguments, hidden states first).
+    keyword ``hidden_states``, else the number of positional arguments, hidden states first; -1: as
+    each call passes them, by that keyword or else first).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class MoERegion(ParallelStyle):
             owner.__dict__.setdefault("hf_tp_region_roles", {})[leaf] = (role, tp)
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
+        layout = [(seq_layout,)]  # the hidden states' token layout at entry, restored at exit
 
         def to_region(x):
             """The block's input, whole on every rank; its gradient is a partial sum."""
@@ -107,18 +111,22 @@ class MoERegion(ParallelStyle):
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
                 owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
-            if self.positional == 0:
-                kwargs = {**kwargs, "hidden_states": to_region(kwargs["hidden_states"])}
-            else:
-                args = (to_region(args[0]), *args[1:])
-            return args, kwargs
+            by_keyword = self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs)
+            hidden = kwargs["hidden_states"] if by_keyword else args[0]
+            # experts a layer calls itself (Gemma 4) take its flattened tokens, in their own layout
+            layout[0] = hidden.placements if isinstance(hidden, DTensor) else (seq_layout,)
+            if by_keyword:
+                return args, {**kwargs, "hidden_states": to_region(hidden)}
+            # further token-sharded arguments (such experts' routing weights and indices) gathered too
+            rest = (to_region(a) if isinstance(a, DTensor) else a for a in args[1:])
+            return (to_region(hidden), *rest), kwargs
 
         def leave(mod: nn.Module, args, kwargs, output):
             for owner, leaf, _ in owners:
                 owner.__dict__.pop(leaf, None)
             first = output[0] if isinstance(output, tuple) else output
             out = DTensor.from_local(first, device_mesh, [Partial()], run_check=False).redistribute(
-                device_mesh, [seq_layout]
+                device_mesh, layout[0]
             )
             if not self.sequence_parallel:
                 out = out.to_local()
@@ -175,7 +183,7 @@ def _scale_aux_grad(router: nn.Module, scale: float) -> None:
     router.register_forward_hook(scaled)
 
 
-class DenseOrMoE(ParallelStyle):
+class DenseOrMoE(PerLayerChoice):
     """One plan entry for a block that is a dense MLP in some layers and a MoE block in others
     (DeepSeek's first dense layers, Qwen's ``mlp_only_layers``): the MoE style where the block has
     its experts module, the dense one elsewhere."""
@@ -184,9 +192,9 @@ class DenseOrMoE(ParallelStyle):
         super().__init__()
         self.dense, self.moe, self.experts = dense, moe, experts
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def select(self, module: nn.Module) -> ParallelStyle | None:
         try:
             module.get_submodule(self.experts)
         except AttributeError:
-            return module if self.dense is None else self.dense._apply(module, device_mesh)
-        return self.moe._apply(module, device_mesh)
+            return self.dense
+        return self.moe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 
@@ -21,37 +21,57 @@ class ColwiseOwnOutput(ColwiseParallel):
 
 
 class PerTokenOnShards(ParallelStyle):
-    """A per-token module outside the sharded blocks (Gemma 4's per-layer input projection) run on
-    the rank's sequence shard: its weights replicated over tp, its input a ``Shard(1)`` DTensor
-    taken local (torch's ``SequenceParallel`` would hand ``nn.Linear`` a DTensor whose batch and
-    sharded sequence dims it cannot flatten), its output that shard again. Each rank's weight
-    gradient covers its own tokens: marked ``Partial`` and summed over tp like the norms'."""
+    """A per-token module outside the sharded blocks (Gemma 4's per-layer input projection, the
+    router and norms of a layer that calls its experts itself) run on the rank's tokens: its weights
+    (its submodules' too) replicated over tp, its input a token-sharded DTensor (``Shard(1)`` of the
+    residual stream, or the strided shard DTensor makes of it when the layer flattens batch and
+    sequence) taken local (torch's ``SequenceParallel`` would re-split a flattened input, and hand
+    ``nn.Linear`` a DTensor whose sharded sequence dim it cannot flatten), each output of the same
+    rank as the input handed back in the input's layout. Each rank's weight gradient covers its own
+    tokens: marked ``Partial`` and summed over tp like the norms'."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(
-                name, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]), param.requires_grad)
-            )
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        shape: list = []
+        owners = []  # (module, parameter name)
+        for owner in module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                dt = distribute_tensor(param, device_mesh, [Replicate()])
+                owner.register_parameter(name, nn.Parameter(dt, param.requires_grad))
+                owners.append((owner, name))
+        layout: list = []
 
         def to_local(mod: nn.Module, args):
             x = args[0]
-            if not isinstance(x, DTensor) or x.placements != (Shard(1),):
+            # tokens split over tp (each rank's weight gradient a partial sum), or whole on every rank
+            # (a one-token step a layer had to gather: every rank computes the same, whole gradient)
+            split = isinstance(x, DTensor) and all(_token_shard(p, x.ndim) for p in x.placements)
+            if not split and not (isinstance(x, DTensor) and all(p.is_replicate() for p in x.placements)):
                 raise ValueError(f"{type(mod).__name__} runs per token on sequence shards; got {type(x).__name__}")
-            shape[:] = [x.shape, x.placements]
-            for n in names:  # an instance attribute shadows the registered parameter for the call
-                mod.__dict__[n] = mod._parameters[n].to_local(grad_placements=[Partial()])
+            layout[:] = [x.shape, x.placements]
+            grads = [Partial()] if split else [Replicate()]
+            for owner, n in owners:  # an instance attribute shadows the registered parameter for the call
+                owner.__dict__[n] = owner._parameters[n].to_local(grad_placements=grads)
             return (x.to_local(), *args[1:])
 
-        def to_shards(mod: nn.Module, args, output: torch.Tensor):
-            for n in names:
-                mod.__dict__.pop(n, None)
-            full, placements = shape
-            size = torch.Size([*full[:-1], output.shape[-1]])
-            stride = torch.empty(size, device="meta").stride()
-            return DTensor.from_local(output, device_mesh, placements, run_check=False, shape=size, stride=stride)
+        def to_shards(mod: nn.Module, args, output):
+            for owner, n in owners:
+                owner.__dict__.pop(n, None)
+            full, placements = layout
+
+            def wrap(out):
+                if not torch.is_tensor(out) or out.dim() != len(full):
+                    return out
+                size = torch.Size([*full[:-1], out.shape[-1]])
+                stride = torch.empty(size, device="meta").stride()
+                return DTensor.from_local(out, device_mesh, placements, run_check=False, shape=size, stride=stride)
+
+            return tuple(wrap(o) for o in output) if isinstance(output, tuple) else wrap(output)
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(to_shards)
         return module
+
+
+def _token_shard(placement, ndim: int) -> bool:
+    """A shard over tokens: of a dim other than the features (a plain or strided ``Shard``)."""
+    dim = getattr(placement, "dim", None)
+    return not placement.is_replicate() and not placement.is_partial() and dim is not None and dim % ndim != ndim - 1

@@ -128,6 +128,18 @@ def validate_model_config(
         )
 
 
+def check_mixed_precision(config: PretrainedConfig, dtype: str) -> None:
+    """A family whose own code breaks under bf16 mixed precision (fp32 buffers beside bf16
+    compute) is refused before launch (``hf-tp train``, ``hf-tp estimate``), naming the fix."""
+    from hf_tp.adapters.support import MIXED_PRECISION_REFUSED
+
+    mt = (getattr(config, "text_config", None) or config).model_type
+    if dtype == "bf16" and mt in MIXED_PRECISION_REFUSED:
+        raise ValueError(
+            f"bf16 mixed precision cannot train this {mt} model: {MIXED_PRECISION_REFUSED[mt]}; train it in fp32 (--dtype fp32)"
+        )
+
+
 def check_dataset_source(source: str) -> None:
     """A path-looking dataset that does not exist is an error now; Hub ids are checked on load."""
     looks_local = source.startswith((".", "/", "~")) or Path(source).suffix in {
@@ -189,6 +201,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    check_mixed_precision(model_config, cfg.compute_dtype_name(kind))
     if cfg.train_vision_tower and getattr(model_config, "text_config", None) is None:
         raise ValueError(
             f"--train-vision-tower needs a multimodal checkpoint; this {model_config.model_type} model has no "

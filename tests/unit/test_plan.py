@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tp
 from hf_tp.cli.main import main
+from hf_tp.compat import family_refusal
 from hf_tp.estimate.comm import CommCounter
 from hf_tp.plan import ModelPlan, plan_for
 from hf_tp.plan.collectives import summary
@@ -84,6 +85,11 @@ def test_one_dense_layer_is_the_megatron_sp_minimum() -> None:
 # (qwen3_5_text, lfm2), latent attention and a dense first layer (deepseek_v3), MoE regions with
 # sinks and biases (gpt_oss), learned activation scalars (apertus), scaled embeddings (gemma2).
 FAMILIES = ["llama", "phi3", "olmo2", "qwen3_5_text", "lfm2", "deepseek_v3", "gpt_oss", "apertus", "gemma2"]
+# per-layer mixers (a plan per mixer kind), on the release that serves them
+FAMILIES += [
+    pytest.param(mt, marks=pytest.mark.skipif(bool(family_refusal(mt)), reason=str(family_refusal(mt))))
+    for mt in ("nemotron_h", "minimax")
+]
 
 
 @pytest.fixture
