@@ -101,6 +101,10 @@ FAMILY_EXTRAS.update(
         # Its latent attention's head_dim is the nope + rope parts (the rotary covers the rope part only)
         "mistral4": dict(head_dim=32),
         # Per-layer embeddings at grid sizes (262144 x 8 x 256 by default) and narrower global heads
+        # Its default config sets no shared-expert count (the published one does), which the block multiplies by
+        "dots1": dict(n_shared_experts=1),
+        # A dense short-convolution layer, then a MoE attention layer (its defaults: no layer_types, 2 dense layers)
+        "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),

@@ -106,6 +106,8 @@ MOE: dict[str, str] = {
     "mimo_v2_flash": "value heads wider than query heads; per-head sinks on sliding-window layers only; KV heads change by layer (tp <= num_key_value_heads)",
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "dots1": "shared experts; dense first layer",
+    "lfm2_moe": "layer plan written by hf_tp (its plan names only the experts): LFM2's attention and dense layers around MoE blocks; short-convolution layers run whole",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
 }
 
@@ -127,8 +129,6 @@ REFUSED: dict[str, str] = {
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
     "deepseek_v4": "hyper-connection parameters outside the decoder layers",
     "hy_v4": "hyper-connection parameters outside the decoder layers",
-    "dots1": "its model cannot be built from its default config",
-    "lfm2_moe": "its model cannot be built from its default config",
 }
 
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the
