@@ -42,6 +42,7 @@ class Region:
     experts: str  # the experts module, relative to the block
     widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
     aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
+    output_norm: str = ""  # a norm the block applies to its combined output (the region ends at its input)
 
 
 @dataclass(frozen=True)

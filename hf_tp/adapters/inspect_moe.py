@@ -13,7 +13,9 @@ parameter under it a role:
   ``mlp.gate_proj``): column- or row-parallel, a row-parallel bias added once;
 - routers and gates (the module whose logits HF records, a Linear onto one score per expert or
   one gate value): replicated;
-- vectors (norms inside the block, score-correction biases): replicated.
+- vectors (norms inside the block, score-correction biases): replicated; but a norm the block
+  returns applied to its combined output (A.X-K1's ``post_mlp_layernorm``) is the region's
+  ``output_norm``: the region ends at its input and it runs as a sequence-parallel norm.
 
 Anything else (a Linear the plan does not split and that is not a gate) could add a whole,
 unsplit result to a partial sum: refused with its name, never guessed.
@@ -25,7 +27,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Region, refuse
 from hf_tp.adapters.modules import has_submodule, is_linear, num_experts
-from hf_tp.adapters.source import hidden_states_passing, returns_tuple
+from hf_tp.adapters.source import hidden_states_passing, returned_self_call, returns_tuple
 from hf_tp.styles.experts import Role
 
 EXPERT_DIMS = {
@@ -63,9 +65,10 @@ def region_roles(
     roles: dict[str, Role] = {}
     routers = [path for path, sub in module.named_modules() if isinstance(sub, router_classes)]
     widths = []
+    norm = output_norm(module, config.hidden_size)
     for path, sub in module.named_modules():
         own = dict(sub.named_parameters(recurse=False))
-        if not own:
+        if not own or (norm and path == norm):  # the output norm: outside the region (MoERegion.output_norm)
             continue
         full = f"{block}.{path}" if path else block
         prefix = f"{path}." if path else ""
@@ -95,6 +98,17 @@ def region_roles(
                 "which the tp plan does not split and is not a router or gate",
             )
     return roles, tuple(routers), widths
+
+
+def output_norm(block: nn.Module, hidden: int) -> str:
+    """The child norm ``block`` returns applied to its output (``return self.norm(h)``): only
+    vectors of the hidden width and no children of its own; "" when there is none."""
+    name = returned_self_call(block)
+    child = getattr(block, name, None) if name else None
+    if not isinstance(child, nn.Module) or next(child.children(), None) is not None:
+        return ""
+    params = list(child.parameters(recurse=False))
+    return name if params and all(tuple(p.shape) == (hidden,) for p in params) else ""
 
 
 def _is_gate(module: nn.Module, own: dict, num_experts: int | None, hidden: int) -> bool:
@@ -163,4 +177,5 @@ def moe_region(
         experts=experts[len(block) + 1 :],
         widths=tuple(widths),
         aux_exact=all(returns_tuple(layer.get_submodule(f"{block}.{r}" if r else block)) for r in router_paths),
+        output_norm=output_norm(layer.get_submodule(block), config.hidden_size),
     )

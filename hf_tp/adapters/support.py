@@ -106,6 +106,7 @@ MOE: dict[str, str] = {
     "mimo_v2_flash": "value heads wider than query heads; per-head sinks on sliding-window layers only; KV heads change by layer (tp <= num_key_value_heads)",
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "axk1": "shared experts; latent attention runs whole; a norm on the MoE block's output (the region is summed at its input, the norm sequence parallel)",
     "dots1": "shared experts; dense first layer",
     "lfm2_moe": "layer plan written by hf_tp (its plan names only the experts): LFM2's attention and dense layers around MoE blocks; short-convolution layers run whole",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
@@ -119,7 +120,6 @@ REFUSED: dict[str, str] = {
     "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
-    "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
     "minimax": "linear-attention and attention layers share the name self_attn with different plans",
     "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
     "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",

@@ -68,16 +68,26 @@ class MoERegion(ParallelStyle):
     ``roles`` maps every parameter under the block (dotted names relative to it) to its
     :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
     keyword ``hidden_states``, else the number of positional arguments, hidden states first).
+    ``output_norm`` names a norm the block applies to its combined output (A.X-K1's
+    ``post_mlp_layernorm``): a norm of a partial sum is not the norm of the sum, so the region
+    ends at that norm's input (the same one reduce-scatter, earlier) and the norm runs on sequence
+    shards under the plan's own style for it (``SequenceParallel``), its parameters outside ``roles``.
     """
 
     def __init__(
-        self, roles: dict[str, Role], positional: int, routers: tuple[str, ...] = (), sequence_parallel: bool = True
+        self,
+        roles: dict[str, Role],
+        positional: int,
+        routers: tuple[str, ...] = (),
+        sequence_parallel: bool = True,
+        output_norm: str = "",
     ) -> None:
         super().__init__()
         self.roles = roles
         self.positional = positional
         self.routers = routers
         self.sequence_parallel = sequence_parallel
+        self.output_norm = output_norm
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -113,19 +123,26 @@ class MoERegion(ParallelStyle):
                 args = (to_region(args[0]), *args[1:])
             return args, kwargs
 
+        def from_region(partial: torch.Tensor) -> torch.Tensor:
+            """Per-rank partial results summed: reduce-scattered to sequence shards (all-reduced, local, without SP)."""
+            out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
+            out = out.redistribute(device_mesh, [seq_layout])
+            return out if self.sequence_parallel else out.to_local()
+
         def leave(mod: nn.Module, args, kwargs, output):
             for owner, leaf, _ in owners:
                 owner.__dict__.pop(leaf, None)
+            if self.output_norm:  # already summed at the norm's input
+                return output
             first = output[0] if isinstance(output, tuple) else output
-            out = DTensor.from_local(first, device_mesh, [Partial()], run_check=False).redistribute(
-                device_mesh, [seq_layout]
-            )
-            if not self.sequence_parallel:
-                out = out.to_local()
+            out = from_region(first)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)
+        if self.output_norm:  # ahead of the norm's own style's input hook
+            norm = module.get_submodule(self.output_norm)
+            norm.register_forward_pre_hook(lambda mod, args: (from_region(args[0]), *args[1:]), prepend=True)
         for path in self.routers:
             _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
         return module
