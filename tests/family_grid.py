@@ -105,6 +105,10 @@ FAMILY_EXTRAS.update(
         "dots1": dict(n_shared_experts=1),
         # A dense short-convolution layer, then a MoE attention layer (its defaults: no layer_types, 2 dense layers)
         "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+        # A dense layer, then a MoE layer (every layer is MoE by default); its own names for the MLP widths
+        "minimax_m3_vl_text": dict(
+            mlp_layer_types=["dense", "sparse"], dense_intermediate_size=128, shared_intermediate_size=48
+        ),
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),

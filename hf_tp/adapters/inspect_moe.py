@@ -9,8 +9,10 @@ parameter under it a role:
   gate and up halves), an expert bias following its weight (sharded when the weight is split on
   its output dim, -1 for experts stored transposed, else added once);
 - Linear layers the plan shards (DeepSeek's ``shared_experts.gate_proj``) or whose name the
-  plan shards in a dense MLP of the same layer (Qwen2-MoE's ``shared_expert.gate_proj`` from
-  ``mlp.gate_proj``): column- or row-parallel, a row-parallel bias added once;
+  plan shards in a dense MLP or in the experts of the same layer (Qwen2-MoE's
+  ``shared_expert.gate_proj`` from ``mlp.gate_proj``; MiniMax-M3's packed
+  ``shared_experts.gate_up_proj`` from ``experts.gate_up_proj``): column- or row-parallel (a
+  packed one as its gate and up halves, each split), a row-parallel bias added once;
 - routers and gates (the module whose logits HF records, a Linear onto one score per expert or
   one gate value): replicated;
 - vectors (norms inside the block, score-correction biases): replicated; but a norm the block
@@ -36,7 +38,8 @@ EXPERT_DIMS = {
     "packed_rowwise": (-1, True),
     "rowwise": (-1, False),
 }
-LINEAR_DIMS = {"colwise": 0, "rowwise": 1}
+# A Linear's style -> (the dim of its weight a rank slices, packed gate|up halves)
+LINEAR_DIMS = {"colwise": (0, False), "rowwise": (1, False), "packed_colwise": (0, True)}
 # A shared expert's projections by HF's names, for plans that list none (Llama's MLP names)
 SHARED_EXPERT_STYLES = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
@@ -80,11 +83,11 @@ def region_roles(
                     size = param.shape[roles[prefix + name].dim] // (2 if roles[prefix + name].packed else 1)
                     widths.append((f"{full}.{name}", size))
         elif is_linear(sub) and (style := layer_styles.get(full) or _shared_style(path, dense_leaf, experts)):
-            dim = LINEAR_DIMS[style]
-            roles[prefix + "weight"] = Role("shard", dim)
+            dim, packed = LINEAR_DIMS[style]
+            roles[prefix + "weight"] = Role("shard", dim, packed)
             if sub.bias is not None:
-                roles[prefix + "bias"] = Role("shard", 0) if dim == 0 else Role("additive")
-            widths.append((full, sub.out_features if dim == 0 else sub.in_features))
+                roles[prefix + "bias"] = Role("shard", 0, packed) if dim == 0 else Role("additive")
+            widths.append((full, (sub.out_features // (2 if packed else 1)) if dim == 0 else sub.in_features))
         elif isinstance(sub, router_classes) or _is_gate(sub, own, experts_count, config.hidden_size):
             roles.update({prefix + n: Role("replicate") for n in own})
         elif any(path.startswith(r + ".") for r in routers):  # a router's own parts (Ernie's moe_statics)

@@ -108,6 +108,7 @@ MOE: dict[str, str] = {
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "axk1": "shared experts; latent attention runs whole; a norm on the MoE block's output (the region is summed at its input, the norm sequence parallel)",
     "dots1": "shared experts; dense first layer",
+    "minimax_m3_vl_text": "gathered attention; a packed shared-expert gate_up_proj Linear split as its experts' packed_colwise (gate and up halves, each split)",
     "lfm2_moe": "layer plan written by hf_tp (its plan names only the experts): LFM2's attention and dense layers around MoE blocks; short-convolution layers run whole",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
 }
@@ -121,7 +122,6 @@ REFUSED: dict[str, str] = {
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "minimax": "linear-attention and attention layers share the name self_attn with different plans",
-    "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
     "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
     "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
