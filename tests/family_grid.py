@@ -109,6 +109,10 @@ FAMILY_EXTRAS.update(
         "minimax_m3_vl_text": dict(
             mlp_layer_types=["dense", "sparse"], dense_intermediate_size=128, shared_intermediate_size=48
         ),
+        # Its sliding-window attention's own head counts and relative-position extent, at grid sizes
+        "inkling_text": dict(
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, rel_extent=32
+        ),
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),

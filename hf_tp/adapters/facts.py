@@ -69,6 +69,7 @@ class Derivation:
     blocks: dict[str, Block] = field(hash=False)
     regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
     embedding: str = ""
+    embedding_norm: str = ""  # a norm child the embedding applies to its lookup (relative to it)
     top_norms: tuple[str, ...] = ()  # norms outside the layers (sequence parallel), model-relative
     top_embeddings: tuple[str, ...] = ()  # further token embeddings (vocab-sharded as the input one)
     top_linears: tuple[str, ...] = ()  # per-token Linears outside the layers (replicated, sequence parallel)

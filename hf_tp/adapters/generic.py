@@ -159,7 +159,10 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
     seq = Shard(1) if opts.sequence_parallel else Replicate()
     plan: Plan = {
         d.embedding: ScaledEmbeddingRowwise(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
+            input_layouts=Replicate(),
+            output_layouts=seq,
+            use_local_output=not opts.sequence_parallel,
+            output_norm=d.embedding_norm,
         ),
     }
     if opts.loss_parallel:

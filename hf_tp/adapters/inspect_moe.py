@@ -8,6 +8,8 @@ parameter under it a role:
   (``packed_colwise``/``colwise``: dim -2, ``packed_rowwise``/``rowwise``: dim -1; packed ones as
   gate and up halves), an expert bias following its weight (sharded when the weight is split on
   its output dim, -1 for experts stored transposed, else added once);
+- 3-D weights the plan styles as experts outside the experts module (Inkling's shared experts
+  stored as ``[shared, intermediate, hidden]`` stacks): split as experts;
 - Linear layers the plan shards (DeepSeek's ``shared_experts.gate_proj``) or whose name the
   plan shards in a dense MLP or in the experts of the same layer (Qwen2-MoE's
   ``shared_expert.gate_proj`` from ``mlp.gate_proj``; MiniMax-M3's packed
@@ -29,7 +31,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Region, refuse
 from hf_tp.adapters.modules import has_submodule, is_linear, num_experts
-from hf_tp.adapters.source import hidden_states_passing, returned_self_call, returns_tuple
+from hf_tp.adapters.source import chunks_in_two, hidden_states_passing, returned_self_call, returns_tuple
 from hf_tp.styles.experts import Role
 
 EXPERT_DIMS = {
@@ -62,6 +64,7 @@ def region_roles(
     experts = [
         p[len(block) + 1 :] for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + ".")
     ]
+    layer_styles = _packed_halves(module, block, experts, layer_styles)
     dense_leaf = {p.rsplit(".", 1)[-1]: s for p, s in layer_styles.items() if s in LINEAR_DIMS}
     dense_leaf = {**SHARED_EXPERT_STYLES, **dense_leaf}
     experts_count = num_experts(config)
@@ -75,7 +78,7 @@ def region_roles(
             continue
         full = f"{block}.{path}" if path else block
         prefix = f"{path}." if path else ""
-        if path in experts:
+        if path in experts or _stacked_experts(full, own, layer_styles):
             for name, param in own.items():
                 transposed = bool(getattr(sub, "is_transposed", False))
                 roles[prefix + name] = _expert_role(mt, full, name, param, layer_styles, own, transposed)
@@ -112,6 +115,30 @@ def output_norm(block: nn.Module, hidden: int) -> str:
         return ""
     params = list(child.parameters(recurse=False))
     return name if params and all(tuple(p.shape) == (hidden,) for p in params) else ""
+
+
+def _packed_halves(module: nn.Module, block: str, experts: list[str], layer_styles: dict[str, str]) -> dict[str, str]:
+    """``layer_styles`` with a packed gate|up experts weight that the plan calls plain ``colwise``
+    (Inkling's ``gate_up_proj``) read as ``packed_colwise``: its output is twice the intermediate
+    width of the experts' row-parallel weight and their forward chunks it in two halves, so a plain
+    split would hand one rank the gates and the other the ups."""
+    out = dict(layer_styles)
+    for path in experts:
+        sub = module.get_submodule(path)
+        if getattr(sub, "is_transposed", False) or not chunks_in_two(type(sub).forward):
+            continue
+        own = {f"{block}.{path}.{n}": p for n, p in sub.named_parameters(recurse=False) if p.dim() == 3}
+        inter = {p.shape[-1] for n, p in own.items() if layer_styles.get(n) == "rowwise"}
+        for name, param in own.items():
+            if layer_styles.get(name) == "colwise" and param.shape[-2] in {2 * i for i in inter}:
+                out[name] = "packed_colwise"
+    return out
+
+
+def _stacked_experts(full: str, own: dict, layer_styles: dict[str, str]) -> bool:
+    """A module outside the plan's experts whose weights are 3-D stacks the plan splits as experts
+    (Inkling's shared experts ``[shared, intermediate, hidden]``, styled colwise / rowwise)."""
+    return all(p.dim() == 3 and layer_styles.get(f"{full}.{n}") in EXPERT_DIMS for n, p in own.items())
 
 
 def _is_gate(module: nn.Module, own: dict, num_experts: int | None, hidden: int) -> bool:

@@ -86,6 +86,20 @@ def returns_tuple(module: nn.Module) -> bool:
     return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
 
 
+def chunks_in_two(fn) -> bool:
+    """The source splits a tensor into two halves (``x.chunk(2, ...)``): a packed gate|up output."""
+    tree = source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "chunk"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == 2
+        for n in ast.walk(tree)
+    )
+
+
 def returned_self_call(module: nn.Module) -> str | None:
     """``X`` when every ``return`` of the module's forward is ``self.X(...)`` (a block that
     ends in a child of its own, e.g. a norm of its output), else None."""
