@@ -108,11 +108,15 @@ class MoERegion(ParallelStyle):
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
 
+        shape: list[torch.Size] = []  # the gathered input's shape, [batch, sequence, hidden]
+
         def to_region(x):
             """The block's input, whole on every rank; its gradient is a partial sum."""
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [seq_layout], run_check=False)
-            return x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            x = x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            shape[:] = [x.shape]
+            return x
 
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
@@ -124,7 +128,12 @@ class MoERegion(ParallelStyle):
             return args, kwargs
 
         def from_region(partial: torch.Tensor) -> torch.Tensor:
-            """Per-rank partial results summed: reduce-scattered to sequence shards (all-reduced, local, without SP)."""
+            """Per-rank partial results summed: reduce-scattered to sequence shards (all-reduced, local, without SP).
+            An output with the tokens flattened (Llama 4's ``[batch * sequence, hidden]``) is summed in
+            the input's shape: Shard(1) of the flat one would split the hidden dim, and the layer's
+            ``view`` back would cost another all-gather."""
+            if partial.dim() != len(shape[0]) and partial.numel() == shape[0].numel():
+                partial = partial.reshape(shape[0])
             out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
             out = out.redistribute(device_mesh, [seq_layout])
             return out if self.sequence_parallel else out.to_local()
