@@ -123,7 +123,7 @@ REFUSED: dict[str, str] = {
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
     "minimax": "linear-attention and attention layers share the name self_attn with different plans",
-    "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
+    "longcat_flash": "two attention and two MLP sublayers per decoder layer held in ModuleLists that the layer indexes itself (self_attn[0], mlps[1], input_layernorm[0], ...), which the generic plan cannot read (it reads a layer's blocks as its named children); its MoE block also has zero-computation (identity) experts, whose whole output every tp rank would add once",
     "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling2_text": "block attention residuals: each layer's attention_input / mlp_input (Inkling2BlockAttentionResidual) attends over a stack of earlier blocks' outputs that the model carries from layer to layer as an extra argument (block_states), which hf_tp cannot yet place on sequence shards",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
