@@ -39,6 +39,9 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # Mistral4ForCausalLM is not found from its config); the releases between were not run.
     "mimo_v2_flash": ("5.24.0", "a tensor-parallel plan of its attention sinks"),
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
+    # Held to parity at 5.24; at 5.17 LFM2-MoE's plan names no experts and Inkling records no router logits
+    "lfm2_moe": ("5.24.0", EXPERTS),
+    "inkling_text": ("5.24.0", "a tensor-parallel plan of its router (transformers records its router logits)"),
 }
 
 
