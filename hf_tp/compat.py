@@ -43,6 +43,9 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     "qwen3_vl_moe_text": ("5.24.0", EXPERTS),
     # per-layer mixers: held to parity at 5.24, earlier releases not run
     **{mt: ("5.24.0", "a tensor-parallel plan of its per-layer mixers") for mt in ("minimax", "nemotron_h")},
+    # Held to parity at 5.24; at 5.17 LFM2-MoE's plan names no experts and Inkling records no router logits
+    "lfm2_moe": ("5.24.0", EXPERTS),
+    "inkling_text": ("5.24.0", "a tensor-parallel plan of its router (transformers records its router logits)"),
 }
 
 

@@ -117,6 +117,18 @@ FAMILY_EXTRAS.update(
         # Its latent attention's head_dim is the nope + rope parts (the rotary covers the rope part only)
         "mistral4": dict(head_dim=32),
         # Per-layer embeddings at grid sizes (262144 x 8 x 256 by default) and narrower global heads
+        # Its default config sets no shared-expert count (the published one does), which the block multiplies by
+        "dots1": dict(n_shared_experts=1),
+        # A dense short-convolution layer, then a MoE attention layer (its defaults: no layer_types, 2 dense layers)
+        "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+        # A dense layer, then a MoE layer (every layer is MoE by default); its own names for the MLP widths
+        "minimax_m3_vl_text": dict(
+            mlp_layer_types=["dense", "sparse"], dense_intermediate_size=128, shared_intermediate_size=48
+        ),
+        # Its sliding-window attention's own head counts and relative-position extent, at grid sizes
+        "inkling_text": dict(
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, rel_extent=32
+        ),
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),

@@ -51,6 +51,7 @@ class Region:
     experts: str  # the experts module, relative to the block
     widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
     aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
+    output_norm: str = ""  # a norm the block applies to its combined output (the region ends at its input)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Derivation:
     blocks: dict[str, Block] = field(hash=False)
     regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
     embedding: str = ""
+    embedding_norm: str = ""  # a norm child the embedding applies to its lookup (relative to it)
     top_norms: tuple[str, ...] = ()  # norms outside the layers (sequence parallel), model-relative
     top_embeddings: tuple[str, ...] = ()  # further token embeddings (vocab-sharded as the input one)
     top_linears: tuple[str, ...] = ()  # per-token Linears outside the layers (replicated, sequence parallel)

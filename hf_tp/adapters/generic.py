@@ -132,8 +132,10 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
         own = LocalParamViews(names, Replicate())
         plan[path] = Compose(plan[path], own) if path in plan else own
     for path, region in d.regions.items():
-        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel)
+        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel, region.output_norm)
         plan[path] = DenseOrMoE(plan.get(path), moe, region.experts) if path in d.blocks else moe
+        if region.output_norm and opts.sequence_parallel:  # on the region's summed output's sequence shards
+            plan[f"{path}.{region.output_norm}"] = SequenceParallel()
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
@@ -176,7 +178,10 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
     seq = Shard(1) if opts.sequence_parallel else Replicate()
     plan: Plan = {
         d.embedding: ScaledEmbeddingRowwise(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
+            input_layouts=Replicate(),
+            output_layouts=seq,
+            use_local_output=not opts.sequence_parallel,
+            output_norm=d.embedding_norm,
         ),
     }
     if opts.loss_parallel:

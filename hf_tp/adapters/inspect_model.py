@@ -17,7 +17,7 @@ from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
 from hf_tp.adapters.mixers import per_kind_blocks
 from hf_tp.adapters.modules import has_submodule, is_linear, is_norm
-from hf_tp.adapters.source import plain_logits
+from hf_tp.adapters.source import plain_logits, returned_self_call
 
 
 def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
@@ -162,8 +162,10 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int) -> dict:
         name = next(n for n, _ in module[owner].named_parameters(recurse=False))
         where = f"{owner}.{name}" if owner else name
         raise refuse(mt, f"the parameter {where} outside the decoder layers has no place in a TP plan")
+    own_norm = returned_self_call(embed) or ""  # the embedding's forward ends in a norm of its own
     return dict(
         embedding=embedding,
+        embedding_norm=own_norm if f"{embedding}.{own_norm}" in norms else "",
         lm_head=lm_head,
         top_norms=norms,
         top_embeddings=embeddings,

@@ -95,6 +95,37 @@ def returns_tuple(module: nn.Module) -> bool:
     return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
 
 
+def chunks_in_two(fn) -> bool:
+    """The source splits a tensor into two halves (``x.chunk(2, ...)``): a packed gate|up output."""
+    tree = source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "chunk"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == 2
+        for n in ast.walk(tree)
+    )
+
+
+def returned_self_call(module: nn.Module) -> str | None:
+    """``X`` when every ``return`` of the module's forward is ``self.X(...)`` (a block that
+    ends in a child of its own, e.g. a norm of its output), else None."""
+    tree = source_tree(type(module).forward)
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)] if tree is not None else []
+    names = {
+        r.value.func.attr
+        if isinstance(r.value, ast.Call)
+        and isinstance(r.value.func, ast.Attribute)
+        and isinstance(r.value.func.value, ast.Name)
+        and r.value.func.value.id == "self"
+        else None
+        for r in rets
+    }
+    return names.pop() if len(names) == 1 and None not in names else None
+
+
 def plain_logits(model: nn.Module, lm_head: str) -> bool:
     """True when the causal-LM forward computes ``logits = self.<lm_head>(h)`` once, with ``h`` the
     decoder's last hidden state (sliced at most), and never changes the logits afterwards (no

@@ -108,6 +108,11 @@ MOE: dict[str, str] = {
     "mimo_v2_flash": "value heads wider than query heads; per-head sinks on sliding-window layers only; KV heads change by layer (tp <= num_key_value_heads)",
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "axk1": "shared experts; latent attention runs whole; a norm on the MoE block's output (the region is summed at its input, the norm sequence parallel)",
+    "dots1": "shared experts; dense first layer",
+    "inkling_text": "normed embedding (its norm runs after the vocab reduction, sequence parallel); packed gate_up experts that its plan calls colwise read as packed; shared experts stored as 3-D stacks split as experts; attention (no tp plan) and short convolutions run whole",
+    "minimax_m3_vl_text": "gathered attention; a packed shared-expert gate_up_proj Linear split as its experts' packed_colwise (gate and up halves, each split)",
+    "lfm2_moe": "layer plan written by hf_tp (its plan names only the experts): LFM2's attention and dense layers around MoE blocks; short-convolution layers run whole",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "nemotron_h": "one mixer per layer, Mamba-2 (whole on every rank), attention, ReLU^2 MLP or MoE by layer index: each layer's mixer gets its kind's plan (attention and MLP projections named by hf_tp)",
     "minimax": "lightning linear attention (whole on every rank) and softmax attention (split by heads) under one name (self_attn), each layer's by its kind; fp32 only (its fp32 decay buffers break bf16 mixed precision)",
@@ -121,16 +126,11 @@ REFUSED: dict[str, str] = {
     "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
-    "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
-    "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
-    "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
-    "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
-    "inkling2_text": "its tp plan shards the embedding with its own style",
+    "longcat_flash": "two attention and two MLP sublayers per decoder layer held in ModuleLists that the layer indexes itself (self_attn[0], mlps[1], input_layernorm[0], ...), which the generic plan cannot read (it reads a layer's blocks as its named children); its MoE block also has zero-computation (identity) experts, whose whole output every tp rank would add once",
+    "inkling2_text": "block attention residuals: each layer's attention_input / mlp_input (Inkling2BlockAttentionResidual) attends over a stack of earlier blocks' outputs that the model carries from layer to layer as an extra argument (block_states), which hf_tp cannot yet place on sequence shards",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
     "deepseek_v4": "hyper-connection parameters outside the decoder layers",
     "hy_v4": "hyper-connection parameters outside the decoder layers",
-    "dots1": "its model cannot be built from its default config",
-    "lfm2_moe": "its model cannot be built from its default config",
 }
 
 # Language models with no causal LM of their own in transformers (a bare *TextModel, the lm_head in

@@ -45,7 +45,8 @@ def model_from_config(
     replicates its vision tower and projector over tp, shards them over dp and freezes the tower.
     """
     # (a copy: parallelize may change the config, e.g. the attention implementation under cp)
-    model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
+    with mock.patch.object(nn.Module, "to", _fp32_to):
+        model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
     model.train()
     if wrapper.text_config_of(config) is not None:
         # its adapter builds it on the meta device once (cached per config): not under fake tensors
@@ -65,6 +66,20 @@ def model_from_config(
         peft_model if lora_r else model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep
     )
     return model  # (a LoRA model in place: the loop too steps the HF model inside the peft model)
+
+
+_MODULE_TO = nn.Module.to
+
+
+def _fp32_to(module: nn.Module, *args, **kwargs) -> nn.Module:
+    """``Module.to`` while the fp32 model is built: a model's own cast to fp32 (Inkling's short
+    convolutions) is a no-op on fp32 weights, but ``Module.to`` cannot swap fake tensors; any other
+    conversion goes through."""
+    if not args and set(kwargs) == {"dtype"} and kwargs["dtype"] == torch.float32:
+        return module
+    if len(args) == 1 and not kwargs and args[0] == torch.float32:
+        return module
+    return _MODULE_TO(module, *args, **kwargs)
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:

@@ -71,16 +71,26 @@ class MoERegion(ParallelStyle):
     :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
     keyword ``hidden_states``, else the number of positional arguments, hidden states first; -1: as
     each call passes them, by that keyword or else first).
+    ``output_norm`` names a norm the block applies to its combined output (A.X-K1's
+    ``post_mlp_layernorm``): a norm of a partial sum is not the norm of the sum, so the region
+    ends at that norm's input (the same one reduce-scatter, earlier) and the norm runs on sequence
+    shards under the plan's own style for it (``SequenceParallel``), its parameters outside ``roles``.
     """
 
     def __init__(
-        self, roles: dict[str, Role], positional: int, routers: tuple[str, ...] = (), sequence_parallel: bool = True
+        self,
+        roles: dict[str, Role],
+        positional: int,
+        routers: tuple[str, ...] = (),
+        sequence_parallel: bool = True,
+        output_norm: str = "",
     ) -> None:
         super().__init__()
         self.roles = roles
         self.positional = positional
         self.routers = routers
         self.sequence_parallel = sequence_parallel
+        self.output_norm = output_norm
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -102,6 +112,8 @@ class MoERegion(ParallelStyle):
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
         layout = [(seq_layout,)]  # the hidden states' token layout at entry, restored at exit
 
+        shape: list[torch.Size] = []  # the gathered hidden states' shape, [batch, sequence, hidden]
+
         def to_region(x):
             """The block's input, whole on every rank; its gradient is a partial sum."""
             if not isinstance(x, DTensor):
@@ -115,25 +127,39 @@ class MoERegion(ParallelStyle):
             hidden = kwargs["hidden_states"] if by_keyword else args[0]
             # experts a layer calls itself (Gemma 4) take its flattened tokens, in their own layout
             layout[0] = hidden.placements if isinstance(hidden, DTensor) else (seq_layout,)
+            whole = to_region(hidden)
+            shape[:] = [whole.shape]
             if by_keyword:
-                return args, {**kwargs, "hidden_states": to_region(hidden)}
+                return args, {**kwargs, "hidden_states": whole}
             # further token-sharded arguments (such experts' routing weights and indices) gathered too
             rest = (to_region(a) if isinstance(a, DTensor) else a for a in args[1:])
-            return (to_region(hidden), *rest), kwargs
+            return (whole, *rest), kwargs
+
+        def from_region(partial: torch.Tensor) -> torch.Tensor:
+            """Per-rank partial results summed: reduce-scattered to sequence shards (all-reduced, local, without SP).
+            An output with the tokens flattened (Llama 4's ``[batch * sequence, hidden]``) is summed in
+            the input's shape: Shard(1) of the flat one would split the hidden dim, and the layer's
+            ``view`` back would cost another all-gather."""
+            if partial.dim() != len(shape[0]) and partial.numel() == shape[0].numel():
+                partial = partial.reshape(shape[0])
+            out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
+            out = out.redistribute(device_mesh, layout[0])  # the hidden states' layout at entry
+            return out if self.sequence_parallel else out.to_local()
 
         def leave(mod: nn.Module, args, kwargs, output):
             for owner, leaf, _ in owners:
                 owner.__dict__.pop(leaf, None)
+            if self.output_norm:  # already summed at the norm's input
+                return output
             first = output[0] if isinstance(output, tuple) else output
-            out = DTensor.from_local(first, device_mesh, [Partial()], run_check=False).redistribute(
-                device_mesh, layout[0]
-            )
-            if not self.sequence_parallel:
-                out = out.to_local()
+            out = from_region(first)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)
+        if self.output_norm:  # ahead of the norm's own style's input hook
+            norm = module.get_submodule(self.output_norm)
+            norm.register_forward_pre_hook(lambda mod, args: (from_region(args[0]), *args[1:]), prepend=True)
         for path in self.routers:
             _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
         return module
