@@ -111,7 +111,6 @@ class MoERegion(ParallelStyle):
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
         layout = [(seq_layout,)]  # the hidden states' token layout at entry, restored at exit
-
         shape: list[torch.Size] = []  # the gathered hidden states' shape, [batch, sequence, hidden]
 
         def to_region(x):
