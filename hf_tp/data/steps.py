@@ -16,6 +16,7 @@ class StepBatches:
     num_targets: int  # targets in the whole global batch (every dp rank): the loss divisor
     tokens: int  # tokens in the whole global batch
     micro_batches: list[dict[str, torch.Tensor]]  # this rank's, on the device
+    num_examples: int = 0  # examples (rows, or preference pairs) in the whole global batch
 
 
 @dataclass
@@ -38,7 +39,8 @@ class StepBatchSource:
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
         batches = [to_device(self.collate([self.data[i] for i in r]), self.device) for r in rows]
-        return StepBatches(num_targets, sum(len(ex["input_ids"]) for ex in examples), batches)
+        tokens = sum(len(ex["input_ids"]) + len(ex.get("rejected_input_ids") or ()) for ex in examples)
+        return StepBatches(num_targets, tokens, batches, len(examples))
 
 
 def count_batch_targets(examples: list, step: int) -> int:

@@ -238,7 +238,7 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
 
     from transformers import AutoTokenizer
 
-    from hf_tp.data.formats import CHAT, IMAGES, encode_batch
+    from hf_tp.data.formats import CHAT, IMAGES, PREFERENCE, encode_batch
     from hf_tp.data.formats.chat import check_chat_tokenizer
     from hf_tp.data.places import RowPlaces
 
@@ -249,6 +249,8 @@ def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
         if fmt.kind == CHAT:
             check_chat_tokenizer(tokenizer)
         fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
+        if fmt.kind == PREFERENCE:  # a prompt that fills --seq-len is a bad row
+            fmt = dataclasses.replace(fmt, seq_len=cfg.seq_len)
         if cfg.skip_bad_rows:
             continue  # a first row the template rejects is dropped by the ranks, not an error
         split = cfg.split if source == cfg.dataset else cfg.eval_dataset_split

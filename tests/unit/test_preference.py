@@ -1,0 +1,157 @@
+"""Preference objectives against TRL: the DPO loss, its logged rewards and every gradient equal
+TRL's DPOTrainer computation on the same tiny model and pairs (string and conversational rows, the
+token ids included); SimPO against its formula; the sharded log-probs at tp2 x dp2 against tp1."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_tp.data.collator import PadToMultipleCollator
+from hf_tp.data.pairs import PairCollator
+from hf_tp.data.steps import StepBatches
+from hf_tp.data.tokenize import tokenize_dataset
+from hf_tp.objectives.preference import DPO, SimPO
+from hf_tp.objectives.reference import FrozenCopy
+from hf_tp.parallel.logps import linear_log_probs
+from tests.chat_data import chat_tokenizer
+from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, tiny_config, tiny_model
+
+trl = pytest.importorskip("trl")
+
+USER = [
+    "hi , i am ada . where should i go ?",
+    "what is the weather in rome ?",
+    "hi , i am bob .",
+    "where should i go ?",
+]
+GOOD = ["go to paris .", "it is sunny in rome .", "hello bob , go to oslo .", "go to lima , eve ."]
+BAD = ["go to .", "sunny .", "hello ada , go to cairo , go to delhi .", "i am dee ."]
+
+
+def _rows(kind: str) -> dict[str, list]:
+    if kind == "string":
+        return {"prompt": [u + " " for u in USER], "chosen": GOOD, "rejected": BAD}
+
+    def turn(role: str, text: str) -> dict[str, str]:
+        return {"role": role, "content": text}
+
+    if kind == "implicit":  # no prompt column: the shared leading turns are the prompt
+        chosen = [[turn("user", u), turn("assistant", g)] for u, g in zip(USER, GOOD, strict=True)]
+        rejected = [[turn("user", u), turn("assistant", b)] for u, b in zip(USER, BAD, strict=True)]
+        return {"chosen": chosen, "rejected": rejected}
+    return {
+        "prompt": [[turn("user", u)] for u in USER],
+        "chosen": [[turn("assistant", g)] for g in GOOD],
+        "rejected": [[turn("assistant", b)] for b in BAD],
+    }
+
+
+def _models(tokenizer):
+    config = tiny_config("llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    ref = tiny_model(config)
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():  # the policy has moved away from the reference: the loss is not ln 2
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return policy, ref
+
+
+def _trl_step(policy, ref, tokenizer, rows, tmp_path, **kwargs):
+    """TRL's loss (gradients in ``policy``), its logged metrics and its token ids."""
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows["chosen"]), report_to=[],
+        use_cpu=True, bf16=False, max_length=None, **kwargs,  # fp32: TRL defaults to bf16 autocast
+    )  # fmt: skip
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=ref,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_dict(rows),
+    )
+    examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    inputs = trainer.data_collator(examples)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith(("rewards/", "logps/"))}
+    ids = [ex["prompt_ids"] + ex["chosen_ids"] for ex in examples]
+    return loss.detach(), metrics, ids, trainer.model
+
+
+def _hf_tp_step(objective, policy, tokenizer, rows):
+    data = tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, seq_len=512)
+    examples = [data[i] for i in range(len(data))]
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    out = objective.micro_loss(policy, collate(examples), StepBatches(0, 0, [], num_examples=len(examples)))
+    out.loss.backward()
+    n = len(examples)
+    return out.loss.detach(), {k: v.item() / n for k, v in out.sums.items()}, [ex["input_ids"] for ex in examples]
+
+
+@pytest.mark.parametrize("kind", ["string", "chat", "implicit"])
+def test_dpo_equals_trl_loss_rewards_and_gradients(kind: str, tmp_path) -> None:
+    tokenizer = chat_tokenizer()
+    policy, ref = _models(tokenizer)
+    mine, mine_ref = copy.deepcopy(policy), copy.deepcopy(ref)
+    rows = _rows(kind)
+    want, want_metrics, want_ids, trl_model = _trl_step(policy, ref, tokenizer, rows, tmp_path, beta=0.1)
+    got, got_metrics, got_ids = _hf_tp_step(DPO(FrozenCopy(mine_ref), beta=0.1), mine, tokenizer, rows)
+    assert got_ids == want_ids  # the same tokens, prompt and eos included
+    assert abs(got.item() - math.log(2)) > 1e-3  # not the trivial first step
+    torch.testing.assert_close(got, want.float(), rtol=RTOL, atol=0)
+    assert set(got_metrics) == set(want_metrics)
+    for name, value in want_metrics.items():
+        assert got_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert_close_dict(full_grads(mine), full_grads(trl_model), "DPO grad", rtol=RTOL, atol=ATOL)
+
+
+def test_simpo_equals_its_formula(tmp_path) -> None:
+    tokenizer = chat_tokenizer()
+    policy, _ = _models(tokenizer)
+    mine = copy.deepcopy(policy)
+    rows = _rows("chat")
+    beta, gamma = 2.0, 0.7
+    got, metrics, _ = _hf_tp_step(SimPO(beta=beta, gamma=gamma), mine, tokenizer, rows)
+    # The formula on plain logits: mean label log-prob of each completion, the paper's loss.
+    data = tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, seq_len=512)
+    means = {}
+    for side, ids_key, labels_key in (("c", "input_ids", "labels"), ("r", "rejected_input_ids", "rejected_labels")):
+        means[side] = []
+        for ex in data:
+            ids, labels = torch.tensor([ex[ids_key]]), torch.tensor(ex[labels_key][1:])
+            logp = F.log_softmax(policy(ids).logits[0, :-1].float(), -1)
+            keep = labels != -100
+            means[side].append(logp[keep].gather(1, labels[keep, None]).mean())
+    c, r = torch.stack(means["c"]), torch.stack(means["r"])
+    want = -F.logsigmoid(beta * (c - r) - gamma).mean()
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=0)
+    assert metrics["rewards/margins"] == pytest.approx((beta * (c - r)).mean().item(), rel=1e-5)
+    assert_close_dict(full_grads(mine), full_grads(policy), "SimPO grad", rtol=RTOL, atol=ATOL)
+
+
+def test_log_probs_equal_log_softmax_in_every_chunking() -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 16, generator=g, requires_grad=True)
+    weight = torch.randn(37, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 37, (13,), generator=g)
+    targets[[0, 5]] = -100
+    scale = torch.randn(13, generator=g)
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    want = F.log_softmax(h2 @ w2.t(), -1).gather(1, targets.clamp(min=0)[:, None])[:, 0] * (targets != -100)
+    (want * scale).sum().backward()
+    for chunk in (1, 4, 64):
+        hidden.grad = weight.grad = None
+        got = linear_log_probs(hidden, weight, targets, chunk_tokens=chunk)
+        (got * scale).sum().backward()
+        torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(hidden.grad, h2.grad, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(weight.grad, w2.grad, rtol=RTOL, atol=ATOL)
