@@ -6,7 +6,4 @@ from __future__ import annotations
 
 from hf_tp.objectives.base import MicroLoss, Objective
 
-OBJECTIVES = ("sft", "dpo", "simpo")
-PREFERENCE_OBJECTIVES = ("dpo", "simpo")
-
-__all__ = ["MicroLoss", "OBJECTIVES", "Objective", "PREFERENCE_OBJECTIVES"]
+__all__ = ["MicroLoss", "Objective"]

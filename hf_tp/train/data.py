@@ -17,8 +17,10 @@ import torch.distributed as dist
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import load_stream
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
+from hf_tp.data.formats.preference import check_objective_data
 from hf_tp.data.formats.rows import ROW_COLUMN, skipped_summary
 from hf_tp.data.image_data import check_image_rows, dataset_dir, encode_image_dataset
+from hf_tp.data.pairs import PairCollator, is_pair_example
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
@@ -38,6 +40,8 @@ def build_batches(
     data, eval_data = build_data(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple, row_lengths=True)
+    if isinstance(data, datasets.Dataset) and is_pair_example(data.features):  # a pair's two rows, one micro-batch
+        train_collate = PairCollator(train_collate)
     batches = batch_source(cfg, data, train_collate, dp_rank, device)
     if eval_data is None:
         return batches, None
@@ -83,6 +87,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
 
     def tokenize(ds: datasets.Dataset, keep_tail: bool) -> datasets.Dataset:
         fmt = detect_format(ds.column_names, assistant_only=cfg.assistant_only_loss, **columns)
+        check_objective_data(cfg.objective, fmt, ds.info.dataset_name or "(in memory)")
         return tokenize_dataset(
             ds,
             tokenizer,
@@ -133,7 +138,7 @@ def report_on_rank0(line: str) -> None:
 def batch_source(
     cfg: TrainConfig,
     train: datasets.Dataset | PackedStream,
-    collate: PadToMultipleCollator | ImageBatchCollator,
+    collate: PadToMultipleCollator | PairCollator | ImageBatchCollator,
     dp_rank: int,
     device,
 ) -> StepBatchSource | StreamingBatchSource:

@@ -185,6 +185,10 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
+    from hf_tp.data.formats.preference import check_objective_data
+
+    for source, first in first_rows.items():
+        check_objective_data(cfg.objective, first[0] if first is not None else None, source)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
@@ -287,6 +291,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,
+        objective=cfg.objective,
     )
     return fp
 

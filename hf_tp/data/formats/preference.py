@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_tp.data.formats.base import PREFERENCE, DataFormat
 from hf_tp.data.formats.chat import check_chat_tokenizer, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import describe_value
 from hf_tp.labels import IGNORE_INDEX
@@ -127,3 +128,21 @@ def encode_preference_row(tokenizer: Any, row: dict[str, Any], seq_len: int | No
         )
     cut = len(example["input_ids"]) > seq_len or len(example["rejected_input_ids"]) > seq_len
     return {**{k: v[:seq_len] for k, v in example.items()}, "truncated": cut}
+
+
+def check_objective_data(objective: str, fmt: DataFormat | None, source: str) -> None:
+    """One line when the data's format does not fit ``--objective`` (``fmt`` None: not known yet):
+    preference objectives need prompt/chosen/rejected pairs, cross entropy anything else."""
+    if fmt is None:
+        return
+    pairs = fmt.kind == PREFERENCE
+    if objective == "sft" and pairs:
+        raise ValueError(
+            f"dataset '{source}' holds preference pairs (chosen/rejected columns): pass --objective dpo or "
+            "--objective simpo, or give prompt/completion or messages data for --objective sft"
+        )
+    if objective != "sft" and not pairs:
+        raise ValueError(
+            f"--objective {objective} trains on preference pairs, but dataset '{source}' is "
+            f"{fmt.describe()}; give it prompt/chosen/rejected columns (docs/post-training.md)"
+        )
