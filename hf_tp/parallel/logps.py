@@ -118,6 +118,8 @@ def sequence_log_probs(
     an ``hf_tp.parallelize``-d model whose lm_head the loss may be fused with
     (:func:`hf_tp.parallel.linear_ce.fusable`). The decoder runs as the model's own forward (FSDP2's
     hooks gather its parameters as in a normal call)."""
+    if hasattr(model, "get_base_model"):  # a peft wrapper: the model inside is what parallelize sharded
+        model = model.get_base_model()
     if not fusable(model):
         raise ValueError(
             f"per-sequence log-probs need a plain lm_head (no bias, soft-capping or MoE aux loss in HF's forward); "

@@ -20,7 +20,7 @@ from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.reference import FrozenCopy
 from hf_tp.parallel.logps import linear_log_probs
 from tests.chat_data import chat_tokenizer
-from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, tiny_config, tiny_model
+from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, run_threaded, tiny_config, tiny_model
 
 trl = pytest.importorskip("trl")
 
@@ -155,3 +155,49 @@ def test_log_probs_equal_log_softmax_in_every_chunking() -> None:
         torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(hidden.grad, h2.grad, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(weight.grad, w2.grad, rtol=RTOL, atol=ATOL)
+
+
+def _pair_batches(tokenizer, dp: int, rank: int, multiple_of: int = 1):
+    """The whole batch of the chat pairs, and dp rank ``rank``'s half of them (a pair never split)."""
+    data = tokenize_dataset(datasets.Dataset.from_dict(_rows("chat")), tokenizer, seq_len=512)
+    examples = [data[i] for i in range(len(data))]
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id, multiple_of=multiple_of))
+    per_rank = len(examples) // dp
+    return collate(examples), collate(examples[rank * per_rank : (rank + 1) * per_rank]), len(examples)
+
+
+@pytest.mark.parametrize("reference", ["adapters off", "frozen copy"])
+def test_dpo_at_tp2_dp2_equals_one_process(reference: str) -> None:
+    """DPO's loss and every gradient at tp2 x dp2 (FSDP2 over dp, the reference sharded like the
+    policy, or the LoRA policy with its adapters off) equal one process's on the whole batch."""
+    import hf_tp
+    from hf_tp.objectives.reference import AdaptersOff
+    from tests.lora_grid import lora
+
+    tokenizer = chat_tokenizer()
+    policy, ref = _models(tokenizer)
+    if reference == "adapters off":  # the base is the reference: a frozen copy of it must agree
+        policy = lora(copy.deepcopy(ref))
+    whole, _, n = _pair_batches(tokenizer, 1, 0)
+    policies = [copy.deepcopy(policy) for _ in range(4)]
+    refs = [copy.deepcopy(ref) for _ in range(4)]
+    want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, whole, StepBatches(0, 0, [], num_examples=n)).loss
+    want.backward()
+    want_grads = full_grads(policy)
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, dp=2, device_type="cpu")
+        model = hf_tp.parallelize(policies[rank], mesh)
+        if reference == "adapters off":
+            objective = DPO(AdaptersOff(model))
+        else:
+            objective = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh)))
+        _, mine, _ = _pair_batches(tokenizer, 2, mesh.get_local_rank("dp"), multiple_of=2)
+        loss = objective.micro_loss(model, mine, StepBatches(0, 0, [], num_examples=n)).loss
+        (loss * 2).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
+        torch.testing.assert_close(total, want.detach(), rtol=RTOL, atol=0)
+        assert_close_dict(full_grads(model), want_grads, "DPO grad at tp2 x dp2")
+
+    run_threaded(4, rank_fn)
