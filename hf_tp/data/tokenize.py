@@ -95,7 +95,7 @@ def _pairs_truncated(
     """Preference pairs (already cut to ``seq_len``): ``report`` hears in one line how many were cut."""
     cut = sum(docs["truncated"])
     if cut and report is not None:
-        pairs = "pair" if cut == 1 else "pairs"
+        pairs = "pair" if len(docs) == 1 else "pairs"
         report(
             f"hf-tp: {cut} of {len(docs)} preference {pairs} of dataset {label} cut to --seq-len {seq_len} "
             "tokens per side (the end of the completion dropped, as TRL's keep_start)"
