@@ -166,38 +166,46 @@ def _pair_batches(tokenizer, dp: int, rank: int, multiple_of: int = 1):
     return collate(examples), collate(examples[rank * per_rank : (rank + 1) * per_rank]), len(examples)
 
 
-@pytest.mark.parametrize("reference", ["adapters off", "frozen copy"])
-def test_dpo_at_tp2_dp2_equals_one_process(reference: str) -> None:
-    """DPO's loss and every gradient at tp2 x dp2 (FSDP2 over dp, the reference sharded like the
-    policy, or the LoRA policy with its adapters off) equal one process's on the whole batch."""
+@pytest.mark.parametrize(
+    ("objective", "tp", "cp", "dp"),
+    [("dpo", 2, 1, 2), ("dpo adapters off", 2, 1, 2), ("dpo", 2, 2, 1), ("simpo", 2, 1, 2)],
+    ids=["dpo-tp2-dp2", "dpo-lora-adapters-off-tp2-dp2", "dpo-tp2-cp2", "simpo-tp2-dp2"],
+)
+def test_preference_loss_sharded_equals_one_process(objective: str, tp: int, cp: int, dp: int) -> None:
+    """The loss and every gradient at tp2 x dp2 (FSDP2 over dp; DPO's reference a frozen copy
+    sharded like the policy, or the LoRA policy with its adapters off) and at tp2 x cp2 equal one
+    process's on the whole batch; the adapters-off reference equals a frozen copy of the base."""
     import hf_tp
     from hf_tp.objectives.reference import AdaptersOff
     from tests.lora_grid import lora
 
     tokenizer = chat_tokenizer()
     policy, ref = _models(tokenizer)
-    if reference == "adapters off":  # the base is the reference: a frozen copy of it must agree
+    if objective == "dpo adapters off":  # the base is the reference: a frozen copy of it must agree
         policy = lora(copy.deepcopy(ref))
     whole, _, n = _pair_batches(tokenizer, 1, 0)
     policies = [copy.deepcopy(policy) for _ in range(4)]
     refs = [copy.deepcopy(ref) for _ in range(4)]
-    want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, whole, StepBatches(0, 0, [], num_examples=n)).loss
+    one = SimPO() if objective == "simpo" else DPO(FrozenCopy(copy.deepcopy(ref)))
+    want = one.micro_loss(policy, whole, StepBatches(0, 0, [], num_examples=n)).loss
     want.backward()
     want_grads = full_grads(policy)
 
     def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=2, dp=2, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=tp, cp=cp, dp=dp, device_type="cpu")
         model = hf_tp.parallelize(policies[rank], mesh)
-        if reference == "adapters off":
-            objective = DPO(AdaptersOff(model))
+        if objective == "simpo":
+            sharded = SimPO()
+        elif objective == "dpo adapters off":
+            sharded = DPO(AdaptersOff(model))
         else:
-            objective = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh)))
-        _, mine, _ = _pair_batches(tokenizer, 2, mesh.get_local_rank("dp"), multiple_of=2)
-        loss = objective.micro_loss(model, mine, StepBatches(0, 0, [], num_examples=n)).loss
-        (loss * 2).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
+            sharded = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh)))
+        _, mine, _ = _pair_batches(tokenizer, dp, mesh.get_local_rank("dp"), multiple_of=tp * (2 * cp if cp > 1 else 1))
+        loss = sharded.micro_loss(model, mine, StepBatches(0, 0, [], num_examples=n)).loss
+        (loss * dp).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
         total = loss.detach().clone()
         torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
         torch.testing.assert_close(total, want.detach(), rtol=RTOL, atol=0)
-        assert_close_dict(full_grads(model), want_grads, "DPO grad at tp2 x dp2")
+        assert_close_dict(full_grads(model), want_grads, f"{objective} grad at tp{tp} x cp{cp} x dp{dp}")
 
     run_threaded(4, rank_fn)
