@@ -131,3 +131,10 @@ def add_objective_arguments(p, default: Callable[[str], str]) -> None:
         help=f"DPO / SimPO: probability that a pair's preference is flipped, in [0, 0.5) ({d('label_smoothing')})",
     )
     p.add_argument("--simpo-gamma", type=float, metavar="G", help=f"SimPO's target reward margin ({d('simpo_gamma')})")
+    p.add_argument(
+        "--precompute-ref",
+        action="store_const",
+        const=True,
+        help="dpo: compute the reference log-probs of every pair in one pass before training (the reference "
+        "model is then freed; no reference forward per step) (default: a reference forward per micro-batch)",
+    )

@@ -28,4 +28,8 @@ class PairCollator:
             raise ValueError("PairCollator needs preference examples (input_ids, labels, rejected_input_ids, ...)")
         chosen = [{"input_ids": ex["input_ids"], "labels": ex["labels"]} for ex in examples]
         rejected = [{"input_ids": ex["rejected_input_ids"], "labels": ex["rejected_labels"]} for ex in examples]
-        return self.collate(chosen + rejected)
+        batch = self.collate(chosen + rejected)
+        if "ref_chosen_logps" in examples[0]:  # --precompute-ref: the reference's log-probs, row by row
+            ref = [ex["ref_chosen_logps"] for ex in examples] + [ex["ref_rejected_logps"] for ex in examples]
+            batch["ref_logps"] = torch.tensor(ref, dtype=torch.float32)
+        return batch

@@ -17,14 +17,10 @@ from torch import nn
 
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
+from hf_tp.objectives.reference import model_inputs
 from hf_tp.parallel.logps import sequence_log_probs
 
-Reference = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-
-
-def _sides(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model inputs of a pair batch (no ``row_lengths``)."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
+Reference = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a pair batch -> its rows' log-probs
 
 
 def _sigmoid_loss(delta: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
@@ -58,9 +54,8 @@ class DPO:
     name: str = "dpo"
 
     def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
-        inputs = _sides(batch)
-        logps, _ = sequence_log_probs(model, inputs)
-        ref = self.reference(inputs)
+        logps, _ = sequence_log_probs(model, model_inputs(batch))
+        ref = self.reference(batch)
         n = logps.shape[0] // 2
         chosen_ratio, rejected_ratio = logps[:n] - ref[:n], logps[n:] - ref[n:]
         losses = _sigmoid_loss(chosen_ratio - rejected_ratio, self.beta, self.label_smoothing)
@@ -80,7 +75,7 @@ class SimPO:
     name: str = "simpo"
 
     def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
-        logps, counts = sequence_log_probs(model, _sides(batch))
+        logps, counts = sequence_log_probs(model, model_inputs(batch))
         mean = logps / counts.clamp(min=1)
         n = logps.shape[0] // 2
         delta = mean[:n] - mean[n:] - self.gamma / self.beta

@@ -17,6 +17,11 @@ from torch import nn
 from hf_tp.parallel.logps import sequence_log_probs
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model inputs of a pair batch (no ``row_lengths``, no stored ``ref_logps``)."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
+
+
 class FrozenCopy:
     """Log-probs from a frozen copy of the initial policy (put in eval mode: no dropout)."""
 
@@ -25,7 +30,7 @@ class FrozenCopy:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            return sequence_log_probs(self.model, batch)[0]
+            return sequence_log_probs(self.model, model_inputs(batch))[0]
 
 
 class AdaptersOff:
@@ -39,7 +44,7 @@ class AdaptersOff:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self._off():
-            return sequence_log_probs(self.policy, batch)[0]
+            return sequence_log_probs(self.policy, model_inputs(batch))[0]
 
     @contextlib.contextmanager
     def _off(self) -> Iterator[None]:

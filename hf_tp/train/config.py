@@ -94,6 +94,7 @@ class TrainConfig:
     beta: float = 0.1  # DPO / SimPO temperature (TRL's beta)
     label_smoothing: float = 0.0  # DPO / SimPO: the probability that a pair's preference is flipped (cDPO)
     simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+    precompute_ref: bool = False  # dpo: reference log-probs in one pass before training, the reference freed
     aux_loss_over: str = "step"  # MoE aux loss with --grad-accum: "step" (exact, one extra forward) or "micro-batch"
     seed: int = 0
     # checkpoints
@@ -235,6 +236,8 @@ class TrainConfig:
             raise ValueError(f"--beta must be positive, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.precompute_ref and self.objective != "dpo":
+            raise ValueError(f"--precompute-ref is for --objective dpo (its reference model), not {self.objective}")
         if self.objective == "sft":
             return
         if self.streaming:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.objectives.base import Objective
+from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
 from hf_tp.parallel.linear_ce import fusable
@@ -19,10 +20,12 @@ from hf_tp.train.loss import CrossEntropy
 
 
 def build_objective(
-    cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, route_group
+    cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, route_group, batches
 ) -> Objective:
     """The run's objective; DPO's reference is the LoRA policy with its adapters off (``--lora-r``),
-    else a frozen copy of the checkpoint built and sharded exactly like the policy."""
+    else a frozen copy of the checkpoint built and sharded exactly like the policy. With
+    ``--precompute-ref`` the reference scores every pair of ``batches`` (a
+    :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed."""
     fused = fusable(model)
     if cfg.objective == "sft":
         return CrossEntropy(fused, route_group)
@@ -42,4 +45,14 @@ def build_objective(
         if dist.get_rank() == 0:
             print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
         reference = FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
+    if cfg.precompute_ref:
+        where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=mesh["dp"].get_group(), device=device)
+        batches.data = with_reference_logps(
+            batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where
+        )
+        reference = Stored()  # the frozen copy, if any, is freed with the last reference to it
+        if dist.get_rank() == 0:
+            print(
+                f"hf-tp: --precompute-ref: reference log-probs of {len(batches.data)} pairs computed", file=sys.stderr
+            )
     return DPO(reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing)

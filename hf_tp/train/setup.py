@@ -87,7 +87,7 @@ def set_up(cfg: TrainConfig) -> Run:
     batches, eval_set = build_batches(cfg, tokenizer, mesh.get_local_rank("dp"), device)
     # 5. the objective (DPO's reference model built here), optimizer and schedule
     route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
-    objective = build_objective(cfg, model, mesh, device, route_group)
+    objective = build_objective(cfg, model, mesh, device, route_group, batches)
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = Run(
         cfg=cfg,

@@ -209,3 +209,30 @@ def test_preference_loss_sharded_equals_one_process(objective: str, tp: int, cp:
         assert_close_dict(full_grads(model), want_grads, f"{objective} grad at tp{tp} x cp{cp} x dp{dp}")
 
     run_threaded(4, rank_fn)
+
+
+def test_precomputed_reference_equals_the_reference_forward() -> None:
+    """--precompute-ref at dp2 (5 pairs: the last round is filled): the stored log-probs give the
+    loss and gradients of the frozen copy's forward."""
+    import hf_tp
+    from hf_tp.objectives.precompute import Stored, with_reference_logps
+
+    tokenizer = chat_tokenizer()
+    policy, ref = _models(tokenizer)
+    rows = {k: v + v[:1] for k, v in _rows("chat").items()}
+    data = tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, seq_len=512)
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    step = StepBatches(0, 0, [], num_examples=len(data))
+    want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, collate(list(data)), step).loss
+    refs, stored = [copy.deepcopy(ref) for _ in range(2)], {}
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=1, dp=2, device_type="cpu")
+        reference = FrozenCopy(hf_tp.parallelize(refs[rank], mesh))
+        where = dict(dp_rank=rank, dp=2, group=mesh["dp"].get_group(), device=torch.device("cpu"))
+        stored[rank] = with_reference_logps(data, reference, collate, batch_size=2, **where)
+
+    run_threaded(2, rank_fn)
+    assert stored[0]["ref_chosen_logps"] == stored[1]["ref_chosen_logps"] and len(stored[0]) == 5
+    got = DPO(Stored()).micro_loss(copy.deepcopy(policy), collate(list(stored[0])), step).loss
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0)

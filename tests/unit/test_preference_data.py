@@ -89,6 +89,7 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
         (dict(objective="simpo", beta=0.0), "--beta must be positive"),
         (dict(objective="dpo", streaming=True), "--objective dpo reads whole pairs: drop --streaming"),
         (dict(objective="dpo", eval_split=0.1), "held-out evaluation of preference pairs is not built yet"),
+        (dict(objective="simpo", precompute_ref=True), "--precompute-ref is for --objective dpo"),
     ):
         with pytest.raises(ValueError, match=says):
             TrainConfig(**bad).validate()
