@@ -54,9 +54,7 @@ def tokenize_dataset(
     if fmt.kind == TEXT:
         check_string_column(ds.features.get(fmt.column), fmt.column, label)
     if fmt.kind == CHAT:
-        from hf_tp.data.formats.chat import check_chat_tokenizer
-
-        check_chat_tokenizer(tokenizer)
+        _check_chat_tokenizer(tokenizer, ds.column_names)
     places = RowPlaces(label, str(ds.split) if ds.split else None, split_total(ds))  # names a bad row
     try:
         docs = ds.map(
@@ -87,6 +85,16 @@ def tokenize_dataset(
         batched=True,
         desc="Truncating",
     )
+
+
+def _check_chat_tokenizer(tokenizer: Any, columns: list[str]) -> None:
+    """Chat data needs a chat template, and one that reads ``tools`` where the rows carry tools."""
+    from hf_tp.data.formats.chat import check_chat_tokenizer
+    from hf_tp.data.formats.tools import TOOLS_COLUMN, check_tools_template
+
+    check_chat_tokenizer(tokenizer)
+    if TOOLS_COLUMN in columns:
+        check_tools_template(tokenizer)
 
 
 def _pairs_truncated(

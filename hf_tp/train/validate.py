@@ -185,10 +185,6 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
-    from hf_tp.data.formats.preference import check_objective_data
-
-    for source, first in first_rows.items():
-        check_objective_data(cfg.objective, first[0] if first is not None else None, source)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
@@ -200,9 +196,9 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
         )
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
-    rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
-    if rendered:
-        check_first_rows(cfg, rendered)
+    from hf_tp.train.first_rows import check_first_rows  # transformers' tokenizer
+
+    check_first_rows(cfg, first_rows)
     return kind
 
 
@@ -232,34 +228,6 @@ def check_resume_before_launch(cfg: TrainConfig, model_config: PretrainedConfig)
     # The ranks may turn document masking off for a model whose mask cannot take it (and say so).
     saved.pop("document_masking", None)
     check_resume_compatible(saved, run_fingerprint(cfg, model_config), ckpt)
-
-
-def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
-    """Chat and prompt/completion data: the tokenizer can render and label the first row of each
-    dataset (``{source: (format, row)}``): a chat template where needed, a fast tokenizer (character
-    offsets), role/content messages, an assistant turn."""
-    import dataclasses
-
-    from transformers import AutoTokenizer
-
-    from hf_tp.data.formats import CHAT, IMAGES, PREFERENCE, encode_batch
-    from hf_tp.data.formats.chat import check_chat_tokenizer
-    from hf_tp.data.places import RowPlaces
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    for source, (fmt, row) in first_rows.items():
-        if fmt.kind == IMAGES:
-            continue  # rendered by the checkpoint's processor in the ranks (hf_tp.data.image_data)
-        if fmt.kind == CHAT:
-            check_chat_tokenizer(tokenizer)
-        fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
-        if fmt.kind == PREFERENCE:  # a prompt that fills --seq-len is a bad row
-            fmt = dataclasses.replace(fmt, seq_len=cfg.seq_len)
-        if cfg.skip_bad_rows:
-            continue  # a first row the template rejects is dropped by the ranks, not an error
-        split = cfg.split if source == cfg.dataset else cfg.eval_dataset_split
-        places = RowPlaces(f"'{source}'", split)  # a sliced --split's first row named by its line
-        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'", places=places)
 
 
 FINGERPRINT_MODEL_FIELDS = (

@@ -18,6 +18,7 @@ from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_
 from hf_tp.data.formats.preference import COLUMNS as PAIR_COLUMNS
 from hf_tp.data.formats.preference import encode_preference_row, preference_problem
 from hf_tp.data.formats.text import encode_text_batch, text_problem
+from hf_tp.data.formats.tools import TOOLS_COLUMN, row_tools, tools_problem
 from hf_tp.data.places import RowPlaces, summarize_places
 
 SKIPPED = "skipped"  # the column that records why a row was dropped
@@ -31,7 +32,7 @@ def row_problem(fmt: DataFormat, row: dict[str, Any]) -> str | None:
     if fmt.kind == TEXT:
         return text_problem(row.get(fmt.column), fmt.column)
     if fmt.kind == CHAT:
-        return messages_problem(row.get(fmt.column))
+        return messages_problem(row.get(fmt.column)) or tools_problem(row.get(TOOLS_COLUMN))
     if fmt.kind == PREFERENCE:
         return preference_problem(row)
     if fmt.kind == IMAGES:  # image files are checked where the dataset's folder is known (row_checks)
@@ -112,8 +113,10 @@ def _encode_row(fmt: DataFormat, row: dict[str, Any], tokenizer: Any, where: str
     if fmt.kind == PREFERENCE:
         return encode_preference_row(tokenizer, row, fmt.seq_len, where)
     if fmt.kind == CHAT:
-        messages = normalize_messages(row[fmt.column], where)
-        ids, labels = encode_conversation(tokenizer, messages, assistant_only=fmt.assistant_only, where=where)
+        messages, tools = normalize_messages(row[fmt.column], where), row_tools(row.get(TOOLS_COLUMN))
+        ids, labels = encode_conversation(
+            tokenizer, messages, assistant_only=fmt.assistant_only, where=where, tools=tools
+        )
     else:
         ids, labels = encode_pair(
             tokenizer, row[PROMPT], row[COMPLETION], completion_only=fmt.assistant_only, where=where
