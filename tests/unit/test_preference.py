@@ -22,7 +22,22 @@ from hf_tp.parallel.logps import linear_log_probs
 from tests.chat_data import chat_tokenizer
 from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, run_threaded, tiny_config, tiny_model
 
-trl = pytest.importorskip("trl")
+
+def _trl_at_least(version: str) -> bool:
+    try:
+        import trl
+    except ImportError:
+        return False
+    from packaging.version import Version
+
+    return Version(trl.__version__) >= Version(version)
+
+
+# TRL 1.16's DPOTrainer is the reference; the release floors' pins (accelerate 1.10.0) resolve an
+# older TRL, whose trainer differs: the comparison is skipped there, the rest of the file runs.
+needs_trl = pytest.mark.skipif(
+    not _trl_at_least("1.16"), reason="the TRL comparison needs trl >= 1.16 (pip install 'hf_tp[test]')"
+)
 
 USER = [
     "hi , i am ada . where should i go ?",
@@ -96,6 +111,7 @@ def _hf_tp_step(objective, policy, tokenizer, rows):
     return out.loss.detach(), {k: v.item() / n for k, v in out.sums.items()}, [ex["input_ids"] for ex in examples]
 
 
+@needs_trl
 @pytest.mark.parametrize("kind", ["string", "chat", "implicit"])
 def test_dpo_equals_trl_loss_rewards_and_gradients(kind: str, tmp_path) -> None:
     tokenizer = chat_tokenizer()
