@@ -238,15 +238,12 @@ class TrainConfig:
             raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.precompute_ref and self.objective != "dpo":
             raise ValueError(f"--precompute-ref is for --objective dpo (its reference model), not {self.objective}")
+        if self.precompute_ref and self.has_eval:
+            raise ValueError("--precompute-ref scores the training pairs only; drop --eval-dataset / --eval-split")
         if self.objective == "sft":
             return
         if self.streaming:
             raise ValueError(f"--objective {self.objective} reads whole pairs: drop --streaming")
-        if self.has_eval:
-            raise ValueError(
-                f"--objective {self.objective}: held-out evaluation of preference pairs is not built yet; drop "
-                "--eval-dataset / --eval-split"
-            )
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 0:

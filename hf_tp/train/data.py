@@ -26,11 +26,12 @@ from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.pair_evaluation import PairEvalSet
 
 
 def build_batches(
     cfg: TrainConfig, tokenizer: Any, dp_rank: int, device: torch.device
-) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | None]:
+) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | PairEvalSet | None]:
     """What the loop reads: this dp rank's batches of every step, and the evaluation set (or None).
     Rows are padded to a multiple of tp (the sequence is split over the tp ranks; 2 x cp x tp
     with context parallelism)."""
@@ -47,6 +48,8 @@ def build_batches(
         return batches, None
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple)
     sizes = (cfg.batch_size, cfg.global_batch, cfg.eval_batches)
+    if isinstance(train_collate, PairCollator):  # its loss and TRL's metrics over the held-out pairs
+        return batches, PairEvalSet(eval_data, PairCollator(collate), dp_rank, cfg.dp, *sizes, device)
     return batches, EvalSet(eval_data, collate, dp_rank, cfg.dp, *sizes, device)
 
 

@@ -31,6 +31,7 @@ from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
+from hf_tp.train.pair_evaluation import PairEvalSet
 from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
@@ -47,7 +48,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatchSource | StreamingBatchSource
-    eval_set: EvalSet | None
+    eval_set: EvalSet | PairEvalSet | None
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
@@ -88,6 +89,8 @@ def set_up(cfg: TrainConfig) -> Run:
     # 5. the objective (DPO's reference model built here), optimizer and schedule
     route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
     objective = build_objective(cfg, model, mesh, device, route_group, batches)
+    if isinstance(eval_set, PairEvalSet):
+        eval_set.bind(objective, mesh["dp"].get_group())
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = Run(
         cfg=cfg,

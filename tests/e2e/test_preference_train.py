@@ -1,6 +1,6 @@
 """`hf-tp train --objective dpo` end to end at tp2: the frozen reference built and sharded like the
-policy, TRL's metrics in metrics.jsonl, the first step's loss exactly ln 2 (policy = reference)
-and the loss falling; tests/unit/test_preference.py holds the parity with TRL and across layouts."""
+policy, TRL's metrics in metrics.jsonl, the first step's loss exactly ln 2 (policy = reference),
+the loss falling and held-out pairs evaluated; tests/unit/test_preference.py holds the parity with TRL and across layouts."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ def test_dpo_at_tp2_logs_trl_metrics_and_learns(tmp_path) -> None:
     flags = ["--objective", "dpo", "--tp", "2", "--dp", "1", "--batch-size", "4", "--seq-len", "32"]
     proc = hf_tp_train(
         "--model", str(tmp_path / "model"), "--dataset", str(data), "--output-dir", str(out), *flags,
-        "--max-steps", "4", "--lr", "1e-2", "--warmup-steps", "0", "--no-tensorboard",
+        "--max-steps", "4", "--lr", "1e-2", "--warmup-steps", "0", "--no-tensorboard", "--eval-split", "0.25",
+        "--eval-every", "2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "global batch 4 preference pairs" in proc.stdout + proc.stderr
-    records = metrics(out)
+    records = [r for r in metrics(out) if r.get("split") != "eval"]
+    evals = [r for r in metrics(out) if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4] and all(r["eval_pairs"] == 2 for r in evals)
+    assert evals[-1]["eval_rewards/margins"] > 0 and "eval_logps/rejected" in evals[-1]
     names = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"}
     assert all(names | {"logps/rejected"} <= set(r) for r in records)
     assert records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and records[0]["rewards/margins"] == 0

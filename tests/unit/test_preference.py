@@ -252,3 +252,35 @@ def test_precomputed_reference_equals_the_reference_forward() -> None:
     assert stored[0]["ref_chosen_logps"] == stored[1]["ref_chosen_logps"] and len(stored[0]) == 5
     got = DPO(Stored()).micro_loss(copy.deepcopy(policy), collate(list(stored[0])), step).loss
     torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
+
+
+def test_held_out_pairs_evaluate_to_one_process_numbers() -> None:
+    """The eval record at dp2 (5 pairs: one rank runs a filler) equals the objective's loss and
+    metrics over the same pairs on one process."""
+    import hf_tp
+    from hf_tp.train.pair_evaluation import PairEvalSet
+
+    tokenizer = chat_tokenizer()
+    policy, ref = _models(tokenizer)
+    rows = {k: v + v[:1] for k, v in _rows("chat").items()}
+    data = tokenize_dataset(datasets.Dataset.from_dict(rows), tokenizer, seq_len=512)
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    with torch.no_grad():
+        want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(
+            policy, collate(list(data)), StepBatches(0, 0, [], num_examples=5)
+        )
+    models, refs, records = [copy.deepcopy(policy) for _ in range(2)], [copy.deepcopy(ref) for _ in range(2)], {}
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=1, dp=2, device_type="cpu")
+        model = hf_tp.parallelize(models[rank], mesh)
+        evals = PairEvalSet(data, collate, rank, 2, 2, 4, 0, torch.device("cpu"))
+        evals.bind(DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh))), mesh["dp"].get_group())
+        records[rank] = evals.record(3, model)
+
+    run_threaded(2, rank_fn)
+    assert records[0] == {**records[1], "eval_time_s": records[0]["eval_time_s"]}
+    assert records[0]["eval_pairs"] == 5
+    assert records[0]["eval_loss"] == pytest.approx(want.loss.item(), rel=1e-6)
+    for name, value in want.sums.items():
+        assert records[0][f"eval_{name}"] == pytest.approx(value.item() / 5, rel=1e-5, abs=1e-7), name

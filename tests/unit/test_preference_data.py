@@ -88,8 +88,8 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
         (dict(objective="dpo", label_smoothing=0.5), r"--label-smoothing must be in \[0, 0.5\)"),
         (dict(objective="simpo", beta=0.0), "--beta must be positive"),
         (dict(objective="dpo", streaming=True), "--objective dpo reads whole pairs: drop --streaming"),
-        (dict(objective="dpo", eval_split=0.1), "held-out evaluation of preference pairs is not built yet"),
         (dict(objective="simpo", precompute_ref=True), "--precompute-ref is for --objective dpo"),
+        (dict(objective="dpo", precompute_ref=True, eval_split=0.1), "--precompute-ref scores the training pairs only"),
     ):
         with pytest.raises(ValueError, match=says):
             TrainConfig(**bad).validate()
