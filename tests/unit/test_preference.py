@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_tp.compat import family_refusal
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.pairs import PairCollator
 from hf_tp.data.steps import StepBatches
@@ -284,3 +285,36 @@ def test_held_out_pairs_evaluate_to_one_process_numbers() -> None:
     assert records[0]["eval_loss"] == pytest.approx(want.loss.item(), rel=1e-6)
     for name, value in want.sums.items():
         assert records[0][f"eval_{name}"] == pytest.approx(value.item() / 5, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
+def test_dpo_on_a_moe_at_tp2_equals_one_process() -> None:
+    """Qwen3-MoE (experts split over tp, no router aux loss in the objective): DPO's loss and every
+    gradient at tp2 equal one process's."""
+    import hf_tp
+    from tests.family_grid import grid_config, grid_model
+
+    config = grid_config("qwen3_moe", output_router_logits=False)
+    ref = grid_model(config)
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
+    ids = torch.randint(3, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(12) < 5, -100, ids)  # the first 5 tokens: the prompt
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    step = StepBatches(0, 0, [], num_examples=2)
+    policies, refs = [copy.deepcopy(policy) for _ in range(2)], [copy.deepcopy(ref) for _ in range(2)]
+    want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, batch, step).loss
+    want.backward()
+    want_grads = full_grads(policy)
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
+        model = hf_tp.parallelize(policies[rank], mesh)
+        loss = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh))).micro_loss(model, batch, step).loss
+        loss.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=0)
+        assert_close_dict(full_grads(model), want_grads, "DPO grad on a MoE at tp2")
+
+    run_threaded(2, rank_fn)
