@@ -47,7 +47,9 @@ def count_batch_targets(examples: list, step: int) -> int:
     """Targets of a global batch, counted from the labels (a copy of input_ids unless the data masks
     some) as the loss takes them; a batch without any is an error naming the step."""
     num_targets = sum(
-        count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
+        count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"])
+        + (count_targets(ex["rejected_labels"]) if ex.get("rejected_labels") is not None else 0)  # a pair's
+        for ex in examples
     )
     if num_targets == 0:
         raise ValueError(
