@@ -39,16 +39,17 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     backend = "nccl" if device_type == "cuda" else "gloo"
     dtype = cfg.compute_dtype_name(device_type)
     dtype = "bf16 compute, fp32 master weights" if dtype == "bf16" else dtype
-    tokens = cfg.global_batch * cfg.seq_len
+    pairs = cfg.objective != "sft"  # preference objectives: a pair is two rows (chosen, rejected)
+    tokens = cfg.global_batch * cfg.seq_len * (2 if pairs else 1)
+    unit = f"{'preference pair' if pairs else 'sequence'}{'s' if cfg.global_batch > 1 else ''}"
     split = f"{cfg.batch_size} per rank x dp {cfg.dp}" + (
         f" x grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     )
     verb = "launching" if launching else "running in this process:" if cfg.world_size == 1 else "running in place:"
     return (
         f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''} "
-        f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} sequence"
-        f"{'s' if cfg.global_batch > 1 else ''} ({split}) = "
-        f"{'up to ' if not cfg.pack else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
+        f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} {unit} "
+        f"({split}) = {'up to ' if not cfg.pack or pairs else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
     )
 
 

@@ -211,9 +211,9 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
         raise ValueError("--train-vision-tower trains the tower's own weights, which --lora-r freezes: drop one")
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
-    rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
-    if rendered:
-        check_first_rows(cfg, rendered)
+    from hf_tp.train.first_rows import check_first_rows  # transformers' tokenizer
+
+    check_first_rows(cfg, first_rows)
     return kind
 
 
@@ -245,32 +245,6 @@ def check_resume_before_launch(cfg: TrainConfig, model_config: PretrainedConfig)
     check_resume_compatible(saved, run_fingerprint(cfg, model_config), ckpt)
 
 
-def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
-    """Chat and prompt/completion data: the tokenizer can render and label the first row of each
-    dataset (``{source: (format, row)}``): a chat template where needed, a fast tokenizer (character
-    offsets), role/content messages, an assistant turn."""
-    import dataclasses
-
-    from transformers import AutoTokenizer
-
-    from hf_tp.data.formats import CHAT, IMAGES, encode_batch
-    from hf_tp.data.formats.chat import check_chat_tokenizer
-    from hf_tp.data.places import RowPlaces
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    for source, (fmt, row) in first_rows.items():
-        if fmt.kind == IMAGES:
-            continue  # rendered by the checkpoint's processor in the ranks (hf_tp.data.image_data)
-        if fmt.kind == CHAT:
-            check_chat_tokenizer(tokenizer)
-        fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
-        if cfg.skip_bad_rows:
-            continue  # a first row the template rejects is dropped by the ranks, not an error
-        split = cfg.split if source == cfg.dataset else cfg.eval_dataset_split
-        places = RowPlaces(f"'{source}'", split)  # a sliced --split's first row named by its line
-        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'", places=places)
-
-
 FINGERPRINT_MODEL_FIELDS = (
     "model_type",
     "vocab_size",
@@ -300,6 +274,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,
+        objective=cfg.objective,
     )
     return fp
 
