@@ -190,3 +190,35 @@ class DenseOrMoE(ParallelStyle):
         except AttributeError:
             return module if self.dense is None else self.dense._apply(module, device_mesh)
         return self.moe._apply(module, device_mesh)
+
+
+def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
+    """Record on their owners which parameters of ``module`` the MoE ``style`` stores as packed
+    halves under tp > 1: ``hf_tp_packed[leaf] = (dim, HF shape)``, read before the style is applied
+    and at every tp (tp = 1 applies no style), so checkpoints hold one layout on every mesh
+    (:mod:`hf_tp.checkpoint.packed`)."""
+    for inner in getattr(style, "styles", ()):  # a Compose
+        mark_packed(inner, module)
+    if isinstance(style, DenseOrMoE):
+        try:
+            module.get_submodule(style.experts)
+        except AttributeError:
+            return  # a dense layer
+        style = style.moe
+    if not isinstance(style, MoERegion):
+        return
+    for name, role in style.roles.items():
+        if role.kind == "shard" and role.packed:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix else module
+            owner.__dict__.setdefault("hf_tp_packed", {})[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
+
+
+def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Parameter name -> (the dim holding two halves, its HF shape) for every parameter that
+    :func:`mark_packed` recorded, whatever the tp of the mesh."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for leaf, found in module.__dict__.get("hf_tp_packed", {}).items():
+            out[f"{prefix}.{leaf}" if prefix else leaf] = found
+    return out
