@@ -3,9 +3,9 @@
 Under tp > 1 hf_tp stores Qwen3-MoE's fused ``experts.gate_up_proj`` (HF ``[experts, 2I, hidden]``)
 as packed halves ``[experts, 2, I, hidden]``; at tp = 1 it keeps HF's shape. A chain of runs, one
 AdamW step each, every one resuming from the checkpoint of the one before on another mesh:
-tp 2 -> tp 1 x dp 2 (FSDP2) -> ep 2 -> tp 2. After every load the weights and the AdamW state
+one rank (plain tensors) -> tp 2 -> tp 1 x dp 2 (FSDP2) -> ep 2 -> tp 2. After every load the weights and the AdamW state
 (``exp_avg``, ``exp_avg_sq``, ``step``) equal, bit for bit, what was saved; the last step's weights
-equal those of 4 uninterrupted steps of plain single-process HF. A checkpoint of the layout before
+equal those of 5 uninterrupted steps of plain single-process HF. A checkpoint of the layout before
 (HF's, at tp = 1) still loads at tp 1 and is refused at tp 2 with one line.
 """
 
@@ -26,7 +26,7 @@ from tests.parity import assert_weights_after_adam_close, train_steps
 from tests.unit.test_expert_parallel import _case
 
 LR, DECAY = 1e-3, 0.01
-CHAIN = ((2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 1, 1))  # (tp, dp, ep) of each run, in order
+CHAIN = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 1, 1))  # (tp, dp, ep) of each run, in order
 
 
 def _state(model, opt, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
