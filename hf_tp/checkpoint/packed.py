@@ -30,8 +30,6 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.styles.experts import Role, packed_params, stored_shape
 
-Packed = dict[str, tuple[int, tuple[int, ...]]]  # name -> (dim of the two halves, HF shape)
-
 
 def checkpoint_layout(
     state: dict[str, Any], model: nn.Module, saved: Metadata | None = None, where: Path | None = None
@@ -63,7 +61,8 @@ def _stored(
     key: str, value: Any, packed: tuple[int, tuple[int, ...]] | None, saved: Metadata | None, where: Path | None
 ) -> Any:
     """``value`` in the packed layout when it is a tensor of the parameter's HF shape (tp = 1),
-    else as it is (already packed at tp > 1; a scalar ``step``; anything not packed)."""
+    else as it is (already packed at tp > 1; a scalar ``step``; anything not packed). ``packed``:
+    (the dim of the two halves, the HF shape) of the parameter, None when it is not packed."""
     if packed is None or not torch.is_tensor(value):
         return value
     dim, hf_shape = packed
