@@ -29,7 +29,7 @@ from hf_tp.parallel.mesh import cp_mesh, split_mesh
 from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
-from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
+from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
 
 
 def parallelize(
@@ -159,6 +159,8 @@ def _check(
     freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
     if adapter.language_model:  # a wrapper's packed text rows: document positions as its masks read them
         pass_packed_positions(model.get_submodule(adapter.language_model))
+    if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
+        mark_packed_experts(model, adapter, opts)
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 

@@ -17,6 +17,7 @@ from hf_tp.parallel.dropout import install_model_dropout
 from hf_tp.parallel.one_token import gather_one_token_steps
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
+from hf_tp.styles.experts import mark_packed
 
 
 def embeddings_tied(model: nn.Module) -> bool:
@@ -94,6 +95,16 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def mark_packed_experts(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:
+    """Record which expert weights a tp > 1 mesh stores as packed gate/up halves (at any tp,
+    before any style is applied), so a checkpoint writes them in that layout on every mesh."""
+    plan = adapter.layer_plan(opts)
+    for layer in model.get_submodule(adapter.layers_path):
+        for path, style in plan.items():
+            if has_submodule(layer, path):
+                mark_packed(style, layer.get_submodule(path))
 
 
 MOSTLY_WHOLE = 0.25  # below this share of sharded decoder-layer weights tp hardly splits the model

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hf_tp.styles.choice import PerLayerChoice
+from hf_tp.styles.choice import PerLayerChoice, resolve
 
 
 @dataclass(frozen=True)
@@ -223,3 +223,30 @@ class DenseOrMoE(PerLayerChoice):
         except AttributeError:
             return self.dense
         return self.moe
+
+
+def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
+    """Record on their owners which parameters of ``module`` the MoE ``style`` stores as packed
+    halves under tp > 1: ``hf_tp_packed[leaf] = (dim, HF shape)``, read before the style is applied
+    and at every tp (tp = 1 applies no style), so checkpoints hold one layout on every mesh
+    (:mod:`hf_tp.checkpoint.packed`)."""
+    style = resolve(style, module)  # a per-layer choice (dense or MoE, by kind): this layer's style
+    for inner in getattr(style, "styles", ()):  # a Compose
+        mark_packed(inner, module)
+    if not isinstance(style, MoERegion):
+        return
+    for name, role in style.roles.items():
+        if role.kind == "shard" and role.packed:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix else module
+            owner.__dict__.setdefault("hf_tp_packed", {})[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
+
+
+def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Parameter name -> (the dim holding two halves, its HF shape) for every parameter that
+    :func:`mark_packed` recorded, whatever the tp of the mesh."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for leaf, found in module.__dict__.get("hf_tp_packed", {}).items():
+            out[f"{prefix}.{leaf}" if prefix else leaf] = found
+    return out
