@@ -207,12 +207,28 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     Packed expert weights are read through views in the checkpoint's layout (:mod:`hf_tp.checkpoint.packed`)."""
     state = _train_state(model, optimizer)
     reader = SafeReader(path)
-    safe_load(checkpoint_layout(state, model, reader.read_metadata(), path), path, reader=reader)
+    metadata = reader.read_metadata()
+    dropped = _drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
+    safe_load(checkpoint_layout(state, model, metadata, path), path, reader=reader)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    # not strict only where parameters had no state to load: DCP found every other entry above
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=not dropped))
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     return load_trainer_state(path)
+
+
+def _drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Leave out the optimizer state of parameters the checkpoint holds none for: trainable
+    parameters that never got a gradient in the saved run (an indexer behind a boolean selection),
+    so AdamW never made their state. torch's state dict made one for every trainable parameter (a
+    zero-gradient step), which DCP would then look for. Without an entry such a parameter is as it
+    was in the saved run; every rank reads the same metadata, so every rank drops the same ones."""
+    prefixes = {key.rpartition(".")[0] for key in saved if key.startswith("optim.state.")}
+    unsaved = [f for f in optim_state.get("state", {}) if f"optim.state.{f}" not in prefixes]
+    for fqn in unsaved:
+        del optim_state["state"][fqn]
+    return bool(unsaved)
 
 
 def crash_point(where: str, step: int) -> None:

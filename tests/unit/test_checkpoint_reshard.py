@@ -123,3 +123,37 @@ def test_a_checkpoint_in_the_older_layout_loads_at_tp1_and_is_refused_at_tp2(tmp
 
     resume(1)
     resume(2)
+
+
+def test_a_parameter_that_never_got_a_gradient_resumes_on_another_mesh(tmp_path: Path) -> None:
+    """A trainable parameter with no gradient (DeepSeek-V4's indexer behind a boolean selection)
+    has no AdamW state; the checkpoint holds none for it and a resume on another mesh loads the rest."""
+    ref, data = _case("qwen3_moe", skewed=False)
+    idle = "model.layers.0.self_attn.q_proj.weight"
+    saved: dict = {}
+
+    def run(tp: int, resume: Path | None) -> None:
+        def rank_fn(rank: int) -> None:
+            model = copy.deepcopy(ref)
+            hf_tp.parallelize(model, hf_tp.build_mesh(tp=tp, dp=1, device_type="cpu"))
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            if resume is None:
+                with hf_tp.loss_parallel():
+                    model(**data, use_cache=False).loss.backward()
+                model.get_parameter(idle).grad = None
+                opt.step()
+                path = save_checkpoint(tmp_path / "run", 1, model, opt, {"config": {}}, [model.config])
+                params = full_params(model)  # collective: every rank
+                if rank == 0:
+                    saved.update(path=path, params=params)
+                return
+            load_checkpoint(resume, model, opt)
+            state = get_optimizer_state_dict(model, opt)["state"]
+            assert idle not in state and len(state) == len(saved["params"]) - 1
+            for name, value in full_params(model).items():
+                torch.testing.assert_close(value, saved["params"][name], rtol=0, atol=0, msg=name)
+
+        run_threaded(tp, rank_fn)
+
+    run(2, None)
+    run(1, saved["path"])
