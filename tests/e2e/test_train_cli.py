@@ -234,7 +234,7 @@ def test_in_place_under_torchrun_every_rank_reports_an_empty_dataset(setup, tmp_
             "columns.jsonl",
             '{"content": "a b c"}\n',
             r"hf-tp train: error: text column 'text' not in dataset '.*columns\.jsonl'; its columns are: content; "
-            r"pass --text-column \(documents\) or --messages-column \(conversations\), or use prompt/completion columns",
+            r"pass --text-column \(documents\) or --messages-column \(conversations\), or use prompt/completion \(or prompt/chosen/rejected\) columns",
         ),
         ("empty.txt", "", r"hf-tp train: error: dataset '.*empty\.txt' is empty"),
     ],
