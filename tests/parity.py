@@ -75,7 +75,7 @@ KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm
 
 
 def assert_weights_after_adam_close(
-    got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None
+    got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None, uncapped=()
 ) -> None:
     """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms), over the elements
     whose first gradient is resolved in fp32.
@@ -88,6 +88,12 @@ def assert_weights_after_adam_close(
     ``grads``), an element whose gradient differs by over a tenth of itself is not resolved
     either (at most 1 in 100): a float64 model that computes parts in fp32 (softmax, MoE activations, routers: Beam,
     Qwen3-Next) has fp32 round-off in its gradients, not float64's.
+
+    ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
+    caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
+    one embedding, so the weights that collapse the streams (a scale-invariant norm follows) and mix
+    them (doubly stochastic: every column sums to one) get whole rows of gradients that are zero in
+    exact arithmetic, and near it in the next mixers. The element-wise gradient check covers them.
     """
     assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
     for name, w in want.items():
@@ -104,19 +110,24 @@ def assert_weights_after_adam_close(
             floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
             resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
             unresolved = int((~resolved).sum())
-            assert unresolved <= g.numel() // 1000, f"param {name}: {unresolved} of {g.numel()} gradients are ~0"
+            capped = not name.startswith(tuple(uncapped))
+            assert unresolved <= g.numel() // 1000 or not capped, (
+                f"param {name}: {unresolved} of {g.numel()} gradients are ~0"
+            )
             if got_grads is not None and name in got_grads:
                 # an element whose own gradient differs by over a tenth of itself (the difference
                 # already accepted by the element-wise gradient check) has no resolved direction
                 noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name] - g).abs())
-                assert int(noisy.sum()) <= g.numel() // 100, f"param {name}: {int(noisy.sum())} gradients within noise"
+                assert int(noisy.sum()) <= g.numel() // 100 or not capped, (
+                    f"param {name}: {int(noisy.sum())} gradients within noise"
+                )
                 resolved &= ~noisy
         moved = (w - start[name])[resolved].norm().item()
         err = (got[name] - w)[resolved].norm().item()
         assert err <= 1e-3 * moved + 1e-7, f"param {name}: |diff|={err:.3g} vs |update|={moved:.3g}"
 
 
-def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
+def assert_parity(got: Trace, want: Trace, rows: slice = slice(None), uncapped=()) -> None:
     """Logits (the given batch rows), every gradient and the loss curve to fp32 tolerance; then
     the weights after the AdamW steps.
 
@@ -124,7 +135,7 @@ def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
     torch.testing.assert_close(got.logits, want.logits[rows], rtol=1e-5, atol=1e-5)
     assert_close_dict(got.grads, want.grads, "grad")
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
-    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads, got.grads)
+    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads, got.grads, uncapped)
 
 
 @dataclass

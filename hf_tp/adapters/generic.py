@@ -52,6 +52,8 @@ from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
     DenseOrMoE,
+    HyperConnectionLayer,
+    HyperConnectionOnShards,
     LocalHeadParams,
     LocalParamViews,
     MoERegion,
@@ -59,6 +61,7 @@ from hf_tp.styles import (
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
+    StreamShape,
     WidthNormParallel,
     head_norm,
 )
@@ -132,7 +135,12 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
-    return dict(sorted(plan.items()))
+    plan = dict(sorted(plan.items()))
+    if opts.sequence_parallel and d.layer_mixers:  # hyper-connections: the layer itself last (its hooks run last)
+        stream = StreamShape(d.hidden_size)
+        plan.update({path: HyperConnectionOnShards(stream) for path in d.layer_mixers})
+        plan[""] = HyperConnectionLayer(stream, tuple(sorted({*d.blocks, *d.regions})))
+    return plan
 
 
 def _gather_input(block: Block) -> PrepareModuleInput:
@@ -173,6 +181,8 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
             plan[path] = SequenceParallel()
         for path in d.top_linears:  # per token: replicated weights on sequence shards
             plan[path] = PerTokenOnShards()
+        for path in d.top_mixers:
+            plan[path] = HyperConnectionOnShards()
     return plan
 
 

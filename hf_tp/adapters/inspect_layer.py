@@ -11,15 +11,18 @@ from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import moe_blocks, moe_region
-from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes
+from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
 
 
-def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple) -> dict:
-    """What the plan needs from one decoder layer (see :class:`Derivation` for the fields)."""
+def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple, streams: bool) -> dict:
+    """What the plan needs from one decoder layer (see :class:`Derivation` for the fields);
+    ``streams``: the residual has hyper-connection streams (the model mixes them at the top)."""
+    mixers = _mixers(mt, layer, config.hidden_size, streams)
+    layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mixers}
     # Multi-head latent attention (DeepSeek's low-rank q/kv projections) runs whole on every rank:
     # its shared latent and rotary key feed every head, which a head split cannot express locally.
     mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
@@ -39,18 +42,33 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     head_dim = head_dim_of(layer, config)
     facts = _plan_entries(mt, config, layer, layer_styles, head_dim)
     facts.update(_kv_projections(config, layer, facts["colwise"], facts["gathered"], head_dim))
-    blocks = _blocks(mt, layer, facts, config.hidden_size, skip=set(moe))
+    blocks = _blocks(mt, layer, facts, config.hidden_size, skip=set(moe) | set(mixers))
     facts.update(_unplanned(layer, blocks, facts, head_dim))
     planned = facts.pop("planned")
     # Linears the layer calls itself on the residual stream (Gemma 4's per-layer input gate): per token
     linears = [n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in moe]
     facts.update(
         layer_linears=linears,
-        layer_norms=_layer_norms(mt, layer, planned | set(moe) | set(linears), blocks, config.hidden_size),
+        layer_mixers=mixers,
+        layer_norms=_layer_norms(
+            mt, layer, planned | set(moe) | set(linears) | set(mixers), blocks, config.hidden_size
+        ),
         blocks=blocks,
         regions=regions,
     )
     return facts
+
+
+def _mixers(mt: str, layer: nn.Module, hidden: int, streams: bool) -> list[str]:
+    """The layer's hyper-connection mixers (:func:`stream_mixers`), when the residual has streams,
+    each called with the residual first."""
+    if not streams:
+        return []
+    found = stream_mixers(layer, hidden)
+    for name in found:
+        if not hidden_states_passing(layer, name):
+            raise refuse(mt, f"cannot read that {type(layer).__name__}.forward passes the residual first to {name}")
+    return sorted(found)
 
 
 def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], head_dim: int) -> dict:

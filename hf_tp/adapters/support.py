@@ -107,6 +107,8 @@ MOE: dict[str, str] = {
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "deepseek_v4": "hyper-connections: the residual's streams sequence-parallel, their mixers (attn_hc, ffn_hc, hc_head) replicated, run per token on each rank's shard, gradients summed over tp; attention runs whole; hash-routed and learned-router MoE layers",
+    "hy_v4": "hyper-connections as DeepSeek-V4's (streams sequence-parallel, mixers replicated per token, gradients summed over tp); latent attention with sinks and indexer runs whole; shared experts",
 }
 
 # model_type -> why hf_tp refuses it (the error message names this reason)
@@ -125,8 +127,6 @@ REFUSED: dict[str, str] = {
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
     "inkling2_text": "its tp plan shards the embedding with its own style",
     "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
-    "deepseek_v4": "hyper-connection parameters outside the decoder layers",
-    "hy_v4": "hyper-connection parameters outside the decoder layers",
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
 }

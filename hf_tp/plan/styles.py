@@ -26,6 +26,8 @@ from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
     DenseOrMoE,
+    HyperConnectionLayer,
+    HyperConnectionOnShards,
     LocalParamViews,
     MoERegion,
     PerTokenOnShards,
@@ -74,6 +76,8 @@ WORDS = {
     "width_norm": "norm over the whole width: weight split, all-reduce of per-token sums",
     "moe": "expert-TP region: all-gather in, reduce-scatter out",
     "per_token": "per token on the rank's sequence shard, weights whole",
+    "hyper": "hyper-connection mixer: per token on the rank's sequence shard, weights whole",
+    "hyper_layer": "residual streams on the rank's sequence shard (the layer mixes them per token, plain tensors)",
 }
 
 
@@ -104,6 +108,10 @@ def _kind(style: ParallelStyle, module: nn.Module) -> str:
         return "moe"
     if isinstance(style, WidthNormParallel):
         return "width_norm"
+    if isinstance(style, HyperConnectionOnShards):
+        return "hyper"
+    if isinstance(style, HyperConnectionLayer):
+        return "hyper_layer"
     if isinstance(style, PerTokenOnShards):
         return "per_token"
     if isinstance(style, ReplicatedToSequenceShards):
@@ -145,8 +153,8 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
     if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
-    if kind == "per_token":
-        return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters(recurse=False)}
+    if kind in ("per_token", "hyper"):
+        return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
     if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
         return {n: Placed(None, "") for n, _ in module.named_parameters()}
     if kind == "width_norm":

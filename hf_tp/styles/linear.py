@@ -21,37 +21,73 @@ class ColwiseOwnOutput(ColwiseParallel):
 
 
 class PerTokenOnShards(ParallelStyle):
-    """A per-token module outside the sharded blocks (Gemma 4's per-layer input projection) run on
-    the rank's sequence shard: its weights replicated over tp, its input a ``Shard(1)`` DTensor
-    taken local (torch's ``SequenceParallel`` would hand ``nn.Linear`` a DTensor whose batch and
-    sharded sequence dims it cannot flatten), its output that shard again. Each rank's weight
-    gradient covers its own tokens: marked ``Partial`` and summed over tp like the norms'."""
+    """A per-token module outside the sharded blocks run on the rank's sequence shard (Gemma 4's
+    per-layer input projection): its weights (its submodules' too) replicated over tp, its input
+    a ``Shard(1)`` DTensor taken local (torch's ``SequenceParallel`` would hand ``nn.Linear`` a
+    DTensor whose batch and sharded sequence dims it cannot flatten), each tensor it returns that
+    shard again. No forward collective. Each rank's weight gradient covers its own tokens: marked
+    ``Partial`` and summed over tp like the norms'. A rank without tokens (a one-token decode step
+    at tp > 1) runs the module on one zero token and returns none (a reshape of zero tokens to
+    ``(batch, 0, -1)`` is ambiguous)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(
-                name, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]), param.requires_grad)
-            )
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        shape: list = []
+        owners = {}  # submodule -> its own parameter names
+        for sub in module.modules():
+            names = [n for n, _ in sub.named_parameters(recurse=False)]
+            for name in names:
+                param = sub._parameters[name]
+                replicated = distribute_tensor(param, device_mesh, [Replicate()])
+                sub.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+            if names:
+                owners[sub] = names
+        state: list = []
 
         def to_local(mod: nn.Module, args):
             x = args[0]
-            if not isinstance(x, DTensor) or x.placements != (Shard(1),):
-                raise ValueError(f"{type(mod).__name__} runs per token on sequence shards; got {type(x).__name__}")
-            shape[:] = [x.shape, x.placements]
-            for n in names:  # an instance attribute shadows the registered parameter for the call
-                mod.__dict__[n] = mod._parameters[n].to_local(grad_placements=[Partial()])
-            return (x.to_local(), *args[1:])
+            full = self._global_shape(mod, x)
+            local = x.to_local() if isinstance(x, DTensor) else x
+            empty = local.shape[1] == 0
+            if empty:
+                local = local.new_zeros(local.shape[0], 1, *local.shape[2:])
+            state[:] = [full, empty]
+            for sub, names in owners.items():  # an instance attribute shadows the registered parameter
+                for n in names:
+                    sub.__dict__[n] = sub._parameters[n].to_local(grad_placements=[Partial()])
+            return (local, *args[1:])
 
-        def to_shards(mod: nn.Module, args, output: torch.Tensor):
-            for n in names:
-                mod.__dict__.pop(n, None)
-            full, placements = shape
-            size = torch.Size([*full[:-1], output.shape[-1]])
-            stride = torch.empty(size, device="meta").stride()
-            return DTensor.from_local(output, device_mesh, placements, run_check=False, shape=size, stride=stride)
+        def to_shards(mod: nn.Module, args, output):
+            for sub, names in owners.items():
+                for n in names:
+                    sub.__dict__.pop(n, None)
+            full, empty = state
+            each = [
+                t[:, :0] if empty and _per_token(t) else t for t in (output if isinstance(output, tuple) else [output])
+            ]
+            each = [self._wrap(t, full, device_mesh) if _per_token(t) else t for t in each]
+            return tuple(each) if isinstance(output, tuple) else each[0]
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(to_shards)
         return module
+
+    def _global_shape(self, mod: nn.Module, x) -> torch.Size:
+        """The whole input's shape (its sequence dim that of all ranks' tokens)."""
+        if not isinstance(x, DTensor) or x.placements != (Shard(1),):
+            raise ValueError(f"{type(mod).__name__} runs per token on sequence shards; got {type(x).__name__}")
+        return x.shape
+
+    def _wrap(self, output: torch.Tensor, full: torch.Size, device_mesh: DeviceMesh):
+        """One per-token output as what the model gets: the sequence-sharded DTensor."""
+        return sequence_shards(output, full[1], device_mesh)
+
+
+def _per_token(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 2
+
+
+def sequence_shards(local: torch.Tensor, seq: int, device_mesh: DeviceMesh) -> DTensor:
+    """The rank's tokens ``local`` (dims batch, its sequence shard, ...) as the ``Shard(1)``
+    DTensor of all ``seq`` tokens (shards may be uneven: the global shape is given)."""
+    size = torch.Size([local.shape[0], seq, *local.shape[2:]])
+    stride = torch.empty(size, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False, shape=size, stride=stride)
