@@ -104,6 +104,16 @@ FAMILY_EXTRAS.update(
         # A hash-routed MoE layer, then a learned-router one (two hash layers leave no router logits for the
         # aux loss: transformers' own loss then fails)
         "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
+        # A linear-attention layer and an indexed-attention one (its 2-layer default has no attention layer)
+        # and its attention's QSA indexer, which has no defaults (2 blocks of 2 tokens per query)
+        "qwen4_exp_text": dict(
+            layer_types=["linear_attention", "indexed_attention"],
+            indexer_n_heads=2,
+            indexer_kv_heads=1,
+            indexer_head_dim=16,
+            indexer_budget=4,
+            indexer_compress_ratio=2,
+        ),
         # Per-layer embeddings at grid sizes (262144 x 8 x 256 by default) and narrower global heads
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8

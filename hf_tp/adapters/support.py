@@ -108,6 +108,7 @@ MOE: dict[str, str] = {
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "deepseek_v4": "hyper-connections: the residual's streams sequence-parallel, their mixers (attn_hc, ffn_hc, hc_head) replicated, run per token on each rank's shard, gradients summed over tp; attention runs whole; hash-routed and learned-router MoE layers",
+    "qwen4_exp_text": "hyper-connections on a flattened residual (streams sequence-parallel; gated residual mixers replicated per token, gradients summed over tp, transformers' split of their down projection not used); gated delta-net and indexed attention run whole; shared expert with a sigmoid gate; per-layer n-gram embeddings (ple_layer_ids) refused",
     "hy_v4": "hyper-connections as DeepSeek-V4's (streams sequence-parallel, mixers replicated per token, gradients summed over tp); latent attention with sinks and indexer runs whole; shared experts",
 }
 
@@ -126,7 +127,6 @@ REFUSED: dict[str, str] = {
     "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
     "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
     "inkling2_text": "its tp plan shards the embedding with its own style",
-    "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
     "dots1": "its model cannot be built from its default config",
     "lfm2_moe": "its model cannot be built from its default config",
 }
