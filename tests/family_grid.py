@@ -104,10 +104,10 @@ FAMILY_EXTRAS.update(
         # A hash-routed MoE layer, then a learned-router one (two hash layers leave no router logits for the
         # aux loss: transformers' own loss then fails)
         "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
-        # A linear-attention layer and an indexed-attention one (its 2-layer default has no attention layer)
+        # A linear-attention layer and an attention one (its 2-layer default has no attention layer)
         # and its attention's QSA indexer, which has no defaults (2 blocks of 2 tokens per query)
         "qwen4_exp_text": dict(
-            layer_types=["linear_attention", "indexed_attention"],
+            layer_types=["linear_attention", "full_attention"],  # (5.24 reads full_attention as indexed)
             indexer_n_heads=2,
             indexer_kv_heads=1,
             indexer_head_dim=16,

@@ -45,7 +45,10 @@ def model_from_config(
     replicates its vision tower and projector over tp, shards them over dp and freezes the tower.
     """
     # (a copy: parallelize may change the config, e.g. the attention implementation under cp)
-    model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
+    # Module.to() cannot swap fake tensors: a module moved to fp32 in its __init__ (DeepSeek-V4's
+    # attention and hyper-connections) is already fp32 here, so the move is skipped
+    with mock.patch.object(nn.Module, "to", _to_unless_fp32):
+        model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
     model.train()
     if wrapper.text_config_of(config) is not None:
         # its adapter builds it on the meta device once (cached per config): not under fake tensors
@@ -65,6 +68,16 @@ def model_from_config(
         peft_model if lora_r else model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep
     )
     return model  # (a LoRA model in place: the loop too steps the HF model inside the peft model)
+
+
+_MODULE_TO = nn.Module.to
+
+
+def _to_unless_fp32(module: nn.Module, *args, **kwargs) -> nn.Module:
+    """``Module.to``, except a move to fp32 alone of a module whose parameters all are fp32 already."""
+    if [*args, *kwargs.values()] == [torch.float32] and all(p.dtype == torch.float32 for p in module.parameters()):
+        return module
+    return _MODULE_TO(module, *args, **kwargs)
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
