@@ -36,8 +36,10 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     for layer in layers:
         names = tuple(n for n, _ in layer.named_parameters())
         kinds.setdefault((names, tuple(type(m).__name__ for m in layer.modules())), layer)
-    # the logits HF records for the aux loss, named on the causal LM or on its base model (Qwen4-Exp)
-    routers = tuple(dict.fromkeys([*router_classes(model), *router_classes(model.get_submodule(prefix))]))
+    # the logits HF records for the aux loss, named on the causal LM or on its base model (Qwen4-Exp;
+    # Llama 4's base model records its routers' second output, and its causal LM has no aux loss)
+    base = router_classes(model.get_submodule(prefix), first_output=True)
+    routers = tuple(dict.fromkeys([*router_classes(model), *base]))
     facts = [layer_facts(mt, config, layer, layer_styles, routers, bool(top_mixers)) for layer in kinds.values()]
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     _norms_run_as_blocks(mt, merged, list(kinds.values()))

@@ -134,14 +134,15 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-def router_classes(model: nn.Module) -> tuple[type, ...]:
-    """The module classes whose output HF records as ``router_logits``."""
+def router_classes(model: nn.Module, first_output: bool = False) -> tuple[type, ...]:
+    """The module classes whose output HF records as ``router_logits`` (``first_output``: only
+    those whose first output it records, the logits :class:`hf_tp.styles.MoERegion` scales)."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
     rec = recorders.get("router_logits")
     out = []
     for item in rec if isinstance(rec, list | tuple) else [rec]:
         cls = getattr(item, "target_class", item)
-        if isinstance(cls, type):
+        if isinstance(cls, type) and not (first_output and getattr(item, "index", 0) != 0):
             out.append(cls)
     return tuple(out)
 
