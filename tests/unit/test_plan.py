@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from transformers import AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import hf_tp
 from hf_tp.cli.main import main
+from hf_tp.compat import family_refusal
 from hf_tp.estimate.comm import CommCounter
 from hf_tp.plan import ModelPlan, plan_for
 from hf_tp.plan.collectives import summary
@@ -84,6 +85,8 @@ def test_one_dense_layer_is_the_megatron_sp_minimum() -> None:
 # (qwen3_5_text, lfm2), latent attention and a dense first layer (deepseek_v3), MoE regions with
 # sinks and biases (gpt_oss), learned activation scalars (apertus), scaled embeddings (gemma2).
 FAMILIES = ["llama", "phi3", "olmo2", "qwen3_5_text", "lfm2", "deepseek_v3", "gpt_oss", "apertus", "gemma2"]
+# hyper-connections: the mixers and the layer's stream arithmetic add no collective (transformers 5.24)
+FAMILIES += [mt for mt in ("hy_v4", "deepseek_v4") if mt in CONFIG_MAPPING and not family_refusal(mt)]
 
 
 @pytest.fixture
