@@ -43,6 +43,13 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # DeepSeek-V4's config has no plan, Qwen4-Exp's layer types differ, and HY-V4's first mixer
     # weights missed the grid's AdamW check (2e-3 of the update) where 5.24 holds it.
     **{mt: ("5.24.0", PLAN) for mt in ("deepseek_v4", "hy_v4", "qwen4_exp_text")},
+    # Qwen3-VL-MoE's language model: 5.17's plan names no experts (held to parity at 5.24)
+    "qwen3_vl_moe_text": ("5.24.0", EXPERTS),
+    # per-layer mixers: held to parity at 5.24, earlier releases not run
+    **{mt: ("5.24.0", "a tensor-parallel plan of its per-layer mixers") for mt in ("minimax", "nemotron_h")},
+    # Held to parity at 5.24; at 5.17 LFM2-MoE's plan names no experts and Inkling records no router logits
+    "lfm2_moe": ("5.24.0", EXPERTS),
+    "inkling_text": ("5.24.0", "a tensor-parallel plan of its router (transformers records its router logits)"),
 }
 
 

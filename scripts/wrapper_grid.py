@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from tests.wrapper_grid import WrapperCase, WrapperResult, run_cases, wrapper_types  # noqa: E402
 
-DP2 = ("llava", "gemma3", "gemma4", "qwen3_5", "mistral3", "internvl")  # also at tp2 x dp2
+DP2 = ("llava", "gemma3", "gemma4", "qwen3_5", "mistral3", "internvl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DOC = ROOT / "docs" / "multimodal.md"
 BEGIN, END = "<!-- wrapper grid: begin -->", "<!-- wrapper grid: end -->"
 

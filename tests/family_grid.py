@@ -54,6 +54,13 @@ FAMILY_EXTRAS: dict[str, dict] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
     ),
 }
+
+
+def _mrope(t: int, h: int, w: int, **extra) -> dict:
+    """Rotary parameters whose mrope sections (temporal, height, width) fit the grid's head_dim."""
+    return {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [t, h, w], **extra}
+
+
 # Mixture-of-experts sizes (set where the config class has the field): 4 experts, 2 per token,
 # an aux-loss weight large enough that a wrong router gradient from it shows; no router noise.
 MOE_SIZES = dict(
@@ -95,6 +102,15 @@ FAMILY_EXTRAS.update(
         "lfm3": dict(layer_types=["conv", "full_attention"]),
         "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
         "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_ssm=128),
+        # One layer of each mixer kind (Mamba, MoE, attention, MLP: its default), Mamba and shared expert scaled
+        "nemotron_h": dict(
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            chunk_size=16,
+            moe_shared_expert_intermediate_size=48,
+        ),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
         # A dense layer (its MLP is intermediate_size_mlp wide, 16384 by default), then a MoE layer
@@ -115,9 +131,27 @@ FAMILY_EXTRAS.update(
             indexer_compress_ratio=2,
         ),
         # Per-layer embeddings at grid sizes (262144 x 8 x 256 by default) and narrower global heads
+        # Its default config sets no shared-expert count (the published one does), which the block multiplies by
+        "dots1": dict(n_shared_experts=1),
+        # A dense short-convolution layer, then a MoE attention layer (its defaults: no layer_types, 2 dense layers)
+        "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+        # A dense layer, then a MoE layer (every layer is MoE by default); its own names for the MLP widths
+        "minimax_m3_vl_text": dict(
+            mlp_layer_types=["dense", "sparse"], dense_intermediate_size=128, shared_intermediate_size=48
+        ),
+        # Its sliding-window attention's own head counts and relative-position extent, at grid sizes
+        "inkling_text": dict(
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, rel_extent=32
+        ),
         "gemma4_text": dict(
             vocab_size_per_layer_input=301, hidden_size_per_layer_input=16, global_head_dim=32, sliding_window=8
         ),
+        # Text towers with 3-D mrope: the (t, h, w) sections of the grid's 8 rotary frequencies
+        **{
+            mt: dict(rope_parameters=_mrope(3, 3, 2))
+            for mt in ("qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+        },
+        "glm4v_moe_text": dict(rope_parameters=_mrope(2, 1, 1, partial_rotary_factor=0.5)),
     }
 )
 # The prefill and two cached decode steps: the second is the first whose position is not the

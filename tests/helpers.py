@@ -10,10 +10,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from hf_tp.styles.experts import hf_shapes
+from hf_tp.verify.compare import full, full_grads, full_params  # noqa: F401 - shared with the tests
 
 # fp32 parity: the standard of the project. Not to be loosened to make a test pass.
 RTOL = 1e-5
@@ -218,26 +217,6 @@ def run_threaded(world_size: int, fn: Callable[[int], None], timeout: float = 30
         causes = [r for r, text in errors.items() if "Test termination event occurs" not in text] or list(errors)
         rank = min(causes)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The global value of a DTensor (or the tensor itself)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Global gradients in HF's shapes (hf_tp stores packed expert weights with their halves apart)."""
-    shapes = hf_shapes(model)
-    return {
-        n: full(p.grad).detach().reshape(shapes.get(n, p.shape)).clone()
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-
-
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    shapes = hf_shapes(model)
-    return {n: full(p.detach()).reshape(shapes.get(n, p.shape)).clone() for n, p in model.named_parameters()}
 
 
 def assert_close_dict(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, **tol) -> None:

@@ -20,6 +20,7 @@ import hf_tp
 from hf_tp.parallel.passengers import in_tower
 from tests.family_grid import GREEDY_TOKENS
 from tests.helpers import full, full_grads, run_threaded
+from tests.mrope_images import IMAGE_PROCESSORS, processed_images, tokens
 from tests.parity import KEY_BIASES
 from tests.wrapper_grid import wrapper_config, wrapper_model
 
@@ -38,6 +39,22 @@ FAMILIES: dict[str, tuple[dict[str, dict], int, int]] = {
     "idefics3": ({"": dict(image_token_id=IMAGE, scale_factor=2)}, 1, 28),
     "qwen3_5": ({"": dict(image_token_id=IMAGE, vision_start_token_id=291, vision_end_token_id=292)}, 1, 28),
 }
+# 3-D mrope families: images through their own image processor (tests/mrope_images.py), one
+# token per 2x2 patches; Qwen3-VL's one vision layer tapped for DeepStack (its features join the
+# first decoder layer's output)
+QWEN_IDS = dict(image_token_id=IMAGE, vision_start_token_id=291, vision_end_token_id=292, video_token_id=293)
+GLM_IDS = dict(image_token_id=IMAGE, image_start_token_id=291, image_end_token_id=292, video_token_id=293)
+DEEPSTACK = {"vision_config": dict(deepstack_visual_indexes=[0])}
+FAMILIES.update(
+    {
+        # Qwen2-VL's vision hidden_size is its merger's output: the language model's width
+        "qwen2_vl": ({"": QWEN_IDS, "vision_config": dict(hidden_size=64)}, 0, 0),
+        "qwen2_5_vl": ({"": QWEN_IDS}, 0, 0),
+        **{mt: ({"": QWEN_IDS, **DEEPSTACK}, 0, 0) for mt in ("qwen3_vl", "qwen3_vl_moe")},
+        **{mt: ({"": GLM_IDS}, 0, 0) for mt in ("glm4v", "glm4v_moe")},
+    }
+)
+PATCHES = ("qwen3_5", *IMAGE_PROCESSORS)  # pixel_values: every image's flattened patches, + image_grid_thw
 IMAGES_PER_ROW = (2, 0, 1, 1)  # dp halves hold as many image (hence label) tokens: their mean losses average to HF's
 PADDING = (0, 3, 3, 0)
 
@@ -58,23 +75,29 @@ def image_rows(model_type: str, config, seed: int = 3) -> list[dict]:
     padding tokens), attention mask, and that row's images (random pixels, never all zero)."""
     _, per_image, side = FAMILIES[model_type]
     g = torch.Generator().manual_seed(seed)
-    channels = 3 * 2 * 14 * 14 if model_type == "qwen3_5" else 3
+    done = processed_images(model_type, sum(IMAGES_PER_ROW), g) if model_type in IMAGE_PROCESSORS else []
     rows = []
     for n, pad in zip(IMAGES_PER_ROW, PADDING, strict=True):
         ids = torch.randint(3, 280, (SEQ,), generator=g)
-        for i in range(n):
-            start = 2 + i * (per_image + 2)
-            ids[start : start + per_image] = IMAGE
+        if done:
+            images, grids = [p for p, _ in done[:n]], [grid for _, grid in done[:n]]
+            done = done[n:]
+        elif model_type == "qwen3_5":  # 2x2 patches of 3 x 2 frames x 14 x 14
+            images = [torch.rand(4, 3 * 2 * 14 * 14, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
+            grids = [[1, 2, 2]] * n
+        else:
+            images = [torch.rand(3, side, side, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
+            grids = []
+        start = 2
+        for count in [tokens(grid) for grid in grids] if grids else [per_image] * n:
+            ids[start : start + count] = IMAGE
+            start += count + 2
         mask = torch.ones(SEQ, dtype=torch.long)
         if pad:
             mask[-pad:] = 0
             ids[-pad:] = 0
         labels = ids.masked_fill((mask == 0) | (ids == IMAGE), -100)
-        if model_type == "qwen3_5":
-            images = [torch.rand(4, channels, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
-        else:
-            images = [torch.rand(3, side, side, generator=g, dtype=torch.float64) + 0.1 for _ in range(n)]
-        rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "images": images})
+        rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "images": images, "grids": grids})
     return rows
 
 
@@ -92,9 +115,9 @@ def collate(model_type: str, rows: list[dict]) -> dict[str, torch.Tensor]:
                 pixels[i, j] = im
         out["pixel_values"] = pixels
         out["pixel_attention_mask"] = torch.ones(len(rows), most, side, side, dtype=torch.bool)
-    elif model_type == "qwen3_5":  # patches of every image in a row, and each image's (t, h, w) grid
+    elif model_type in PATCHES:  # patches of every image in a row, and each image's (t, h, w) grid
         out["pixel_values"] = torch.cat(images)
-        out["image_grid_thw"] = torch.tensor([[1, 2, 2]] * len(images))
+        out["image_grid_thw"] = torch.tensor([grid for r in rows for grid in r["grids"]])
         out["mm_token_type_ids"] = is_image.int()
     else:
         out["pixel_values"] = torch.stack(images)

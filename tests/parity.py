@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,
     batch,
@@ -69,62 +70,16 @@ def train_steps(
     return Trace(logits=logits, grads=grads, losses=losses, params=full_params(model), start=start)
 
 
-# Biases added to every key (k_proj, the packed query_key_value, a key LayerNorm): their gradient is zero in
-# exact arithmetic (softmax ignores a per-query constant q.b_k), so their Adam update is round-off.
-KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm.bias")
-
-
 def assert_weights_after_adam_close(
     got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None, uncapped=()
 ) -> None:
-    """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| (norms), over the elements
-    whose first gradient is resolved in fp32.
-
-    An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
-    lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
-    elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the tensor's RMS gradient, far below any real signal and
-    ~20x above the round-off of these sums) are left out; at most 1 in 1000 of a tensor may be,
-    so the exclusion cannot hide a wrong shard. Given ``got_grads`` too (already checked against
-    ``grads``), an element whose gradient differs by over a tenth of itself is not resolved
-    either (at most 1 in 100): a float64 model that computes parts in fp32 (softmax, MoE activations, routers: Beam,
-    Qwen3-Next) has fp32 round-off in its gradients, not float64's.
-
-    ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
-    caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
-    one embedding, so the weights that collapse the streams (a scale-invariant norm follows) and mix
-    them (doubly stochastic: every column sums to one) get whole rows of gradients that are zero in
-    exact arithmetic, and near it in the next mixers. The element-wise gradient check covers them.
-    """
-    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
-    for name, w in want.items():
-        if name.endswith(KEY_BIASES):
-            # Exactly zero gradient in exact arithmetic (softmax ignores a per-query constant
-            # q.b_k), so its whole update is round-off; parity tests compare its ~0 gradient.
-            continue
-        resolved = torch.ones_like(w, dtype=torch.bool)
-        if grads is not None and name in grads:  # (a parameter used without gradient has none: all resolved)
-            g = grads[name]
-            scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
-            # The 1e-5 is set by fp32's round-off; a float64 run (parity_dtype) scales it by the
-            # ratio of the two epsilons, so there almost every gradient counts as resolved.
-            floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
-            resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
-            unresolved = int((~resolved).sum())
-            capped = not name.startswith(tuple(uncapped))
-            assert unresolved <= g.numel() // 1000 or not capped, (
-                f"param {name}: {unresolved} of {g.numel()} gradients are ~0"
-            )
-            if got_grads is not None and name in got_grads:
-                # an element whose own gradient differs by over a tenth of itself (the difference
-                # already accepted by the element-wise gradient check) has no resolved direction
-                noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name] - g).abs())
-                assert int(noisy.sum()) <= g.numel() // 100 or not capped, (
-                    f"param {name}: {int(noisy.sum())} gradients within noise"
-                )
-                resolved &= ~noisy
-        moved = (w - start[name])[resolved].norm().item()
-        err = (got[name] - w)[resolved].norm().item()
-        assert err <= 1e-3 * moved + 1e-7, f"param {name}: |diff|={err:.3g} vs |update|={moved:.3g}"
+    """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| + 1e-7 (norms), over the
+    elements whose first gradient is resolved (:func:`hf_tp.verify.compare.adam_error`, which
+    ``hf-tp verify`` holds its layouts to as well); ``uncapped``: name prefixes of hyper-connection
+    mixers' parameters (see there)."""
+    error = adam_error(got, want, start, grads, got_grads, uncapped=tuple(uncapped))
+    assert not error.missing, sorted(error.missing)
+    assert error.rel <= 1e-3, f"param {error.where}: |diff|={error.abs:.3g}, {error.rel:.3g} of its update"
 
 
 def assert_parity(got: Trace, want: Trace, rows: slice = slice(None), uncapped=()) -> None:

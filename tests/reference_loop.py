@@ -2,7 +2,8 @@
 
 No hf_tp model code runs here: the model is a plain ``from_pretrained`` model, the loss is HF's
 ``labels=`` token mean over the whole global batch, and clipping is torch's own. The data (rows,
-labels, position_ids) come from hf_tp.data, as the CLI reads them.
+labels, position_ids) come from hf_tp.data, as the CLI reads them; image + text conversations
+(TRL's ``messages`` + ``images``) are encoded and batched by the checkpoint's processor as there.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
+from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
+from hf_tp.data.image_data import dataset_dir, encode_image_dataset
 
 
 def reference_losses(model_dir: str, dataset: str, **kwargs) -> tuple[list[float], list[float]]:
@@ -44,20 +47,28 @@ def reference_run(
     """Losses, grad norms and, after each step of ``eval_steps``, the loss over the held-out
     ``eval_split`` of the documents (split as hf-tp does: ``train_test_split`` seeded with ``seed``),
     over its first ``eval_rows`` rows (all by default). ``wrap(model)``, if given, returns the model
-    to train (a peft LoRA model of it). ``weights_out``, if given, receives the final state dict."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    to train (a peft LoRA model of it, or the model with its vision tower frozen). ``weights_out``,
+    if given, receives the final state dict."""
     raw = load_text_dataset(dataset)
     held_out = None
-    if eval_split:
-        parts = raw.train_test_split(test_size=eval_split, seed=seed, shuffle=True)
-        raw, held_out = parts["train"], tokenize_dataset(parts["test"], tok, seq_len=seq_len, keep_tail=True)
-        held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
-    data = tokenize_dataset(raw, tok, seq_len=seq_len)
+    if is_image_data(raw.column_names):  # image + text rows: the processor encodes and batches them
+        assert not eval_split, "hf-tp train evaluates no image + text data"
+        processor = AutoProcessor.from_pretrained(model_dir)
+        where = dict(label=f"'{dataset}'", base_dir=dataset_dir(dataset))
+        data, _ = encode_image_dataset(raw, processor, seq_len=seq_len, assistant_only=True, **where)
+        collate = ImageBatchCollator(processor, base_dir=where["base_dir"])
+    else:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        if eval_split:
+            parts = raw.train_test_split(test_size=eval_split, seed=seed, shuffle=True)
+            raw, held_out = parts["train"], tokenize_dataset(parts["test"], tok, seq_len=seq_len, keep_tail=True)
+            held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
+        data = tokenize_dataset(raw, tok, seq_len=seq_len)
+        collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
     model = model_from_pretrained(model_dir, dtype=torch.float32)  # a multimodal wrapper as its own class
     model = wrap(model) if wrap is not None else model
     model.train()
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)
-    collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
     # hf-tp's schedule, written out: warmup (step + 1) / (warmup + 1) (the first step is not at lr 0),

@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
+from hf_tp.adapters.support import TEXT_TOWERS
 from hf_tp.adapters.wrapper import model_from_config, text_config_of
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.passengers import in_tower
@@ -235,5 +236,5 @@ def run_cases(cases: list[WrapperCase]) -> list[WrapperResult]:
 
 def wrapper_types() -> dict[str, str]:
     """Wrapper model_type -> its text tower's, for every wrapper whose text tower hf_tp supports."""
-    supported = set(hf_tp.supported_model_types())
+    supported = set(hf_tp.supported_model_types()) | set(TEXT_TOWERS)  # towers trained inside their wrapper
     return {mt: text for mt, text in multimodal_wrapper_types().items() if text in supported}

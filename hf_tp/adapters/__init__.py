@@ -5,16 +5,29 @@ Layers, each importing only those below it:
   wrapper                   a multimodal wrapper: its language model's adapter re-rooted, passengers
   generic                   the rules: facts read off a model -> the TP+SP plans of an Adapter
   inspect_model             read a model: its layer kinds merged, embedding, final norms, lm_head
+  mixers                    blocks whose kind changes by layer (a plan entry per module class)
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them
   inspect_moe               read a layer's mixture-of-experts blocks: each parameter's role
   adapter, facts, modules,  the types (Adapter, Derivation), small module/config queries, source
   source, overrides,        readers, corrections family files make to transformers' plans,
   quantized, support        quantized-checkpoint refusals, the support tables (data)
   causal_lm_map             causal LMs transformers maps under another task only (Mistral 4), registered
+  text_tower                text towers with no causal LM (Qwen2.5-VL's, ...): a base model + lm_head to read
 Family files (llama, qwen2, gemma, ...) sit beside the registry and register themselves on import.
 """
 
-from hf_tp.adapters import codegen, gemma, gpt_oss, layer_plans, llama, mistral, olmo2, qwen2, qwen3  # noqa: F401  (importing registers them)
+from hf_tp.adapters import (  # noqa: F401  (importing registers them)
+    codegen,
+    gemma,
+    gpt_oss,
+    layer_plans,
+    llama,
+    mistral,
+    olmo2,
+    qwen2,
+    qwen3,
+    qwen_vl,
+)
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.causal_lm_map import register_causal_lms
 from hf_tp.adapters.registry import get_adapter, register_adapter, supported_model_types, unregister_adapter

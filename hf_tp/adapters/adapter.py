@@ -61,6 +61,9 @@ class Adapter:
     plain_lm_head: bool = False
     moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
     experts: tuple[str, ...] = ()  # the experts modules, relative to a decoder layer (for expert parallelism)
+    # the layers flatten batch and sequence themselves for modules they call (Gemma 4's own experts):
+    # their one-token steps need a gather first (hf_tp.parallel.one_token)
+    flattens_tokens: bool = False
     language_model: str = ""  # a multimodal wrapper's language model (hf_tp.adapters.wrapper)
     passengers: tuple[str, ...] = ()  # a wrapper's modules and parameters outside it and its lm_head
 

@@ -33,6 +33,15 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Mixer:
+    """One kind of a layer-level block whose kind changes by layer (Nemotron-H's ``mixer``, MiniMax's
+    ``self_attn``): how that kind is called and the parameters it runs whole with (replicated)."""
+
+    block: Block
+    params: tuple[str, ...] = ()  # its own parameters outside the plan (a block that runs whole)
+
+
+@dataclass(frozen=True)
 class Region:
     """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
 
@@ -42,6 +51,7 @@ class Region:
     experts: str  # the experts module, relative to the block
     widths: tuple[tuple[str, int], ...]  # (parameter, features tp splits)
     aux_exact: bool  # every router hands out its logits apart from the routing (see MoERegion)
+    output_norm: str = ""  # a norm the block applies to its combined output (the region ends at its input)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Derivation:
     blocks: dict[str, Block] = field(hash=False)
     regions: dict[str, Region] = field(hash=False, default_factory=dict)  # MoE blocks
     embedding: str = ""
+    embedding_norm: str = ""  # a norm child the embedding applies to its lookup (relative to it)
     top_norms: tuple[str, ...] = ()  # norms outside the layers (sequence parallel), model-relative
     top_embeddings: tuple[str, ...] = ()  # further token embeddings (vocab-sharded as the input one)
     top_linears: tuple[str, ...] = ()  # per-token Linears outside the layers (replicated, sequence parallel)
@@ -79,3 +90,6 @@ class Derivation:
     layer_mixers: tuple[str, ...] = ()
     top_mixers: tuple[str, ...] = ()  # model-relative
     hidden_size: int = 0
+    # blocks whose kind changes by layer: path -> module class name -> that kind (the plan's entry
+    # chooses per layer; a MoE kind is in ``regions``)
+    mixers: dict[str, dict[str, Mixer]] = field(hash=False, default_factory=dict)

@@ -38,20 +38,25 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
-from hf_tp.adapters.facts import Block, Derivation, refuse
+from hf_tp.adapters.facts import Block, Derivation, Mixer, refuse
 from hf_tp.adapters.inspect_model import inspect_model
 from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
+from hf_tp.adapters.source import AS_CALLED
+from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.styles import (
+    ByKind,
     ColwiseOwnOutput,
     Compose,
     DenseOrMoE,
+    GatherAsCalled,
     HyperConnectionLayer,
     HyperConnectionOnShards,
     LocalHeadParams,
@@ -92,7 +97,8 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
         moe=bool(d.regions),
-        experts=tuple(sorted(f"{b}.{r.experts}" for b, r in d.regions.items())),
+        experts=tuple(sorted(f"{b}.{r.experts}" if r.experts else b for b, r in d.regions.items())),
+        flattens_tokens=any(not r.experts for r in d.regions.values()),  # experts the layer calls itself
     )
 
 
@@ -121,17 +127,18 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
         for path in d.layer_linears:
             plan[path] = PerTokenOnShards()
         for path, block in d.blocks.items():
-            plan[path] = (
-                Compose(_gather_input(block), ReplicatedToSequenceShards())
-                if block.replicated
-                else _gather_input(block)
-            )
+            if path not in d.mixers:
+                plan[path] = _block_style(block)
+    for path, kinds in d.mixers.items():  # a block whose kind changes by layer: each kind's plan
+        plan[path] = ByKind({cls: _mixer_style(m, opts) for cls, m in kinds.items()})
     for path, names in d.region_params.items():
         own = LocalParamViews(names, Replicate())
         plan[path] = Compose(plan[path], own) if path in plan else own
     for path, region in d.regions.items():
-        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel)
+        moe = MoERegion(region.roles, region.positional, region.routers, opts.sequence_parallel, region.output_norm)
         plan[path] = DenseOrMoE(plan.get(path), moe, region.experts) if path in d.blocks else moe
+        if region.output_norm and opts.sequence_parallel:  # on the region's summed output's sequence shards
+            plan[f"{path}.{region.output_norm}"] = SequenceParallel()
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
@@ -143,10 +150,24 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     return plan
 
 
+def _block_style(block: Block) -> ParallelStyle:
+    """A block's entry: its input gathered; a replicated block's output handed back as shards."""
+    return Compose(_gather_input(block), ReplicatedToSequenceShards()) if block.replicated else _gather_input(block)
+
+
+def _mixer_style(mixer: Mixer, opts: PlanOptions) -> ParallelStyle | None:
+    """One kind of a per-layer mixer: as its block (under SP), its own parameters replicated."""
+    styles = [_block_style(mixer.block)] if opts.sequence_parallel else []
+    styles += [LocalParamViews(mixer.params, Replicate())] if mixer.params else []
+    return Compose(*styles) if len(styles) > 1 else next(iter(styles), None)
+
+
 def _gather_input(block: Block) -> PrepareModuleInput:
     """All-gather the block's hidden-states input from sequence shards (the other inputs pass); a
     replicated block gets it as a plain tensor (its code mixes it with plain tensors)."""
     local = block.replicated
+    if block.positional == AS_CALLED:  # the layer's calls differ (by layer kind)
+        return GatherAsCalled(use_local_output=local)
     if block.positional == 0:
         return PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -165,7 +186,10 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
     seq = Shard(1) if opts.sequence_parallel else Replicate()
     plan: Plan = {
         d.embedding: ScaledEmbeddingRowwise(
-            input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
+            input_layouts=Replicate(),
+            output_layouts=seq,
+            use_local_output=not opts.sequence_parallel,
+            output_norm=d.embedding_norm,
         ),
     }
     if opts.loss_parallel:
@@ -234,7 +258,7 @@ def derive(config: PretrainedConfig) -> Derivation:
     # outside any fake-tensor mode (hf-tp estimate's): building reads real scalars (Gemma 4's layer scalars)
     with unset_fake_temporarily(), torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(config)
+            model = causal_lm_from_config(config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation
             raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {exc})") from None
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
-from hf_tp.adapters.inspect_moe import moe_blocks, moe_region
+from hf_tp.adapters.inspect_moe import layer_experts_region, moe_blocks, moe_region
 from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
@@ -18,9 +18,12 @@ from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
 
 
-def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple, streams: bool) -> dict:
+def layer_facts(
+    mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple, streams: bool = False
+) -> dict:
     """What the plan needs from one decoder layer (see :class:`Derivation` for the fields);
-    ``streams``: the residual has hyper-connection streams (the model mixes them at the top)."""
+    ``routers``: the classes whose logits HF records (:func:`router_classes`); ``streams``: the
+    residual has hyper-connection streams (the model mixes them at the top)."""
     mixers = _mixers(mt, layer, config.hidden_size, streams)
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mixers}
     # Multi-head latent attention (DeepSeek's low-rank q/kv projections) runs whole on every rank:
@@ -28,31 +31,37 @@ def layer_facts(mt: str, config, layer: nn.Module, layer_styles: dict[str, str],
     mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mla}
     moe = moe_blocks(layer, layer_styles)
-    if own := [
-        p for p, s in layer_styles.items() if s == "moe_tp_experts" and "." not in p and has_submodule(layer, p)
-    ]:
-        raise refuse(mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, not by a MoE block")
-    if not moe and (holders := expert_holders(layer, config)):  # (transformers added expert plans in 5.21)
+    # experts the layer calls itself (Gemma 4): a region of their own; the router and the layer's
+    # norms then run per token on the rank's tokens (the layer flattens them for router and experts)
+    own = [p for p, s in layer_styles.items() if s == "moe_tp_experts" and "." not in p and has_submodule(layer, p)]
+    own_regions = {p: layer_experts_region(mt, layer, p, layer_styles) for p in own}
+    layer_routers = [n for n, c in layer.named_children() if own and routers and isinstance(c, routers)]
+    if own and not layer_routers:
+        raise refuse(
+            mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, with no router it records"
+        )
+    layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in own}
+    if not moe and not own and (holders := expert_holders(layer, config)):  # (expert plans came in 5.21)
         raise refuse(
             mt,
             f"its tp plan does not shard the routed experts in {holders[0]} (transformers' plan for it has no moe_tp_experts entry)",
         )
-    regions = {b: moe_region(mt, config, layer, b, layer_styles, routers) for b in moe}
+    regions = {b: moe_region(mt, config, layer, b, layer_styles, routers) for b in moe} | own_regions
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in moe}
     head_dim = head_dim_of(layer, config)
     facts = _plan_entries(mt, config, layer, layer_styles, head_dim)
     facts.update(_kv_projections(config, layer, facts["colwise"], facts["gathered"], head_dim))
-    blocks = _blocks(mt, layer, facts, config.hidden_size, skip=set(moe) | set(mixers))
+    skip = set(moe) | set(own) | set(layer_routers) | set(mixers)
+    blocks = _blocks(mt, layer, facts, config.hidden_size, skip=skip)
     facts.update(_unplanned(layer, blocks, facts, head_dim))
     planned = facts.pop("planned")
     # Linears the layer calls itself on the residual stream (Gemma 4's per-layer input gate): per token
-    linears = [n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in moe]
+    linears = [n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in skip]
+    norms = _layer_norms(mt, layer, planned | skip | set(linears), blocks, config.hidden_size)
     facts.update(
-        layer_linears=linears,
+        layer_linears=linears + layer_routers + (norms if own else []),
         layer_mixers=mixers,
-        layer_norms=_layer_norms(
-            mt, layer, planned | set(moe) | set(linears) | set(mixers), blocks, config.hidden_size
-        ),
+        layer_norms=[] if own else norms,
         blocks=blocks,
         regions=regions,
     )

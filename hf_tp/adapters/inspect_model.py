@@ -17,8 +17,9 @@ from torch import nn
 from hf_tp.adapters.facts import Derivation, Region, refuse
 from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
+from hf_tp.adapters.mixers import per_kind_blocks
 from hf_tp.adapters.modules import has_submodule, is_linear, is_norm, stream_mixers
-from hf_tp.adapters.source import plain_logits
+from hf_tp.adapters.source import plain_logits, returned_self_call
 
 
 def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
@@ -36,11 +37,9 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     for layer in layers:
         names = tuple(n for n, _ in layer.named_parameters())
         kinds.setdefault((names, tuple(type(m).__name__ for m in layer.modules())), layer)
-    # the logits HF records for the aux loss, named on the causal LM or on its base model (Qwen4-Exp;
-    # Llama 4's base model records its routers' second output, and its causal LM has no aux loss)
-    base = router_classes(model.get_submodule(prefix), first_output=True)
-    routers = tuple(dict.fromkeys([*router_classes(model), *base]))
+    routers = router_classes(model)  # the logits HF records for the aux loss
     facts = [layer_facts(mt, config, layer, layer_styles, routers, bool(top_mixers)) for layer in kinds.values()]
+    mixers = per_kind_blocks(mt, facts, list(kinds.values()))  # blocks whose kind changes by layer
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     _norms_run_as_blocks(mt, merged, list(kinds.values()))
     top = _top_level(model, layers_path, config.hidden_size, top_mixers)
@@ -66,6 +65,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         widths=tuple(widths),
         kv_vary=_kv_vary(layers, merged["kv"], config),
         hidden_size=config.hidden_size,
+        mixers=mixers,
     )
 
 
@@ -188,8 +188,10 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int, mixers: list[str
         name = next(n for n, _ in module[owner].named_parameters(recurse=False))
         where = f"{owner}.{name}" if owner else name
         raise refuse(mt, f"the parameter {where} outside the decoder layers has no place in a TP plan")
+    own_norm = returned_self_call(embed) or ""  # the embedding's forward ends in a norm of its own
     return dict(
         embedding=embedding,
+        embedding_norm=own_norm if f"{embedding}.{own_norm}" in norms else "",
         lm_head=lm_head,
         top_norms=norms,
         top_embeddings=embeddings,

@@ -8,12 +8,18 @@ parameter under it a role:
   (``packed_colwise``/``colwise``: dim -2, ``packed_rowwise``/``rowwise``: dim -1; packed ones as
   gate and up halves), an expert bias following its weight (sharded when the weight is split on
   its output dim, -1 for experts stored transposed, else added once);
+- 3-D weights the plan styles as experts outside the experts module (Inkling's shared experts
+  stored as ``[shared, intermediate, hidden]`` stacks): split as experts;
 - Linear layers the plan shards (DeepSeek's ``shared_experts.gate_proj``) or whose name the
-  plan shards in a dense MLP of the same layer (Qwen2-MoE's ``shared_expert.gate_proj`` from
-  ``mlp.gate_proj``): column- or row-parallel, a row-parallel bias added once;
+  plan shards in a dense MLP or in the experts of the same layer (Qwen2-MoE's
+  ``shared_expert.gate_proj`` from ``mlp.gate_proj``; MiniMax-M3's packed
+  ``shared_experts.gate_up_proj`` from ``experts.gate_up_proj``): column- or row-parallel (a
+  packed one as its gate and up halves, each split), a row-parallel bias added once;
 - routers and gates (the module whose logits HF records, a Linear onto one score per expert or
   one gate value): replicated;
-- vectors (norms inside the block, score-correction biases): replicated.
+- vectors (norms inside the block, score-correction biases): replicated; but a norm the block
+  returns applied to its combined output (A.X-K1's ``post_mlp_layernorm``) is the region's
+  ``output_norm``: the region ends at its input and it runs as a sequence-parallel norm.
 
 Anything else (a Linear the plan does not split and that is not a gate) could add a whole,
 unsplit result to a partial sum: refused with its name, never guessed.
@@ -25,7 +31,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Region, refuse
 from hf_tp.adapters.modules import has_submodule, is_linear, num_experts
-from hf_tp.adapters.source import hidden_states_passing, returns_tuple
+from hf_tp.adapters.source import chunks_in_two, hidden_states_passing, returned_self_call, returns_tuple
 from hf_tp.styles.experts import Role
 
 EXPERT_DIMS = {
@@ -34,7 +40,8 @@ EXPERT_DIMS = {
     "packed_rowwise": (-1, True),
     "rowwise": (-1, False),
 }
-LINEAR_DIMS = {"colwise": 0, "rowwise": 1}
+# A Linear's style -> (the dim of its weight a rank slices, packed gate|up halves)
+LINEAR_DIMS = {"colwise": (0, False), "rowwise": (1, False), "packed_colwise": (0, True)}
 # A shared expert's projections by HF's names, for plans that list none (Llama's MLP names)
 SHARED_EXPERT_STYLES = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
@@ -57,19 +64,21 @@ def region_roles(
     experts = [
         p[len(block) + 1 :] for p, s in layer_styles.items() if s == "moe_tp_experts" and p.startswith(block + ".")
     ]
+    layer_styles = _packed_halves(module, block, experts, layer_styles)
     dense_leaf = {p.rsplit(".", 1)[-1]: s for p, s in layer_styles.items() if s in LINEAR_DIMS}
     dense_leaf = {**SHARED_EXPERT_STYLES, **dense_leaf}
     experts_count = num_experts(config)
     roles: dict[str, Role] = {}
     routers = [path for path, sub in module.named_modules() if isinstance(sub, router_classes)]
     widths = []
+    norm = output_norm(module, config.hidden_size)
     for path, sub in module.named_modules():
         own = dict(sub.named_parameters(recurse=False))
-        if not own:
+        if not own or (norm and path == norm):  # the output norm: outside the region (MoERegion.output_norm)
             continue
         full = f"{block}.{path}" if path else block
         prefix = f"{path}." if path else ""
-        if path in experts:
+        if path in experts or _stacked_experts(full, own, layer_styles):
             for name, param in own.items():
                 transposed = bool(getattr(sub, "is_transposed", False))
                 roles[prefix + name] = _expert_role(mt, full, name, param, layer_styles, own, transposed)
@@ -77,11 +86,11 @@ def region_roles(
                     size = param.shape[roles[prefix + name].dim] // (2 if roles[prefix + name].packed else 1)
                     widths.append((f"{full}.{name}", size))
         elif is_linear(sub) and (style := layer_styles.get(full) or _shared_style(path, dense_leaf, experts)):
-            dim = LINEAR_DIMS[style]
-            roles[prefix + "weight"] = Role("shard", dim)
+            dim, packed = LINEAR_DIMS[style]
+            roles[prefix + "weight"] = Role("shard", dim, packed)
             if sub.bias is not None:
-                roles[prefix + "bias"] = Role("shard", 0) if dim == 0 else Role("additive")
-            widths.append((full, sub.out_features if dim == 0 else sub.in_features))
+                roles[prefix + "bias"] = Role("shard", 0, packed) if dim == 0 else Role("additive")
+            widths.append((full, (sub.out_features // (2 if packed else 1)) if dim == 0 else sub.in_features))
         elif isinstance(sub, router_classes) or _is_gate(sub, own, experts_count, config.hidden_size):
             roles.update({prefix + n: Role("replicate") for n in own})
         elif any(path.startswith(r + ".") for r in routers):  # a router's own parts (Ernie's moe_statics)
@@ -95,6 +104,41 @@ def region_roles(
                 "which the tp plan does not split and is not a router or gate",
             )
     return roles, tuple(routers), widths
+
+
+def output_norm(block: nn.Module, hidden: int) -> str:
+    """The child norm ``block`` returns applied to its output (``return self.norm(h)``): only
+    vectors of the hidden width and no children of its own; "" when there is none."""
+    name = returned_self_call(block)
+    child = getattr(block, name, None) if name else None
+    if not isinstance(child, nn.Module) or next(child.children(), None) is not None:
+        return ""
+    params = list(child.parameters(recurse=False))
+    return name if params and all(tuple(p.shape) == (hidden,) for p in params) else ""
+
+
+def _packed_halves(module: nn.Module, block: str, experts: list[str], layer_styles: dict[str, str]) -> dict[str, str]:
+    """``layer_styles`` with a packed gate|up experts weight that the plan calls plain ``colwise``
+    (Inkling's ``gate_up_proj``) read as ``packed_colwise``: its output is twice the intermediate
+    width of the experts' row-parallel weight and their forward chunks it in two halves, so a plain
+    split would hand one rank the gates and the other the ups."""
+    out = dict(layer_styles)
+    for path in experts:
+        sub = module.get_submodule(path)
+        if getattr(sub, "is_transposed", False) or not chunks_in_two(type(sub).forward):
+            continue
+        own = {f"{block}.{path}.{n}": p for n, p in sub.named_parameters(recurse=False) if p.dim() == 3}
+        inter = {p.shape[-1] for n, p in own.items() if layer_styles.get(n) == "rowwise"}
+        for name, param in own.items():
+            if layer_styles.get(name) == "colwise" and param.shape[-2] in {2 * i for i in inter}:
+                out[name] = "packed_colwise"
+    return out
+
+
+def _stacked_experts(full: str, own: dict, layer_styles: dict[str, str]) -> bool:
+    """A module outside the plan's experts whose weights are 3-D stacks the plan splits as experts
+    (Inkling's shared experts ``[shared, intermediate, hidden]``, styled colwise / rowwise)."""
+    return all(p.dim() == 3 and layer_styles.get(f"{full}.{n}") in EXPERT_DIMS for n, p in own.items())
 
 
 def _is_gate(module: nn.Module, own: dict, num_experts: int | None, hidden: int) -> bool:
@@ -134,10 +178,16 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-def router_classes(model: nn.Module, first_output: bool = False) -> tuple[type, ...]:
-    """The module classes whose output HF records as ``router_logits`` (``first_output``: only
-    those whose first output it records, the logits :class:`hf_tp.styles.MoERegion` scales)."""
+def router_classes(model: nn.Module) -> tuple[type, ...]:
+    """The module classes whose output HF records as ``router_logits``: the causal LM's, or where
+    it declares none, those of the first module that does (its base model: Qwen4-Exp's, Gemma 4's
+    router) whose first output it records, the logits :class:`hf_tp.styles.MoERegion` scales
+    (Llama 4's base model records its routers' second output, and its causal LM has no aux loss)."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
+    first_output = not recorders.get("router_logits")
+    if first_output:
+        found = (getattr(m, "_can_record_outputs", None) or {} for m in model.modules())
+        recorders = next((r for r in found if r.get("router_logits")), {})
     rec = recorders.get("router_logits")
     out = []
     for item in rec if isinstance(rec, list | tuple) else [rec]:
@@ -164,4 +214,25 @@ def moe_region(
         experts=experts[len(block) + 1 :],
         widths=tuple(widths),
         aux_exact=all(returns_tuple(layer.get_submodule(f"{block}.{r}" if r else block)) for r in router_paths),
+        output_norm=output_norm(layer.get_submodule(block), config.hidden_size),
     )
+
+
+def layer_experts_region(mt: str, layer: nn.Module, path: str, layer_styles: dict[str, str]) -> Region:
+    """Experts the decoder layer calls itself (Gemma 4's MoE layers: its router and experts are the
+    layer's own children, called on the flattened tokens): the experts module alone is the region,
+    its input and routing gathered from the rank's tokens, its partial output reduce-scattered back
+    to them; the router runs per token on the rank's tokens (a plan entry of its own)."""
+    module = layer.get_submodule(path)
+    if any(True for c in module.children() if any(True for _ in c.parameters())):
+        raise refuse(mt, f"the experts {path} that its decoder layer calls itself hold submodules with parameters")
+    own = dict(module.named_parameters(recurse=False))
+    transposed = bool(getattr(module, "is_transposed", False))
+    roles = {n: _expert_role(mt, path, n, p, layer_styles, own, transposed) for n, p in own.items()}
+    widths = [
+        (f"{path}.{n}", own[n].shape[r.dim] // (2 if r.packed else 1)) for n, r in roles.items() if r.kind == "shard"
+    ]
+    positional = hidden_states_passing(layer, path)
+    if positional is None:
+        raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {path}")
+    return Region(roles=roles, positional=positional, routers=(), experts="", widths=tuple(widths), aux_exact=True)

@@ -15,6 +15,7 @@ from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED, WRAPPER_REFUSED
+from hf_tp.adapters.text_tower import is_text_tower
 from hf_tp.adapters.wrapper import refuse, text_config_of, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
 
@@ -54,6 +55,11 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
     """The adapter for a config: the registered one for its ``model_type``, else the generic plan
     derived from its model (:mod:`hf_tp.adapters.generic`), else a ``ValueError`` saying why.
     A bare ``model_type`` string finds registered adapters only (deriving needs the config)."""
+    return _adapter(config_or_type, in_wrapper=False)
+
+
+def _adapter(config_or_type: PretrainedConfig | str, *, in_wrapper: bool) -> Adapter:
+    """:func:`get_adapter`; ``in_wrapper``: a wrapper's text tower, which may have no causal LM of its own."""
     model_type = config_or_type if isinstance(config_or_type, str) else config_or_type.model_type
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
@@ -68,6 +74,12 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
         raise refuse(model_type, WRAPPER_REFUSED[model_type])
     if not isinstance(config_or_type, str) and (text := text_config_of(config_or_type)) is not None:
         return wrapper_adapter(config_or_type, _text_adapter(model_type, text))
+    if not in_wrapper and not isinstance(config_or_type, str) and is_text_tower(config_or_type):
+        raise ValueError(
+            f"model_type '{model_type}' is the language model of a multimodal wrapper, which transformers builds "
+            "only inside that wrapper (it has no causal-LM class of its own): train the wrapper's checkpoint "
+            "(its config holds this one as text_config)"
+        )
     if isinstance(config_or_type, str):
         raise ValueError(
             f"no registered hf_tp adapter for model_type '{model_type}' (a generic plan is derived from a config: "
@@ -85,7 +97,7 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
 def _text_adapter(model_type: str, text: PretrainedConfig) -> Adapter:
     """A multimodal wrapper's language-model adapter, or its refusal naming the wrapper."""
     try:
-        return get_adapter(text)
+        return _adapter(text, in_wrapper=True)
     except ValueError as exc:
         raise type(exc)(
             f"hf_tp cannot train this {model_type} checkpoint: it is a multimodal wrapper whose language model "

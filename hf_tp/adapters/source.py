@@ -70,12 +70,21 @@ def call_style(call: ast.Call, first: str | None) -> int | None:
     return None
 
 
+AS_CALLED = -1  # the calls differ (by layer kind): the hidden states as each call passes them
+
+
 def hidden_states_passing(layer: nn.Module, child: str) -> int | None:
     """How ``layer``'s forward passes the hidden states to its child ``child`` (as
-    :func:`call_style`), or None when the calls disagree or cannot be read."""
+    :func:`call_style`); :data:`AS_CALLED` when several calls differ but each passes them first or
+    by the keyword ``hidden_states`` (a child whose kind changes by layer: Nemotron-H's mixer is
+    called by keyword as attention, by position as Mamba or an MLP); None when unreadable."""
     first = first_param(type(layer.get_submodule(child)).forward)
-    styles = {call_style(call, first) for call in self_calls(type(layer).forward).get(child, [])}
-    return styles.pop() if len(styles) == 1 and None not in styles else None
+    calls = self_calls(type(layer).forward).get(child, [])
+    styles = {call_style(call, first) for call in calls}
+    if len(styles) == 1 and None not in styles:
+        return styles.pop()
+    readable = all(call_style(call, "hidden_states") is not None for call in calls)
+    return AS_CALLED if len(calls) > 1 and readable else None
 
 
 def returns_tuple(module: nn.Module) -> bool:
@@ -84,6 +93,37 @@ def returns_tuple(module: nn.Module) -> bool:
     tree = source_tree(type(module).forward)
     rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)] if tree is not None else []
     return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+
+
+def chunks_in_two(fn) -> bool:
+    """The source splits a tensor into two halves (``x.chunk(2, ...)``): a packed gate|up output."""
+    tree = source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "chunk"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == 2
+        for n in ast.walk(tree)
+    )
+
+
+def returned_self_call(module: nn.Module) -> str | None:
+    """``X`` when every ``return`` of the module's forward is ``self.X(...)`` (a block that
+    ends in a child of its own, e.g. a norm of its output), else None."""
+    tree = source_tree(type(module).forward)
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return)] if tree is not None else []
+    names = {
+        r.value.func.attr
+        if isinstance(r.value, ast.Call)
+        and isinstance(r.value.func, ast.Attribute)
+        and isinstance(r.value.func.value, ast.Name)
+        and r.value.func.value.id == "self"
+        else None
+        for r in rets
+    }
+    return names.pop() if len(names) == 1 and None not in names else None
 
 
 def plain_logits(model: nn.Module, lm_head: str) -> bool:

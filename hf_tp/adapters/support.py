@@ -2,7 +2,9 @@
 
 Kept true by the parity grid: tests/unit/test_family_grid.py runs every dense family of the
 installed transformers and checks each entry here (parity for GENERIC, a refusal naming the reason
-for REFUSED); scripts/family_grid.py regenerates docs/architectures.md from the same runs. A family
+for REFUSED); scripts/family_grid.py regenerates docs/architectures.md from the same runs.
+TEXT_TOWERS (language models transformers builds only inside a wrapper) are kept true by the
+wrapper and image grids (tests/wrapper_grid.py, tests/image_grid.py). A family
 in neither table (a newer transformers) still goes through the generic derivation, which holds
 parity or refuses with a reason of its own. Data only: this module imports nothing.
 """
@@ -56,7 +58,7 @@ GENERIC: dict[str, str] = {
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
     "minicpm3": "latent attention (low-rank q and kv projections) runs whole on every rank, its parameters replicated",
     "youtu": "latent attention (no tp plan for it) runs whole on every rank, its parameters replicated",
-    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); dense layers only (enable_moe_block=False: its layer calls its experts itself)",
+    "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); its MoE variant (enable_moe_block=True: the layer calls router and experts itself on flattened tokens) runs the experts as an expert-TP region, router and norms per token",
 }
 
 # Mixture-of-experts families: model_type -> what the generic plan handles in it. Every MoE block
@@ -106,7 +108,14 @@ MOE: dict[str, str] = {
     "mimo_v2_flash": "value heads wider than query heads; per-head sinks on sliding-window layers only; KV heads change by layer (tp <= num_key_value_heads)",
     "mistral4": "built as transformers' Mistral4ForCausalLM (registered with AutoModelForCausalLM: transformers maps it under image-text-to-text only); latent attention runs whole; shared experts",
     "kimi_linear": "linear-attention (KDA) and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "axk1": "shared experts; latent attention runs whole; a norm on the MoE block's output (the region is summed at its input, the norm sequence parallel)",
+    "dots1": "shared experts; dense first layer",
+    "inkling_text": "normed embedding (its norm runs after the vocab reduction, sequence parallel); packed gate_up experts that its plan calls colwise read as packed; shared experts stored as 3-D stacks split as experts; attention (no tp plan) and short convolutions run whole",
+    "minimax_m3_vl_text": "gathered attention; a packed shared-expert gate_up_proj Linear split as its experts' packed_colwise (gate and up halves, each split)",
+    "lfm2_moe": "layer plan written by hf_tp (its plan names only the experts): LFM2's attention and dense layers around MoE blocks; short-convolution layers run whole",
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
+    "nemotron_h": "one mixer per layer, Mamba-2 (whole on every rank), attention, ReLU^2 MLP or MoE by layer index: each layer's mixer gets its kind's plan (attention and MLP projections named by hf_tp)",
+    "minimax": "lightning linear attention (whole on every rank) and softmax attention (split by heads) under one name (self_attn), each layer's by its kind; fp32 only (its fp32 decay buffers break bf16 mixed precision)",
     "deepseek_v4": "hyper-connections: the residual's streams sequence-parallel, their mixers (attn_hc, ffn_hc, hc_head) replicated, run per token on each rank's shard, gradients summed over tp; attention runs whole; hash-routed and learned-router MoE layers",
     "qwen4_exp_text": "hyper-connections on a flattened residual (streams sequence-parallel; gated residual mixers replicated per token, gradients summed over tp, transformers' split of their down projection not used); gated delta-net and indexed attention run whole; shared expert with a sigmoid gate; per-layer n-gram embeddings (ple_layer_ids) refused",
     "hy_v4": "hyper-connections as DeepSeek-V4's (streams sequence-parallel, mixers replicated per token, gradients summed over tp); latent attention with sinks and indexer runs whole; shared experts",
@@ -115,29 +124,37 @@ MOE: dict[str, str] = {
 # model_type -> why hf_tp refuses it (the error message names this reason)
 REFUSED: dict[str, str] = {
     "phi4_multimodal": "a multimodal model: its image and audio encoders sit outside the decoder layers with no plan",
-    "gemma3n_text": "per-layer embeddings, AltUp and KV sharing across layers have no TP+SP plan here",
+    "gemma3n_text": "its residual stream is 4 AltUp streams stacked ahead of the batch ([altup, batch, seq, hidden]: the sequence is dim 2, not the dim 1 that sequence parallelism splits) and its MLP's activation sparsity takes the mean and std over the whole intermediate width that tp splits; train it with plain FSDP2 or DDP",
     "hrm_text": "two nested decoder stacks (H and L modules) called in a recurrent loop",
     "llama4": "a multimodal wrapper whose own forward (Llama4ForConditionalGeneration) fails in plain transformers: it reads image_outputs from its language model's output, which has none (AttributeError on every call); llama4_text trains on its own",
     "doge": "a learned residual scale on the decoder layer and a routed MLP (router gate and expert embeddings)",
     # mixture-of-experts families
-    "axk1": "greedy generation diverges from plain HF under hf_tp (its latent-attention cache path); refused until fixed",
-    "minimax": "linear-attention and attention layers share the name self_attn with different plans",
-    "minimax_m3_vl_text": "a packed shared-expert gate_up_proj Linear that its tp plan does not split",
-    "longcat_flash": "zero-computation experts and two MLPs per layer (a decoder layer hf_tp cannot read)",
-    "nemotron_h": "one mixer per block that is Mamba, attention, MLP or MoE by layer (NemotronHBlock), which hf_tp cannot read",
-    "inkling_text": "shared experts stored as 3-D tensors with no split in its tp plan",
-    "inkling2_text": "its tp plan shards the embedding with its own style",
-    "dots1": "its model cannot be built from its default config",
-    "lfm2_moe": "its model cannot be built from its default config",
+    "longcat_flash": "two attention and two MLP sublayers per decoder layer held in ModuleLists that the layer indexes itself (self_attn[0], mlps[1], input_layernorm[0], ...), which the generic plan cannot read (it reads a layer's blocks as its named children); its MoE block also has zero-computation (identity) experts, whose whole output every tp rank would add once",
+    "inkling2_text": "block attention residuals: each layer's attention_input / mlp_input (Inkling2BlockAttentionResidual) attends over a stack of earlier blocks' outputs that the model carries from layer to layer as an extra argument (block_states), which hf_tp cannot yet place on sequence shards",
+}
+
+# Language models with no causal LM of their own in transformers (a bare *TextModel, the lm_head in
+# the wrapper), trained inside their wrapper only: model_type -> what the generic plan handles in it
+# (the wrapper grid and the image grid hold them at parity)
+TEXT_TOWERS: dict[str, str] = {
+    "qwen2_vl_text": "Qwen2 layers; 3-D mrope positions built by the wrapper from the whole sequence",
+    "qwen2_5_vl_text": "Qwen2 layers; 3-D mrope positions built by the wrapper from the whole sequence",
+    "qwen3_vl_text": "Qwen3 layers (hf_tp's plan: transformers' names only the embedding); 3-D interleaved mrope; "
+    "DeepStack visual features added on sequence shards",
+    "qwen3_vl_moe_text": "Qwen3-MoE layers; 3-D interleaved mrope; DeepStack visual features added on sequence shards",
+    "glm4v_text": "GLM-4 layers (packed gate_up_proj run gathered); 3-D mrope positions",
+    "glm4v_moe_text": "GLM-4.5 MoE layers with shared experts; partial 3-D mrope positions",
+}
+
+# model_type -> why bf16 mixed precision (FSDP2: bf16 compute, fp32 master weights and buffers)
+# cannot train it; fp32 can (the refusal says so)
+MIXED_PRECISION_REFUSED: dict[str, str] = {
+    "minimax": "its lightning attention multiplies its fp32 decay buffers with bf16 activations and then "
+    "matmuls the fp32 result with a bf16 state (RuntimeError: expected scalar type Float but found BFloat16)",
 }
 
 # Multimodal wrappers refused before their language model is looked at: model_type -> why (the
-# error message is this one line, naming the wrapper)
-WRAPPER_REFUSED: dict[str, str] = {
-    mt: (
-        "its language model takes 3-D mrope position ids (temporal, height, width per token), which "
-        "hf_tp does not yet compute and split over the sequence for sequence parallelism; wrappers of "
-        "other language models (LLaVA, Gemma 3, Mistral 3, Qwen3.5, ...) train with hf_tp"
-    )
-    for mt in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-}
+# error message is this one line, naming the wrapper). None today: Qwen2.5-VL / Qwen3-VL, refused
+# until their 3-D mrope positions and DeepStack features were checked under sequence parallelism,
+# hold parity (docs/multimodal.md).
+WRAPPER_REFUSED: dict[str, str] = {}

@@ -13,19 +13,17 @@ never reaches it.
 from __future__ import annotations
 
 import ast
-import copy
 import threading
 from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.inspect_model import base_model_path
 from hf_tp.adapters.source import plain_logits, source_tree
+from hf_tp.adapters.text_tower import causal_lm_from_config
 
 
 def refuse(model_type: str, what: str) -> ValueError:
@@ -33,7 +31,7 @@ def refuse(model_type: str, what: str) -> ValueError:
     return ValueError(f"hf_tp cannot train this multimodal {model_type} checkpoint: {what}")
 
 
-_WRAPPERS: dict[str, tuple] = {}  # config JSON -> (lm path, head path, passengers, plain logits, remap, embedding path)
+_WRAPPERS: dict[str, tuple] = {}  # config JSON -> (lm path, head path, passengers, plain logits, remap)
 _BUILDING = threading.Lock()  # building a model sets torch's process-wide default dtype for a while
 
 
@@ -90,13 +88,10 @@ def wrapper_adapter(config: PretrainedConfig, text: Adapter) -> Adapter:
     with _BUILDING:
         if key not in _WRAPPERS:
             _WRAPPERS[key] = _read(config)
-    lm, head, passengers, plain, remap, embed = _WRAPPERS[key]
+    lm, head, passengers, plain, remap = _WRAPPERS[key]
 
-    def top_plan(opts: PlanOptions):
-        plan = {remap(path): style for path, style in text.top_plan(opts).items()}
-        if opts.sequence_parallel and embed in plan:  # image features merge into the full sequence
-            plan[embed] = full_sequence(plan[embed])
-        return plan
+    def top_plan(opts: PlanOptions):  # the embedding's too: made whole for images by hf_tp.parallel.passengers
+        return {remap(path): style for path, style in text.top_plan(opts).items()}
 
     return replace(
         text,
@@ -128,7 +123,7 @@ def _read(config: PretrainedConfig) -> tuple:
     with torch.device("meta"):
         try:
             model = model_from_config(config)
-            text_lm = AutoModelForCausalLM.from_config(text_config)
+            text_lm = causal_lm_from_config(text_config)
         except Exception as exc:  # noqa: BLE001 - any failure to build means no plan
             first = (str(exc).strip().splitlines() or [""])[0]
             raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {first})") from None
@@ -164,20 +159,7 @@ def _read(config: PretrainedConfig) -> tuple:
             return lm + path[len(prefix) :]
         raise refuse(mt, f"its language model's plan names {path}, outside {prefix} and the lm_head")
 
-    embed = paths_in(model, model.get_input_embeddings())
-    return lm, head, _passengers(model, (lm, head)), plain_logits(model, head), remap, embed
-
-
-def full_sequence(style: ParallelStyle) -> ParallelStyle:
-    """The embedding's style with a whole-sequence output (plain, the same on every tp rank), so a
-    wrapper's forward merges image features into it before the language model's entry splits it
-    (:func:`hf_tp.parallel.passengers.split_at_language_model`)."""
-    if not hasattr(style, "output_layouts") or not hasattr(style, "use_local_output"):
-        raise ValueError(f"hf_tp cannot give a {type(style).__name__} embedding a whole-sequence output")
-    style = copy.copy(style)
-    style.output_layouts = (Replicate(),)
-    style.use_local_output = True
-    return style
+    return lm, head, _passengers(model, (lm, head)), plain_logits(model, head), remap
 
 
 def paths_in(model: nn.Module, module: nn.Module | None) -> str | None:

@@ -38,8 +38,9 @@ from hf_tp.checkpoint.layout import (
     latest_checkpoint,
     load_trainer_state,
 )
+from hf_tp.checkpoint.packed import checkpoint_layout
 from hf_tp.checkpoint.remote_code import copy_model_code
-from hf_tp.checkpoint.safe_load import safe_load
+from hf_tp.checkpoint.safe_load import SafeReader, safe_load
 
 __all__ = [
     "MARKER",
@@ -82,7 +83,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
-    state = _train_state(model, optimizer)
+    state = checkpoint_layout(_train_state(model, optimizer), model)  # one layout on every mesh
     failure: BaseException | None = None
     try:
         dcp.save(state, checkpoint_id=str(tmp))  # collective: a rank's write error is raised on every rank
@@ -202,9 +203,11 @@ def _train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: load model and optimizer into the current (possibly different) mesh; DCP reshards.
-    Nothing in the checkpoint is unpickled beyond plain data (:mod:`hf_tp.checkpoint.safe_load`)."""
+    Nothing in the checkpoint is unpickled beyond plain data (:mod:`hf_tp.checkpoint.safe_load`).
+    Packed expert weights are read through views in the checkpoint's layout (:mod:`hf_tp.checkpoint.packed`)."""
     state = _train_state(model, optimizer)
-    safe_load(state, path)
+    reader = SafeReader(path)
+    safe_load(checkpoint_layout(state, model, reader.read_metadata(), path), path, reader=reader)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
     rng = torch.load(path / "rng.pt", weights_only=True)

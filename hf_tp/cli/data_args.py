@@ -111,3 +111,30 @@ def add_eval_arguments(p, default: Callable[[str], str]) -> None:
         metavar="K",
         help="evaluate on the first K global batches of the eval set; 0: all of it (default: 0)",
     )
+
+
+def add_objective_arguments(p, default: Callable[[str], str]) -> None:
+    """The training objective: cross entropy, or a preference loss on prompt/chosen/rejected pairs."""
+    d = default
+    p.add_argument(
+        "--objective",
+        choices=("sft", "dpo", "simpo"),
+        help="sft: next-token cross entropy; dpo: DPO's sigmoid loss on prompt/chosen/rejected pairs against a "
+        "reference model (a frozen copy of the initial weights, or with --lora-r the base with the adapters off); "
+        f"simpo: SimPO, length-normalised and reference-free (docs/post-training.md) ({d('objective')})",
+    )
+    p.add_argument("--beta", type=float, metavar="B", help=f"DPO / SimPO temperature, TRL's beta ({d('beta')})")
+    p.add_argument(
+        "--label-smoothing",
+        type=float,
+        metavar="E",
+        help=f"DPO / SimPO: probability that a pair's preference is flipped, in [0, 0.5) ({d('label_smoothing')})",
+    )
+    p.add_argument("--simpo-gamma", type=float, metavar="G", help=f"SimPO's target reward margin ({d('simpo_gamma')})")
+    p.add_argument(
+        "--precompute-ref",
+        action="store_const",
+        const=True,
+        help="dpo: compute the reference log-probs of every pair in one pass before training (the reference "
+        "model is then freed; no reference forward per step) (default: a reference forward per micro-batch)",
+    )

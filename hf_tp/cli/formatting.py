@@ -25,3 +25,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def subcommand_parser(prog: str, doc: str | None, epilog: str) -> argparse.ArgumentParser:
     """A stand-alone parser for one subcommand (``python -m hf_tp.train``), formatted as ``hf-tp``'s."""
     return argparse.ArgumentParser(prog=prog, description=doc, epilog=epilog, formatter_class=HelpFormatter)
+
+
+def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False) -> None:
+    """``--model`` as ``hf-tp estimate`` resolves it, offline, and the layout sizes ``--tp``,
+    ``--ep``, ``--cp`` (and ``--dp``): shared by ``hf-tp plan`` and ``hf-tp verify``."""
+    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
+
+    names = ", ".join(bundled_models())
+    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    if dp:
+        p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (ranks borrowed from dp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each row's tokens split over cp ranks")

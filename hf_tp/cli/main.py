@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_tp.cli import estimate, export, plan, train
+from hf_tp.cli import estimate, export, plan, train, verify
 from hf_tp.cli.formatting import HelpFormatter
 from hf_tp.compat import below_floor
 
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "export": (export, "checkpoint -> HF safetensors folder (+ Hub push)"),
     "estimate": (estimate, "per-rank memory and communication of a run, simulated on CPU"),
     "plan": (plan, "the TP+SP plan hf_tp derives for a model: styles, shards, collectives"),
+    "verify": (verify, "check a layout on these machines against one rank: logits, gradients, steps, checkpoints"),
 }
 
 
@@ -23,6 +24,7 @@ EPILOG = """examples:
   hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
   hf-tp export outputs/run exported/
   hf-tp plan --model llama-3.1-8b --tp 8     # what each module becomes, and the collectives per layer
+  hf-tp verify --model llama-3.1-8b --tp 2   # the layout checked on these ranks against one rank
 
 hf-tp SUBCOMMAND --help lists every flag with its default."""
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from hf_tp.cli.formatting import subcommand_parser
+from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
 
 EPILOG = """examples:
   hf-tp plan --model llama-3.1-8b --tp 8
@@ -24,13 +24,7 @@ hf-tp train pads rows; all-to-all sizes assume even routing over the experts."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
-
-    names = ", ".join(bundled_models())
-    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (ranks borrowed from dp)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each row's tokens split over cp ranks")
+    add_model_and_layout(p)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row, for the collectives' sizes")
     p.add_argument("--json", action="store_true", help="print the plan record as JSON instead of tables")
 

@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import fields
 
-from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments, add_vision_arguments
+from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments, add_objective_arguments, add_vision_arguments
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.train.config import AUX_LOSS_OVER, EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
 
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     texts state the real defaults (TrainConfig and its two profiles)."""
     _model_and_data(p.add_argument_group("model and data"))
     add_eval_arguments(p.add_argument_group("held-out evaluation"), _default)
+    add_objective_arguments(p.add_argument_group("objective (preference training: docs/post-training.md)"), _default)
     _sizes_and_optimizer(p.add_argument_group("sizes and optimizer"))
     _output_and_checkpoints(p.add_argument_group("output and checkpoints"))
     _speed_and_parallelism(p.add_argument_group("speed, precision and parallelism"))

@@ -33,7 +33,8 @@ def check_all_rows(
     ``ValueError`` naming the first bad row, what is wrong with it, and which others are bad; or,
     for text, that no row holds any text (the ranks would find no token)."""
     places = places or RowPlaces(f"'{source}'", str(ds.split) if ds.split else None, split_total(ds))
-    columns = [c for c in (fmt.column, "prompt", "completion", "images") if c in ds.column_names]
+    names = (fmt.column, "prompt", "completion", "chosen", "rejected", "tools", "images")
+    columns = [c for c in names if c in ds.column_names]
     bad: list[tuple[int, str]] = []
     index, has_text = 0, fmt.kind != TEXT
     for batch in ds.select_columns(columns).iter(batch_size=1000):

@@ -16,6 +16,7 @@ class StepBatches:
     num_targets: int  # targets in the whole global batch (every dp rank): the loss divisor
     tokens: int  # tokens in the whole global batch
     micro_batches: list[dict[str, torch.Tensor]]  # this rank's, on the device
+    num_examples: int = 0  # examples (rows, or preference pairs) in the whole global batch
 
 
 @dataclass
@@ -37,15 +38,22 @@ class StepBatchSource:
         rows = self.order.local_indices(
             step, dp_rank=self.dp_rank, dp=self.dp, micro_batch=self.micro_batch, grad_accum=self.grad_accum
         )
-        batches = [to_device(self.collate([self.data[i] for i in r]), self.device) for r in rows]
-        return StepBatches(num_targets, sum(len(ex["input_ids"]) for ex in examples), batches)
+        batches = [to_device(self.collate(self.micro_rows(step, m, r)), self.device) for m, r in enumerate(rows)]
+        tokens = sum(len(ex["input_ids"]) + len(ex.get("rejected_input_ids") or ()) for ex in examples)
+        return StepBatches(num_targets, tokens, batches, len(examples))
+
+    def micro_rows(self, step: int, micro_step: int, indices: list[int]) -> list:
+        """The rows this rank collates for one micro-step (the rows of ``indices``)."""
+        return [self.data[i] for i in indices]
 
 
 def count_batch_targets(examples: list, step: int) -> int:
     """Targets of a global batch, counted from the labels (a copy of input_ids unless the data masks
     some) as the loss takes them; a batch without any is an error naming the step."""
     num_targets = sum(
-        count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"]) for ex in examples
+        count_targets(ex["labels"] if ex.get("labels") is not None else ex["input_ids"])
+        + (count_targets(ex["rejected_labels"]) if ex.get("rejected_labels") is not None else 0)  # a pair's
+        for ex in examples
     )
     if num_targets == 0:
         raise ValueError(

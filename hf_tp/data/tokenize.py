@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import datasets
 
-from hf_tp.data.formats import CHAT, TEXT, DataFormat, detect_format, encode_batch
+from hf_tp.data.formats import CHAT, PREFERENCE, TEXT, DataFormat, detect_format, encode_batch
 from hf_tp.data.packing import pack_documents
 from hf_tp.data.places import RowPlaces, split_total
 
@@ -48,12 +49,12 @@ def tokenize_dataset(
         raise ValueError(f"seq_len must be a positive integer, got seq_len={seq_len}")
     label = dataset_label(ds)
     fmt = fmt or detect_format(ds.column_names, text_column=text_column, label=label)
+    if fmt.kind == PREFERENCE:  # pairs are never packed: each side is one row, cut to seq_len
+        fmt, pack = dataclasses.replace(fmt, seq_len=seq_len), False
     if fmt.kind == TEXT:
         check_string_column(ds.features.get(fmt.column), fmt.column, label)
     if fmt.kind == CHAT:
-        from hf_tp.data.formats.chat import check_chat_tokenizer
-
-        check_chat_tokenizer(tokenizer)
+        _check_chat_tokenizer(tokenizer, ds.column_names)
     places = RowPlaces(label, str(ds.split) if ds.split else None, split_total(ds))  # names a bad row
     try:
         docs = ds.map(
@@ -72,6 +73,8 @@ def tokenize_dataset(
     if skip_bad_rows:
         docs = _drop_skipped(docs, label, report)
     docs.info.dataset_name = ds.info.dataset_name
+    if fmt.kind == PREFERENCE:
+        return _pairs_truncated(docs, label, seq_len, report)
     if pack:
         return pack_documents(docs, seq_len, document_masking=document_masking, label=label, keep_tail=keep_tail)
     if len(docs) == 0:
@@ -82,6 +85,30 @@ def tokenize_dataset(
         batched=True,
         desc="Truncating",
     )
+
+
+def _check_chat_tokenizer(tokenizer: Any, columns: list[str]) -> None:
+    """Chat data needs a chat template, and one that reads ``tools`` where the rows carry tools."""
+    from hf_tp.data.formats.chat import check_chat_tokenizer
+    from hf_tp.data.formats.tools import TOOLS_COLUMN, check_tools_template
+
+    check_chat_tokenizer(tokenizer)
+    if TOOLS_COLUMN in columns:
+        check_tools_template(tokenizer)
+
+
+def _pairs_truncated(
+    docs: datasets.Dataset, label: str, seq_len: int, report: Callable[[str], None] | None
+) -> datasets.Dataset:
+    """Preference pairs (already cut to ``seq_len``): ``report`` hears in one line how many were cut."""
+    cut = sum(docs["truncated"])
+    if cut and report is not None:
+        pairs = "pair" if len(docs) == 1 else "pairs"
+        report(
+            f"hf-tp: {cut} of {len(docs)} preference {pairs} of dataset {label} cut to --seq-len {seq_len} "
+            "tokens per side (the end of the completion dropped, as TRL's keep_start)"
+        )
+    return docs.remove_columns("truncated")
 
 
 def _drop_skipped(docs: datasets.Dataset, label: str, report: Callable[[str], None] | None) -> datasets.Dataset:

@@ -36,7 +36,7 @@ from hf_tp.estimate.step import (
 from hf_tp.estimate.work import Work, WorkCounter
 from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.validate import validate_model_config
+from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
 __all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "validate_inputs"]
 
@@ -119,6 +119,7 @@ def validate_inputs(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
+    check_mixed_precision(config, dtype)
     if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
         raise UnsupportedRelease(refusal)
     if (dp * cp) % ep:
@@ -211,8 +212,8 @@ def _checked_for_training(
     """The checks ``hf-tp train`` makes of LoRA and cp (on a multimodal wrapper: what hf_tp has not
     verified there, refused before building); returns the config in full precision (a quantized
     checkpoint: hf_tp trains its dequantized copy)."""
-    if lora_r or cp > 1:
-        check_wrapper(get_adapter(full_precision(config)), peft=lora_r > 0, ep=ep, cp=cp > 1)
+    if cp > 1:
+        check_wrapper(get_adapter(full_precision(config)), ep=ep, cp=True)
     if lora_r:
         TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
     return full_precision(config)

@@ -28,7 +28,8 @@ def describe_model(est: Estimate) -> str:
     if est.tower_params or est.projector_params:  # a multimodal wrapper
         return (
             f"{est.model} ({est.model_type}, {_params(est.num_params)} params: vision tower "
-            f"{_params(est.tower_params)} frozen, projector {_params(est.projector_params)} trained)"
+            f"{_params(est.tower_params)} frozen, projector {_params(est.projector_params)} "
+            f"{'frozen (LoRA on the language model)' if est.lora_r else 'trained'})"
         )
     return f"{est.model} ({est.model_type}, {_params(est.num_params)} params)"
 

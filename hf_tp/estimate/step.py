@@ -45,9 +45,7 @@ def model_from_config(
     replicates its vision tower and projector over tp, shards them over dp and freezes the tower.
     """
     # (a copy: parallelize may change the config, e.g. the attention implementation under cp)
-    # Module.to() cannot swap fake tensors: a module moved to fp32 in its __init__ (DeepSeek-V4's
-    # attention and hyper-connections) is already fp32 here, so the move is skipped
-    with mock.patch.object(nn.Module, "to", _to_unless_fp32):
+    with mock.patch.object(nn.Module, "to", _fp32_to):
         model = wrapper.model_from_config(copy.deepcopy(config), dtype=torch.float32)
     model.train()
     if wrapper.text_config_of(config) is not None:
@@ -73,9 +71,13 @@ def model_from_config(
 _MODULE_TO = nn.Module.to
 
 
-def _to_unless_fp32(module: nn.Module, *args, **kwargs) -> nn.Module:
-    """``Module.to``, except a move to fp32 alone of a module whose parameters all are fp32 already."""
-    if [*args, *kwargs.values()] == [torch.float32] and all(p.dtype == torch.float32 for p in module.parameters()):
+def _fp32_to(module: nn.Module, *args, **kwargs) -> nn.Module:
+    """``Module.to`` while the fp32 model is built: a model's own cast of a module to fp32 in its
+    ``__init__`` (Inkling's short convolutions, DeepSeek-V4's attention and hyper-connections) is a
+    no-op on its fp32 weights, but ``Module.to`` cannot swap fake tensors; any other conversion goes
+    through."""
+    only = args[0] if len(args) == 1 and not kwargs else kwargs.get("dtype") if set(kwargs) == {"dtype"} else None
+    if only is torch.float32 and all(p.dtype == torch.float32 for p in module.parameters()):
         return module
     return _MODULE_TO(module, *args, **kwargs)
 

@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.generation.utils import GenerateOutput
+
+from hf_tp.adapters.wrapper import text_config_of
 
 __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
 
@@ -159,6 +162,24 @@ def shared_rng(tp_mesh: DeviceMesh) -> Iterator[None]:
             _set_rng_states(device, own)
 
 
+def passengers_in_step(model: nn.Module, dp_mesh: DeviceMesh, kwargs: dict) -> None:
+    """Under FSDP2 (dp > 1) a wrapper's vision tower and projector are gathered over dp when they
+    run: every dp rank must pass images, or none (one ``ValueError`` on every rank otherwise). The
+    root unit is set up first: transformers may encode the images through the wrapper's
+    ``get_image_features`` before its first forward, which FSDP2 would take for the root."""
+    mine = torch.tensor([int(any(k.startswith("pixel_values") and v is not None for k, v in kwargs.items()))])
+    mine = mine.to(comm_device(dp_mesh))
+    gathered = [torch.empty_like(mine) for _ in range(dp_mesh.size())]
+    dist.all_gather(gathered, mine, group=dp_mesh.get_group())
+    if len({int(g) for g in gathered}) > 1:
+        raise ValueError(
+            "some dp ranks passed images to generate and others did not; FSDP2 gathers the vision tower "
+            "and projector on every dp rank together: give every dp rank images, or generate text-only "
+            "prompts in a call of their own"
+        )
+    model._get_fsdp_state()._lazy_init()  # private FSDP2 API (no-op once set up); torch has no public one
+
+
 def _samples(model: nn.Module, kwargs: dict) -> bool:
     config = kwargs.get("generation_config") or model.generation_config
     return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
@@ -188,9 +209,12 @@ def generate(
             "hf_tp.generate does not decode with context parallelism (each rank holds part of every row); "
             "generate from a model parallelized on a mesh without cp, e.g. after hf-tp export"
         )
-    _, tp_mesh = model_meshes(model)
+    dp_mesh, tp_mesh = model_meshes(model)
     if attention_mask is not None:
         generate_kwargs["attention_mask"] = attention_mask
+    wrapper = text_config_of(getattr(model, "config", None)) is not None
+    if wrapper and isinstance(model, FSDPModule) and dp_mesh is not None and dp_mesh.size() > 1:
+        passengers_in_step(model, dp_mesh, generate_kwargs)
     rng: contextlib.AbstractContextManager = contextlib.nullcontext()
     if tp_mesh is not None and tp_mesh.size() > 1:
         images = [v for v in generate_kwargs.values() if isinstance(v, torch.Tensor)]  # pixel_values, ...

@@ -26,9 +26,10 @@ from hf_tp.parallel.lora import (
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
 from hf_tp.parallel.mesh import cp_mesh, split_mesh
+from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
-from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths
+from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
 
 
 def parallelize(
@@ -117,7 +118,8 @@ def _check(
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
     dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
     and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`); a multimodal
-    wrapper's passengers are frozen (:mod:`hf_tp.parallel.passengers`)."""
+    wrapper's passengers are frozen (:mod:`hf_tp.parallel.passengers`) and its 3-D mrope language model
+    takes packed position ids in its 4-row form (:mod:`hf_tp.parallel.packed_positions`)."""
     check_releases()  # a release below the tested floors: one line naming it, before anything else
     model, peft = unwrap_peft(outer)
     config = getattr(model, "config", None)
@@ -133,7 +135,7 @@ def _check(
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
-    check_wrapper(adapter, peft=peft, ep=ep, cp=cp is not None)
+    check_wrapper(adapter, ep=ep, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None
@@ -152,7 +154,13 @@ def _check(
         raise ValueError(
             f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
         )
+    if train_vision and peft:
+        raise ValueError("train_vision_tower trains the tower's own weights, which a peft LoRA model freezes: drop one")
     freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
+    if adapter.language_model:  # a wrapper's packed text rows: document positions as its masks read them
+        pass_packed_positions(model.get_submodule(adapter.language_model))
+    if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
+        mark_packed_experts(model, adapter, opts)
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 

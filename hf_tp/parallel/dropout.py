@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
+from hf_tp.styles.choice import resolve
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.experts import DenseOrMoE, MoERegion
 from hf_tp.styles.heads import Compose, LocalParamViews, ReplicatedToSequenceShards
@@ -78,10 +79,14 @@ def install_model_dropout(
         first = first[0]
     streams = ModelDropout(torch.initial_seed(), rank, int(first))
     plan = adapter.layer_plan(opts)
-    kinds = region_kinds(plan, opts.sequence_parallel)
-    rows = [p for p, s in plan.items() if isinstance(s, RowwiseParallel) and kinds.get(p.rpartition(".")[0]) == SHARD]
-    _region(model, streams, kinds[""], lambda: False)  # embedding dropout, the model's own code
+    _region(model, streams, SHARD if opts.sequence_parallel else REPLICATE, lambda: False)  # embedding dropout
     for layer in model.get_submodule(adapter.layers_path):
+        # this layer's plan: per-layer choices (dense or MoE, a mixer's kind) made for its modules
+        mine = {p: resolve(s, layer.get_submodule(p)) for p, s in plan.items() if has_submodule(layer, p)}
+        kinds = region_kinds({p: s for p, s in mine.items() if s is not None}, opts.sequence_parallel)
+        rows = [
+            p for p, s in mine.items() if isinstance(s, RowwiseParallel) and kinds.get(p.rpartition(".")[0]) == SHARD
+        ]
         checkpointed = _checkpointed(layer)
         for path, kind in kinds.items():
             try:
@@ -89,9 +94,9 @@ def install_model_dropout(
             except AttributeError:
                 continue
             _region(module, streams, kind, checkpointed)
+        residual = kinds[""]
         for path in rows:  # after a row-parallel projection: its reduced output, on sequence shards or whole
-            if has_submodule(layer, path):
-                layer.get_submodule(path).register_forward_hook(lambda *_: streams.set_kind(kinds[""]))
+            layer.get_submodule(path).register_forward_hook(lambda *_, kind=residual: streams.set_kind(kind))
     model.hf_tp_dropout = streams
     return streams
 

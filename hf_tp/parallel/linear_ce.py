@@ -270,14 +270,17 @@ def fusable(model: nn.Module) -> bool:
 
 
 def _tp_placements(weight: torch.Tensor) -> list:
-    # Under FSDP2 alone (tp=1) the weight is a DTensor on the mesh dim named "dp"; any other mesh
-    # dim of more than one rank shards it over tp (or something hf_tp did not build).
+    # FSDP2 shards the weight on the mesh dim named "dp" ("dp_cp", dp x cp flattened, with context
+    # parallelism: a _StridedShard there under tp); any other mesh dim of more than one rank shards
+    # it over tp (or something hf_tp did not build).
     if not isinstance(weight, DTensor):
         return []
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or (None,) * mesh.ndim
     return [
-        pl for name, size, pl in zip(names, mesh.shape, weight.placements, strict=True) if name != "dp" and size > 1
+        pl
+        for name, size, pl in zip(names, mesh.shape, weight.placements, strict=True)
+        if name not in ("dp", "dp_cp") and size > 1
     ]
 
 

@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
+from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.dropout import runs_whole
+from hf_tp.styles.choice import resolve
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
 
@@ -75,21 +77,41 @@ def _refusal(module: nn.Module, style: ParallelStyle | object | None) -> str | N
 def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
     """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
     ``ep``. At tp = 1 and ep = 1 nothing is sharded and every peft module runs as in plain peft;
-    with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them."""
+    with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them.
+    On a multimodal wrapper LoRA sits on the language model: its tower and projector run whole."""
+    for path in _peft_modules(model):
+        if adapter.is_passenger(path):
+            raise ValueError(
+                f"LoRA on {path}: it lies in the {adapter.model_type} wrapper's vision tower or projector, which "
+                "hf_tp runs whole and has not verified LoRA on; put LoRA on the language model (peft's "
+                "exclude_modules, or hf-tp train's default)"
+            )
     if tp == 1 and ep == 1:
         return
     plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."
-    whole = [p for p, style in plan.items() if runs_whole(style)]
     for path, module in _peft_modules(model).items():
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
         style = plan.get(sub)
-        if style is None and path.startswith(prefix) and any(sub.startswith(f"{p}.") for p in whole):
+        if style is None and path.startswith(prefix) and _in_whole_block(model, plan, path, prefix):
             style = _WHOLE_RUN  # computed whole on every tp rank, as the region's own weights
         reason = _refusal(module, style) if tp > 1 else _refusal_at_tp1(module)
         if reason is not None:
             raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
         if style is _WHOLE_RUN:
             module.hf_tp_whole_run_tp = tp  # its dropout: the tp group's mask (install_dropouts)
+
+
+def _in_whole_block(model: nn.Module, plan: dict, path: str, prefix: str) -> bool:
+    """The module at ``path`` sits in a block that runs whole on every tp rank in its own layer
+    (a per-layer choice, a mixer's kind or dense-or-MoE, made for that layer's block)."""
+    index, _, sub = path[len(prefix) :].partition(".")
+    layer = model.get_submodule(prefix + index)
+    for block, style in plan.items():
+        if sub.startswith(block + ".") and has_submodule(layer, block):
+            chosen = resolve(style, layer.get_submodule(block))
+            if chosen is not None and runs_whole(chosen):
+                return True
+    return False
 
 
 def _refusal_at_tp1(module: nn.Module) -> str | None:

@@ -57,7 +57,7 @@ class PartialGradReducer:
         has them unsharded, else the parameters themselves."""
         for w in weights:
             t = w.module._parameters[w.name]
-            if t is not None and not any(h is t for h in w.hooked):
+            if t is not None and t.requires_grad and not any(h is t for h in w.hooked):  # (frozen: no gradient)
                 t.register_hook(self._hook(w))
                 w.hooked.append(t)
 

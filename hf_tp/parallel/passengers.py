@@ -30,17 +30,18 @@ from hf_tp.adapters.source import source_tree
 # A passenger (or a module inside one) is a tower when its name says so; anything else (the
 # projector, LLaVA-NeXT's image_newline, Qwen's vision merger) trains with the language model.
 TOWER = re.compile(r"(vision|visual|audio|speech|image_encoder|tower|vqmodel|vq_model)")
-PROJECTOR_INSIDE_TOWER = ("merger",)  # Qwen-VL / Qwen3.5 keep the projector inside model.visual
+# Qwen-VL / Qwen3.5 / GLM-4V keep the projector inside model.visual; Qwen3-VL also its DeepStack
+# mergers (the same patch-merger module, one per tapped vision layer, writing into the hidden size)
+PROJECTOR_INSIDE_TOWER = ("merger", "deepstack_merger_list")
 
 
-def check_wrapper(adapter: Adapter, *, peft: bool, ep: int, cp: bool) -> None:
+def check_wrapper(adapter: Adapter, *, ep: int, cp: bool) -> None:
     """Refuse, in one line, what hf_tp has not verified on a multimodal wrapper."""
     if not adapter.language_model:
         return
     unverified = [
         what
         for what, asked in (
-            ("LoRA", peft),
             ("expert parallelism (ep > 1)", ep > 1),
             ("context parallelism (cp > 1)", cp),
         )
@@ -100,15 +101,56 @@ def _part(adapter: Adapter, name: str) -> str:
     return short
 
 
-def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh) -> None:
-    """Install the pre-hook that sequence-shards the language model's ``inputs_embeds``.
+# Inputs of a wrapper's base model that carry no image (or audio, video) data: a call holding only
+# these (and scalars, empty containers) keeps the text model's sequence-sharded embedding.
+TEXT_INPUTS = frozenset(
+    ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values", "cache_position", "labels")
+    + ("token_type_ids", "mm_token_type_ids", "use_cache", "return_dict", "logits_to_keep", "output_attentions")
+    + ("output_hidden_states",)
+)
 
-    The wrapper's embedding returns the full sequence (its plan's output is replicated), so image
-    features merge into a plain tensor; here the merged tensor becomes ``Shard(1)`` (a local slice,
-    no communication; its backward all-gathers the gradient, which every tp rank then holds whole
-    for the projector and tower). A language model called with ``input_ids`` gets them embedded here.
+
+def carries_images(kwargs: dict) -> bool:
+    """A call of the wrapper's base model with anything beside text inputs (pixel values, image
+    sizes, features transformers encoded ahead of generate's first forward, ...)."""
+    return any(
+        k not in TEXT_INPUTS
+        and v is not None
+        and not isinstance(v, (bool, int, float, str))
+        and not (isinstance(v, (dict, list, tuple)) and not v)
+        for k, v in kwargs.items()
+    )
+
+
+def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMesh) -> None:
+    """Merge image features into the whole sequence, then split it at the language model's entry.
+
+    The embedding keeps the text model's plan (a sequence-sharded DTensor out of a reduce-scatter).
+    For a call of the wrapper (or its base model) that carries images, a hook makes it whole (plain, the
+    same on every tp rank: one all-gather; backward a local slice), so the wrapper's own forward
+    scatters the image features into it; a pre-hook on the language model then turns the merged
+    ``inputs_embeds`` into ``Shard(1)`` again (a local slice, no communication; its backward
+    all-gathers the gradient, which every tp rank then holds whole for the projector and tower).
+    Text-only calls run exactly the text model's path. A language model called with
+    ``input_ids`` gets them embedded here.
     """
     lm = model.get_submodule(adapter.language_model)
+    embedding = model.get_input_embeddings()
+    base = model.get_submodule(adapter.language_model.rpartition(".")[0])
+
+    calls: list[bool] = []  # the wrapper's and its base model's calls under way: whether each carries images
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls.append(carries_images(kwargs) or any(isinstance(a, torch.Tensor) for a in args[1:]))
+        embedding.hf_tp_whole = any(calls)
+
+    def leave(*_) -> None:
+        if calls:
+            calls.pop()
+        embedding.hf_tp_whole = any(calls)
+
+    def whole(module: nn.Module, args: tuple, output):
+        return output.full_tensor() if module.__dict__.get("hf_tp_whole") and isinstance(output, DTensor) else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         embeds = kwargs.get("inputs_embeds")
@@ -121,11 +163,16 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
             if ids is None:
                 return None
             embeds = module.get_input_embeddings()(ids)
-        if isinstance(embeds, DTensor):
-            return None
-        full = DTensor.from_local(embeds, tp_mesh, [Replicate()], run_check=False)
-        return args, {**kwargs, "inputs_embeds": full.redistribute(tp_mesh, [Shard(1)])}
+        if not isinstance(embeds, DTensor):
+            embeds = DTensor.from_local(embeds, tp_mesh, [Replicate()], run_check=False).redistribute(
+                tp_mesh, [Shard(1)]
+            )
+        return args, {**kwargs, "inputs_embeds": embeds}
 
+    for entry in {id(m): m for m in (model, base)}.values():  # the fused loss calls the base model itself
+        entry.register_forward_pre_hook(enter, with_kwargs=True)
+        entry.register_forward_hook(leave, always_call=True)
+    embedding.register_forward_hook(whole)
     lm.register_forward_pre_hook(hook, with_kwargs=True)
     _whole_rows_before_language_model(model, adapter.language_model)
 

@@ -12,9 +12,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
+from hf_tp.parallel.deepstack import shard_deepstack
 from hf_tp.parallel.dropout import install_model_dropout
+from hf_tp.parallel.one_token import gather_one_token_steps
 from hf_tp.parallel.passengers import split_at_language_model
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
+from hf_tp.styles.experts import mark_packed
 
 
 def embeddings_tied(model: nn.Module) -> bool:
@@ -66,29 +69,42 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
     tied = embeddings_tied(model)
     config = adapter.layers_config(model.config)
     layer_plan = adapter.layer_plan(opts)
-    replicated_kv = [p.rpartition(".")[0] for p, s in layer_plan.items() if isinstance(s, ReplicatedKVProjection)]
+    replicated_kv = [p for p, s in layer_plan.items() if isinstance(s, ReplicatedKVProjection)]
     if opts.kv_replicas > 1 and not replicated_kv:
         raise ValueError(
             f"the {adapter.model_type} adapter's plan does not replicate KV heads, so tp ({tp_mesh.size()}) must "
             f"divide num_key_value_heads ({config.num_key_value_heads})"
         )
     for layer in model.get_submodule(adapter.layers_path):
-        for attention in {
-            a for a in replicated_kv if has_submodule(layer, a)
-        }:  # raises before the first layer is touched
+        # the attentions of this layer (a per-layer mixer is attention in some layers only); raises
+        # before the first layer is touched
+        for attention in {p.rpartition(".")[0] for p in replicated_kv if has_submodule(layer, p)}:
             set_local_kv_groups(layer.get_submodule(attention), config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
+        if adapter.flattens_tokens:
+            gather_one_token_steps(layer)
     parallelize_module(model, tp_mesh, adapter.top_plan(opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
     if adapter.language_model and opts.sequence_parallel:
         split_at_language_model(model, adapter, tp_mesh)  # a wrapper: after its image features merged in
+        shard_deepstack(model.get_submodule(adapter.language_model))  # Qwen3-VL's features in early layers
     install_model_dropout(model, adapter, opts, tp_mesh)  # the model's own dropout: masks right under tp
     _say_if_mostly_whole(model, adapter, tp_mesh.size())
     if tied:
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def mark_packed_experts(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:
+    """Record which expert weights a tp > 1 mesh stores as packed gate/up halves (at any tp,
+    before any style is applied), so a checkpoint writes them in that layout on every mesh."""
+    plan = adapter.layer_plan(opts)
+    for layer in model.get_submodule(adapter.layers_path):
+        for path, style in plan.items():
+            if has_submodule(layer, path):
+                mark_packed(style, layer.get_submodule(path))
 
 
 MOSTLY_WHOLE = 0.25  # below this share of sharded decoder-layer weights tp hardly splits the model

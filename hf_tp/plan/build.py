@@ -20,7 +20,7 @@ from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.registry import registered_model_types
-from hf_tp.adapters.support import GENERIC, MOE
+from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.record import ModelPlan
@@ -91,7 +91,7 @@ def _describe(
         **header,
         model_type=mt,
         adapter=_origin(adapter, text),
-        note=GENERIC.get(text.model_type) or MOE.get(text.model_type) or "",
+        note=GENERIC.get(text.model_type) or MOE.get(text.model_type) or TEXT_TOWERS.get(text.model_type) or "",
         tp=sizes.tp,
         ep=sizes.ep,
         cp=sizes.cp,
@@ -150,7 +150,7 @@ def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: i
     from hf_tp.parallel.tp import check_plan_paths
 
     check_plan_paths(model, adapter, opts)
-    check_wrapper(adapter, peft=False, ep=ep, cp=cp > 1)
+    check_wrapper(adapter, ep=ep, cp=cp > 1)
     if cp > 1:
         check_context_parallel(model, adapter.layers_path, cp)
     if ep > 1:

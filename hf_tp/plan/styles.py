@@ -2,7 +2,7 @@
 
 Read off the style objects an adapter returns (torch's and :mod:`hf_tp.styles`), never applied:
 no mesh, no process group. Each style becomes one or more :class:`Part` (a ``Compose`` is its
-styles in order; a ``DenseOrMoE`` is the style the given layer's block gets), and each part says
+styles in order; a per-layer choice (``DenseOrMoE``, ``ByKind``) is the style the given layer's block gets), and each part says
 where the parameters under its module go (:func:`placements`). A style this module does not
 know (a user's own) is described by its class name and places nothing it can name.
 """
@@ -21,20 +21,21 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hf_tp.adapters.modules import has_parameter, has_submodule
+from hf_tp.adapters.modules import has_parameter
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
-    DenseOrMoE,
     HyperConnectionLayer,
     HyperConnectionOnShards,
     LocalParamViews,
     MoERegion,
+    PerLayerChoice,
     PerTokenOnShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
     WidthNormParallel,
+    resolve,
 )
 
 
@@ -85,8 +86,8 @@ def parts(style: ParallelStyle, module: nn.Module) -> list[Part]:
     """The parts ``style`` applies to ``module`` (a ``DenseOrMoE`` resolved for this module)."""
     if isinstance(style, Compose):
         return [p for s in style.styles for p in parts(s, module)]
-    if isinstance(style, DenseOrMoE):
-        chosen = style.moe if has_submodule(module, style.experts) else style.dense
+    if isinstance(style, PerLayerChoice):  # dense or MoE, or a per-layer mixer's kind
+        chosen = resolve(style, module)
         return [] if chosen is None else parts(chosen, module)
     kind = _kind(style, module)
     if kind == "kv_replicated":
@@ -153,7 +154,7 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
     if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
-    if kind in ("per_token", "hyper"):
+    if kind in ("per_token", "hyper"):  # (a router or mixer with its own submodules too)
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
     if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
         return {n: Placed(None, "") for n, _ in module.named_parameters()}

@@ -4,6 +4,7 @@ This package sits below :mod:`hf_tp.adapters` (adapters import styles; styles im
 so every family file and the generic plan build from the same pieces.
 """
 
+from hf_tp.styles.choice import ByKind, GatherAsCalled, PerLayerChoice, resolve
 from hf_tp.styles.embedding import ScaledEmbeddingRowwise
 from hf_tp.styles.experts import DenseOrMoE, MoERegion, Role
 from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
@@ -13,6 +14,10 @@ from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
 from hf_tp.styles.streams import HyperConnectionLayer, HyperConnectionOnShards, StreamShape
 
 __all__ = [
+    "ByKind",
+    "GatherAsCalled",
+    "PerLayerChoice",
+    "resolve",
     "ColwiseOwnOutput",
     "Compose",
     "DenseOrMoE",

@@ -1,4 +1,4 @@
-"""Embedding styles: HF's scaled word embeddings (Gemma) under vocab-sharded ``RowwiseParallel``."""
+"""Embedding styles: HF's scaled (Gemma) and normed (Inkling) word embeddings under vocab-sharded ``RowwiseParallel``."""
 
 from __future__ import annotations
 
@@ -18,14 +18,29 @@ class ScaledEmbeddingRowwise(RowwiseParallel):
     On the vocab-sharded lookup (a partial sum) the product would make DTensor all-reduce the whole
     ``b x s x h`` output before the reduce-scatter; each token's row is nonzero on one rank only, so
     scaling after the reduction gives the same values.
+
+    ``output_norm`` names a norm child the embedding applies to its lookup (Inkling's
+    ``embed_norm``): a norm of the partial lookup is not the norm of the sum, so it runs after the
+    reduce-scatter (and the scale), on sequence shards, under the plan's own style for it; the
+    vocab split covers the embedding's own weight only.
     """
 
+    def __init__(self, *args, output_norm: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.output_norm = output_norm
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not hasattr(module, "embed_scale"):
+        scaled = hasattr(module, "embed_scale")
+        if not scaled and not self.output_norm:
             return super()._apply(module, device_mesh)
         module.forward = types.MethodType(nn.Embedding.forward, module)  # the lookup alone
+        norm = module._modules.pop(self.output_norm) if self.output_norm else None  # (not vocab-split)
         module = super()._apply(module, device_mesh)  # registers the reduce-scatter as a forward hook
-        module.register_forward_hook(_scale_output)  # runs after it
+        if scaled:
+            module.register_forward_hook(_scale_output)  # runs after it
+        if norm is not None:
+            module.add_module(self.output_norm, norm)
+            module.register_forward_hook(lambda mod, args, output: getattr(mod, self.output_norm)(output))
         return module
 
 

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.styles.choice import PerLayerChoice, resolve
+
 
 @dataclass(frozen=True)
 class Role:
@@ -67,17 +69,28 @@ class MoERegion(ParallelStyle):
 
     ``roles`` maps every parameter under the block (dotted names relative to it) to its
     :class:`Role`; ``positional`` says how the decoder layer passes the hidden states (0: by the
-    keyword ``hidden_states``, else the number of positional arguments, hidden states first).
+    keyword ``hidden_states``, else the number of positional arguments, hidden states first; -1: as
+    each call passes them, by that keyword or else first).
+    ``output_norm`` names a norm the block applies to its combined output (A.X-K1's
+    ``post_mlp_layernorm``): a norm of a partial sum is not the norm of the sum, so the region
+    ends at that norm's input (the same one reduce-scatter, earlier) and the norm runs on sequence
+    shards under the plan's own style for it (``SequenceParallel``), its parameters outside ``roles``.
     """
 
     def __init__(
-        self, roles: dict[str, Role], positional: int, routers: tuple[str, ...] = (), sequence_parallel: bool = True
+        self,
+        roles: dict[str, Role],
+        positional: int,
+        routers: tuple[str, ...] = (),
+        sequence_parallel: bool = True,
+        output_norm: str = "",
     ) -> None:
         super().__init__()
         self.roles = roles
         self.positional = positional
         self.routers = routers
         self.sequence_parallel = sequence_parallel
+        self.output_norm = output_norm
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -97,6 +110,8 @@ class MoERegion(ParallelStyle):
             owner.__dict__.setdefault("hf_tp_region_roles", {})[leaf] = (role, tp)
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
+        layout = [(seq_layout,)]  # the hidden states' token layout at entry, restored at exit
+        shape: list[torch.Size] = []  # the gathered hidden states' shape, [batch, sequence, hidden]
 
         def to_region(x):
             """The block's input, whole on every rank; its gradient is a partial sum."""
@@ -107,25 +122,43 @@ class MoERegion(ParallelStyle):
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
                 owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
-            if self.positional == 0:
-                kwargs = {**kwargs, "hidden_states": to_region(kwargs["hidden_states"])}
-            else:
-                args = (to_region(args[0]), *args[1:])
-            return args, kwargs
+            by_keyword = self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs)
+            hidden = kwargs["hidden_states"] if by_keyword else args[0]
+            # experts a layer calls itself (Gemma 4) take its flattened tokens, in their own layout
+            layout[0] = hidden.placements if isinstance(hidden, DTensor) else (seq_layout,)
+            whole = to_region(hidden)
+            shape[:] = [whole.shape]
+            if by_keyword:
+                return args, {**kwargs, "hidden_states": whole}
+            # further token-sharded arguments (such experts' routing weights and indices) gathered too
+            rest = (to_region(a) if isinstance(a, DTensor) else a for a in args[1:])
+            return (whole, *rest), kwargs
+
+        def from_region(partial: torch.Tensor) -> torch.Tensor:
+            """Per-rank partial results summed: reduce-scattered to sequence shards (all-reduced, local, without SP).
+            An output with the tokens flattened (Llama 4's ``[batch * sequence, hidden]``) is summed in
+            the input's shape: Shard(1) of the flat one would split the hidden dim, and the layer's
+            ``view`` back would cost another all-gather."""
+            if partial.dim() != len(shape[0]) and partial.numel() == shape[0].numel():
+                partial = partial.reshape(shape[0])
+            out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
+            out = out.redistribute(device_mesh, layout[0])  # the hidden states' layout at entry
+            return out if self.sequence_parallel else out.to_local()
 
         def leave(mod: nn.Module, args, kwargs, output):
             for owner, leaf, _ in owners:
                 owner.__dict__.pop(leaf, None)
+            if self.output_norm:  # already summed at the norm's input
+                return output
             first = output[0] if isinstance(output, tuple) else output
-            out = DTensor.from_local(first, device_mesh, [Partial()], run_check=False).redistribute(
-                device_mesh, [seq_layout]
-            )
-            if not self.sequence_parallel:
-                out = out.to_local()
+            out = from_region(first)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True)
+        if self.output_norm:  # ahead of the norm's own style's input hook
+            norm = module.get_submodule(self.output_norm)
+            norm.register_forward_pre_hook(lambda mod, args: (from_region(args[0]), *args[1:]), prepend=True)
         for path in self.routers:
             _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
         return module
@@ -175,7 +208,7 @@ def _scale_aux_grad(router: nn.Module, scale: float) -> None:
     router.register_forward_hook(scaled)
 
 
-class DenseOrMoE(ParallelStyle):
+class DenseOrMoE(PerLayerChoice):
     """One plan entry for a block that is a dense MLP in some layers and a MoE block in others
     (DeepSeek's first dense layers, Qwen's ``mlp_only_layers``): the MoE style where the block has
     its experts module, the dense one elsewhere."""
@@ -184,9 +217,36 @@ class DenseOrMoE(ParallelStyle):
         super().__init__()
         self.dense, self.moe, self.experts = dense, moe, experts
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def select(self, module: nn.Module) -> ParallelStyle | None:
         try:
             module.get_submodule(self.experts)
         except AttributeError:
-            return module if self.dense is None else self.dense._apply(module, device_mesh)
-        return self.moe._apply(module, device_mesh)
+            return self.dense
+        return self.moe
+
+
+def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
+    """Record on their owners which parameters of ``module`` the MoE ``style`` stores as packed
+    halves under tp > 1: ``hf_tp_packed[leaf] = (dim, HF shape)``, read before the style is applied
+    and at every tp (tp = 1 applies no style), so checkpoints hold one layout on every mesh
+    (:mod:`hf_tp.checkpoint.packed`)."""
+    style = resolve(style, module)  # a per-layer choice (dense or MoE, by kind): this layer's style
+    for inner in getattr(style, "styles", ()):  # a Compose
+        mark_packed(inner, module)
+    if not isinstance(style, MoERegion):
+        return
+    for name, role in style.roles.items():
+        if role.kind == "shard" and role.packed:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix) if prefix else module
+            owner.__dict__.setdefault("hf_tp_packed", {})[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
+
+
+def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Parameter name -> (the dim holding two halves, its HF shape) for every parameter that
+    :func:`mark_packed` recorded, whatever the tp of the mesh."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for leaf, found in module.__dict__.get("hf_tp_packed", {}).items():
+            out[f"{prefix}.{leaf}" if prefix else leaf] = found
+    return out

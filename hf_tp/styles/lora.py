@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_tp.styles.choice import ByKind
+from hf_tp.styles.experts import DenseOrMoE
 from hf_tp.styles.heads import Compose, LocalParamViews
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection
 
@@ -78,6 +80,10 @@ def lora_aware(style: ParallelStyle) -> ParallelStyle:
         return style
     if isinstance(style, Compose):
         return Compose(*(lora_aware(s) for s in style.styles))
+    if isinstance(style, ByKind):  # each kind of a per-layer mixer as it would be alone
+        return ByKind({kind: None if s is None else lora_aware(s) for kind, s in style.styles.items()})
+    if isinstance(style, DenseOrMoE) and style.dense is not None:  # its dense layers' style (the region as is)
+        return DenseOrMoE(lora_aware(style.dense), style.moe, style.experts)
     if issubclass(base, LocalParamViews):
         mixin = _LoraWholeRun
     elif issubclass(base, ReplicatedKVProjection):

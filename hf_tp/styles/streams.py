@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hf_tp.styles.linear import PerTokenOnShards, sequence_shards
+from hf_tp.styles.linear import PerTokenOnShards, TokenLayout, sequence_shards
 
 
 class StreamShape:
@@ -45,15 +45,16 @@ class HyperConnectionOnShards(PerTokenOnShards):
         super().__init__()
         self.stream = stream
 
-    def _global_shape(self, mod: nn.Module, x) -> torch.Size:
+    def _layout(self, mod: nn.Module, x) -> tuple[torch.Size, tuple]:
         if isinstance(x, DTensor) or self.stream is None or self.stream.full is None:
-            return super()._global_shape(mod, x)
-        return self.stream.full
+            return super()._layout(mod, x)
+        return self.stream.full, (Shard(1),)
 
-    def _wrap(self, output: torch.Tensor, full: torch.Size, device_mesh: DeviceMesh):
-        if self.stream is not None and self.stream.full is full and output.shape[-1] != self.stream.hidden:
-            return output  # mixing weights (or the streams passed through) for the layer's own arithmetic
-        return super()._wrap(output, full, device_mesh)
+    def _wrap(self, out, tokens: TokenLayout, device_mesh: DeviceMesh):
+        inside = self.stream is not None and self.stream.full is tokens.full
+        if inside and torch.is_tensor(out) and out.shape[-1] != self.stream.hidden:
+            return out  # mixing weights (or the streams passed through) for the layer's own arithmetic
+        return super()._wrap(out, tokens, device_mesh)
 
 
 class HyperConnectionLayer(ParallelStyle):

@@ -16,6 +16,7 @@ DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
 AUX_LOSS_OVER = ("step", "micro-batch")
+OBJECTIVES = ("sft", "dpo", "simpo")  # cross entropy; preference losses on pairs (hf_tp.objectives)
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -88,6 +89,12 @@ class TrainConfig:
     warmup_steps: int | None = None
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    # the objective: next-token cross entropy (sft) or a preference loss on prompt/chosen/rejected pairs
+    objective: str = "sft"  # sft, dpo (against a reference model) or simpo (reference-free)
+    beta: float = 0.1  # DPO / SimPO temperature (TRL's beta)
+    label_smoothing: float = 0.0  # DPO / SimPO: the probability that a pair's preference is flipped (cDPO)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+    precompute_ref: bool = False  # dpo: reference log-probs in one pass before training, the reference freed
     aux_loss_over: str = "step"  # MoE aux loss with --grad-accum: "step" (exact, one extra forward) or "micro-batch"
     seed: int = 0
     # checkpoints
@@ -175,6 +182,7 @@ class TrainConfig:
                 f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
                 f"dp x cp, got {self.ep}"
             )
+        self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
         if self.lr is not None and not self.lr > 0:
@@ -220,6 +228,22 @@ class TrainConfig:
                 raise ValueError(f"{_flag(name)} must be {want}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
+
+    def _validate_objective(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if not self.beta > 0:
+            raise ValueError(f"--beta must be positive, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.precompute_ref and self.objective != "dpo":
+            raise ValueError(f"--precompute-ref is for --objective dpo (its reference model), not {self.objective}")
+        if self.precompute_ref and self.has_eval:
+            raise ValueError("--precompute-ref scores the training pairs only; drop --eval-dataset / --eval-split")
+        if self.objective == "sft":
+            return
+        if self.streaming:
+            raise ValueError(f"--objective {self.objective} reads whole pairs: drop --streaming")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 0:

@@ -17,18 +17,22 @@ import torch.distributed as dist
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
 from hf_tp.data.datasets import load_stream
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
+from hf_tp.data.formats.preference import check_objective_data
 from hf_tp.data.formats.rows import ROW_COLUMN, skipped_summary
 from hf_tp.data.image_data import check_image_rows, dataset_dir, encode_image_dataset
+from hf_tp.data.image_steps import ImageStepBatchSource
+from hf_tp.data.pairs import PairCollator, is_pair_example
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.pair_evaluation import PairEvalSet
 
 
 def build_batches(
     cfg: TrainConfig, tokenizer: Any, dp_rank: int, device: torch.device
-) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | None]:
+) -> tuple[StepBatchSource | StreamingBatchSource, EvalSet | PairEvalSet | None]:
     """What the loop reads: this dp rank's batches of every step, and the evaluation set (or None).
     Rows are padded to a multiple of tp (the sequence is split over the tp ranks; 2 x cp x tp
     with context parallelism)."""
@@ -38,11 +42,15 @@ def build_batches(
     data, eval_data = build_data(cfg, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     train_collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple, row_lengths=True)
+    if isinstance(data, datasets.Dataset) and is_pair_example(data.features):  # a pair's two rows, one micro-batch
+        train_collate = PairCollator(train_collate)
     batches = batch_source(cfg, data, train_collate, dp_rank, device)
     if eval_data is None:
         return batches, None
     collate = PadToMultipleCollator(pad_token_id=pad_id, multiple_of=cfg.row_multiple)
     sizes = (cfg.batch_size, cfg.global_batch, cfg.eval_batches)
+    if isinstance(train_collate, PairCollator):  # its loss and TRL's metrics over the held-out pairs
+        return batches, PairEvalSet(eval_data, PairCollator(collate), dp_rank, cfg.dp, *sizes, device)
     return batches, EvalSet(eval_data, collate, dp_rank, cfg.dp, *sizes, device)
 
 
@@ -75,6 +83,13 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
     return batch_source(cfg, train, collate, dp_rank, device)
 
 
+def saved_with_checkpoints(batches: object, tokenizer: Any) -> Any:
+    """What a checkpoint keeps for export beside the config: the processor that rendered image +
+    text rows (its image processor and chat template, with the tokenizer), else the tokenizer."""
+    collate = getattr(batches, "collate", None)
+    return collate.processor if isinstance(collate, ImageBatchCollator) else tokenizer
+
+
 def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | PackedStream, datasets.Dataset | None]:
     """The training rows and the evaluation set (None without one), built on rank 0 first (the
     cache is shared). ``--eval-split`` holds out a seeded fraction of the training documents before
@@ -83,6 +98,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
 
     def tokenize(ds: datasets.Dataset, keep_tail: bool) -> datasets.Dataset:
         fmt = detect_format(ds.column_names, assistant_only=cfg.assistant_only_loss, **columns)
+        check_objective_data(cfg.objective, fmt, ds.info.dataset_name or "(in memory)")
         return tokenize_dataset(
             ds,
             tokenizer,
@@ -133,7 +149,7 @@ def report_on_rank0(line: str) -> None:
 def batch_source(
     cfg: TrainConfig,
     train: datasets.Dataset | PackedStream,
-    collate: PadToMultipleCollator | ImageBatchCollator,
+    collate: PadToMultipleCollator | PairCollator | ImageBatchCollator,
     dp_rank: int,
     device,
 ) -> StepBatchSource | StreamingBatchSource:
@@ -142,7 +158,8 @@ def batch_source(
     if isinstance(train, PackedStream):
         return StreamingBatchSource(train, cfg.global_batch, collate, dp_rank, cfg.dp, **sizes)
     order = GlobalBatchOrder(num_examples=len(train), global_batch=cfg.global_batch, seed=cfg.seed)
-    return StepBatchSource(train, order, collate, dp_rank, cfg.dp, **sizes)
+    source = ImageStepBatchSource if isinstance(collate, ImageBatchCollator) else StepBatchSource  # dp ranks in step
+    return source(train, order, collate, dp_rank, cfg.dp, **sizes)
 
 
 def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> TrainConfig:

@@ -39,21 +39,23 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     backend = "nccl" if device_type == "cuda" else "gloo"
     dtype = cfg.compute_dtype_name(device_type)
     dtype = "bf16 compute, fp32 master weights" if dtype == "bf16" else dtype
-    tokens = cfg.global_batch * cfg.seq_len
+    pairs = cfg.objective != "sft"  # preference objectives: a pair is two rows (chosen, rejected)
+    tokens = cfg.global_batch * cfg.seq_len * (2 if pairs else 1)
+    unit = f"{'preference pair' if pairs else 'sequence'}{'s' if cfg.global_batch > 1 else ''}"
     split = f"{cfg.batch_size} per rank x dp {cfg.dp}" + (
         f" x grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
     )
     verb = "launching" if launching else "running in this process:" if cfg.world_size == 1 else "running in place:"
     return (
         f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''} "
-        f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} sequence"
-        f"{'s' if cfg.global_batch > 1 else ''} ({split}) = "
-        f"{'up to ' if not cfg.pack else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
+        f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} {unit} "
+        f"({split}) = {'up to ' if not cfg.pack or pairs else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
     )
 
 
-def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
-    """The ``accelerate launch`` arguments that run ``python -m hf_tp.train`` on every rank."""
+def launcher_args(cfg: TrainConfig, config_path: Path, module: str = "hf_tp.train") -> list[str]:
+    """The ``accelerate launch`` arguments that run ``python -m MODULE --config CONFIG_PATH`` on
+    every rank (``hf_tp.train``; ``hf_tp.verify`` for ``hf-tp verify``)."""
     return [
         "--multi_gpu",  # accelerate's switch for "several processes"; it works with gloo on CPU
         "--num_processes",
@@ -71,13 +73,13 @@ def launcher_args(cfg: TrainConfig, config_path: Path) -> list[str]:
         "--dynamo_backend",
         "no",
         "-m",
-        "hf_tp.train",
+        module,
         "--config",
         str(config_path),
     ]
 
 
-def launch(cfg: TrainConfig, *, verbose: bool = False) -> int:
+def launch(cfg: TrainConfig, *, verbose: bool = False, module: str = "hf_tp.train") -> int:
     """Run the ranks of this node and wait. On failure print the first rank error (or how the
     ranks ended) as the last line; returns 0, 2 (bad input), 1, 75 when a stop signal (SIGTERM,
     SIGUSR1) made the ranks save a checkpoint and exit, or 128 + N when signal N (Ctrl-C) ended them.
@@ -93,7 +95,7 @@ def launch(cfg: TrainConfig, *, verbose: bool = False) -> int:
         config_path = Path(folder) / "config.yaml"  # the ranks' settings; not the run's record
         cfg.save(config_path)
         with _environment(env):
-            code = _run_launcher(launcher_args(cfg, config_path), Path(folder), verbose)
+            code = _run_launcher(launcher_args(cfg, config_path, module), Path(folder), verbose)
         if code == 0 or code > 128:  # success, or stopped by a signal (said already)
             return code
         if (Path(folder) / PREEMPTED_FILE).is_file():  # rank 0 printed where the checkpoint is

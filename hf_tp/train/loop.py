@@ -27,7 +27,7 @@ from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import shutdown
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
-from hf_tp.train.loss import loss_context, step_routing, training_loss
+from hf_tp.train.loss import loss_context, step_routing
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
@@ -112,6 +112,7 @@ class _StepDone:
     lr: float  # the rate this step used
     upcoming: StepBatches | None  # the next step's batches, collated while the backward ran
     aux_loss: float | None = None  # a MoE's router load-balancing loss (included in loss, times its coef)
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's (preference rewards, log-probs)
 
 
 def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
@@ -130,12 +131,14 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
         else None
     )
     weight = 1.0 if routing is not None else 1 / micro
+    sums: dict[str, torch.Tensor] = {}  # the objective's metric totals over this rank's examples
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
         with loss_context(cfg.loss_parallel):
-            loss, aux = training_loss(
-                model, batch, batches.num_targets, run.fused, run.route_group, aux_weight=weight, routing=routing
-            )
+            out = run.objective.micro_loss(model, batch, batches, aux_weight=weight, routing=routing)
+            loss, aux = out.loss, out.aux
+            for name, value in out.sums.items():
+                sums[name] = sums.get(name, 0) + value
             if aux is not None:
                 aux_sum += aux.float() * weight
                 has_aux = True
@@ -150,6 +153,7 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.dp_group)
     if has_aux:  # the ranks' terms add up to the global batch's aux loss
         dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.dp_group)
+    metrics = _global_means(sums, batches.num_examples, run.dp_group)
     grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
@@ -163,7 +167,17 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     run.opt.step()
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
-    return _StepDone(loss_value, norm_value, lr, upcoming, aux_sum.item() if has_aux else None)
+    return _StepDone(loss_value, norm_value, lr, upcoming, aux_sum.item() if has_aux else None, metrics)
+
+
+def _global_means(sums: dict[str, torch.Tensor], examples: int, dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """The objective's metric totals summed over the dp ranks, per example of the global batch."""
+    if not sums:
+        return {}
+    names = sorted(sums)
+    total = torch.stack([sums[n].detach().float() for n in names])
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+    return {n: v / examples for n, v in zip(names, total.tolist(), strict=True)}
 
 
 def _metrics_record(run: Run, step: int, batches: StepBatches, done: _StepDone, dt: float) -> dict:
@@ -174,6 +188,7 @@ def _metrics_record(run: Run, step: int, batches: StepBatches, done: _StepDone, 
         "grad_norm": done.grad_norm,
         "lr": done.lr,
         **({"aux_loss": done.aux_loss} if done.aux_loss is not None else {}),
+        **done.metrics,
         "tokens": batches.tokens,
         "target_tokens": batches.num_targets,
         "tokens_per_sec": batches.tokens / dt,

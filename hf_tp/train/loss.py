@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hf_tp.adapters.modules import num_experts
+from hf_tp.data.steps import StepBatches
+from hf_tp.objectives.base import MicroLoss
 from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
@@ -65,6 +68,30 @@ def training_loss(
         )  # the rest: a multimodal batch's pixel_values and the family's image inputs
         return loss, None
     return model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss, None
+
+
+@dataclass
+class CrossEntropy:
+    """Next-token cross entropy (``--objective sft``) as an :class:`hf_tp.objectives.base.Objective`:
+    :func:`training_loss` over the global batch's targets."""
+
+    fused: bool
+    route_group: dist.ProcessGroup | None = None
+    name: str = "sft"
+
+    def micro_loss(
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        step: StepBatches,
+        *,
+        aux_weight: float = 1.0,
+        routing: torch.Tensor | None = None,
+    ) -> MicroLoss:
+        loss, aux = training_loss(
+            model, batch, step.num_targets, self.fused, self.route_group, aux_weight=aux_weight, routing=routing
+        )
+        return MicroLoss(loss, aux)
 
 
 def step_routing(

@@ -92,6 +92,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.postfix.update(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        for name, short in (("rewards/margins", "margin"), ("rewards/accuracies", "acc")):  # preference objectives
+            if name in record:
+                self.postfix[short] = f"{record[name]:.3f}"
         self._write(record, "train")
         self.bar.update(record["step"] - self.bar.n)
 

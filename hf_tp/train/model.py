@@ -6,6 +6,7 @@ estimate (:mod:`hf_tp.estimate.step`) so it sizes the step the loop runs.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -96,8 +97,14 @@ def with_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     except ImportError as exc:
         raise ValueError("--lora-r needs peft: pip install 'hf_tp[lora]'") from exc
     alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r
+    passengers = get_adapter(model.config).passengers  # a multimodal wrapper: LoRA on its language model only
+    outside = "|".join(re.escape(p) for p in passengers)
     config = LoraConfig(
-        r=cfg.lora_r, lora_alpha=alpha, lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets()
+        r=cfg.lora_r,
+        lora_alpha=alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_targets(),
+        exclude_modules=rf"(?:{outside})(?:\..*)?" if passengers else None,
     )
     return get_peft_model(model, config)
 

@@ -16,11 +16,12 @@ from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
+from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.mesh import split_mesh
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.data import build_batches, with_document_masking_checked
+from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
@@ -28,7 +29,9 @@ from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.metrics import flops_per_token, peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
+from hf_tp.train.objective import build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
+from hf_tp.train.pair_evaluation import PairEvalSet
 from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
@@ -41,15 +44,16 @@ class Run:
     out: Path
     device: torch.device
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: object  # saved with checkpoints: the tokenizer, or the processor for image + text data
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatchSource | StreamingBatchSource
-    eval_set: EvalSet | None
+    eval_set: EvalSet | PairEvalSet | None
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
     faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
+    objective: Objective  # cross entropy or a preference loss (hf_tp.train.objective)
     route_group: dist.ProcessGroup | None = None  # the ranks whose tokens differ: dp, or dp x cp (MoE aux loss)
     start_step: int = 0
     resumed_from: Path | None = None  # the checkpoint this run continues (--resume)
@@ -82,25 +86,30 @@ def set_up(cfg: TrainConfig) -> Run:
     # 4. data: this dp rank's batches of every step, and the evaluation set
     cfg = with_document_masking_checked(cfg, model)
     batches, eval_set = build_batches(cfg, tokenizer, mesh.get_local_rank("dp"), device)
-    # 5. optimizer and schedule
+    # 5. the objective (DPO's reference model built here), optimizer and schedule
+    route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
+    objective = build_objective(cfg, model, mesh, device, route_group, batches)
+    if isinstance(eval_set, PairEvalSet):
+        eval_set.bind(objective, mesh["dp"].get_group())
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = Run(
         cfg=cfg,
         out=out,
         device=device,
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=saved_with_checkpoints(batches, tokenizer),
         opt=opt,
         sched=build_scheduler(opt, cfg),
         batches=batches,
         eval_set=eval_set,
         dp_group=mesh["dp"].get_group(),
-        route_group=split_mesh(mesh)[0].get_group(),  # dp, or dp x cp
+        route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),
         flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
+        objective=objective,
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint
     run.start_step = resume(run)

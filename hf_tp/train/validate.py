@@ -108,7 +108,7 @@ def validate_model_config(
     if adapter.language_model and ep > 1:
         from hf_tp.parallel.passengers import check_wrapper
 
-        check_wrapper(adapter, peft=False, ep=ep, cp=False)
+        check_wrapper(adapter, ep=ep, cp=False)
     config = adapter.layers_config(config)  # a multimodal wrapper's sizes are its language model's
     if ep > 1:
         experts = num_experts(config)
@@ -125,6 +125,18 @@ def validate_model_config(
         raise ValueError(
             f"{seq_len_name} {seq_len} is over this model's max_position_embeddings ({max_pos}); "
             f"use {seq_len_name} {max_pos} or less"
+        )
+
+
+def check_mixed_precision(config: PretrainedConfig, dtype: str) -> None:
+    """A family whose own code breaks under bf16 mixed precision (fp32 buffers beside bf16
+    compute) is refused before launch (``hf-tp train``, ``hf-tp estimate``), naming the fix."""
+    from hf_tp.adapters.support import MIXED_PRECISION_REFUSED
+
+    mt = (getattr(config, "text_config", None) or config).model_type
+    if dtype == "bf16" and mt in MIXED_PRECISION_REFUSED:
+        raise ValueError(
+            f"bf16 mixed precision cannot train this {mt} model: {MIXED_PRECISION_REFUSED[mt]}; train it in fp32 (--dtype fp32)"
         )
 
 
@@ -189,16 +201,19 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    check_mixed_precision(model_config, cfg.compute_dtype_name(kind))
     if cfg.train_vision_tower and getattr(model_config, "text_config", None) is None:
         raise ValueError(
             f"--train-vision-tower needs a multimodal checkpoint; this {model_config.model_type} model has no "
             "vision tower (leave the flag out)"
         )
+    if cfg.train_vision_tower and cfg.lora_r:
+        raise ValueError("--train-vision-tower trains the tower's own weights, which --lora-r freezes: drop one")
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
-    rendered = {k: v for k, v in first_rows.items() if v is not None and v[0].kind != "text"}
-    if rendered:
-        check_first_rows(cfg, rendered)
+    from hf_tp.train.first_rows import check_first_rows  # transformers' tokenizer
+
+    check_first_rows(cfg, first_rows)
     return kind
 
 
@@ -230,32 +245,6 @@ def check_resume_before_launch(cfg: TrainConfig, model_config: PretrainedConfig)
     check_resume_compatible(saved, run_fingerprint(cfg, model_config), ckpt)
 
 
-def check_first_rows(cfg: TrainConfig, first_rows: dict) -> None:
-    """Chat and prompt/completion data: the tokenizer can render and label the first row of each
-    dataset (``{source: (format, row)}``): a chat template where needed, a fast tokenizer (character
-    offsets), role/content messages, an assistant turn."""
-    import dataclasses
-
-    from transformers import AutoTokenizer
-
-    from hf_tp.data.formats import CHAT, IMAGES, encode_batch
-    from hf_tp.data.formats.chat import check_chat_tokenizer
-    from hf_tp.data.places import RowPlaces
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    for source, (fmt, row) in first_rows.items():
-        if fmt.kind == IMAGES:
-            continue  # rendered by the checkpoint's processor in the ranks (hf_tp.data.image_data)
-        if fmt.kind == CHAT:
-            check_chat_tokenizer(tokenizer)
-        fmt = dataclasses.replace(fmt, assistant_only=cfg.assistant_only_loss)
-        if cfg.skip_bad_rows:
-            continue  # a first row the template rejects is dropped by the ranks, not an error
-        split = cfg.split if source == cfg.dataset else cfg.eval_dataset_split
-        places = RowPlaces(f"'{source}'", split)  # a sliced --split's first row named by its line
-        encode_batch(fmt, {k: [v] for k, v in row.items()}, [0], tokenizer, f"'{source}'", places=places)
-
-
 FINGERPRINT_MODEL_FIELDS = (
     "model_type",
     "vocab_size",
@@ -285,6 +274,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         seq_len=cfg.seq_len,
         global_batch=cfg.global_batch,
         seed=cfg.seed,
+        objective=cfg.objective,
     )
     return fp
 

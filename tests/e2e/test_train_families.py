@@ -1,5 +1,5 @@
 """`hf-tp train` on a mixture of experts: Qwen3-MoE trains with its experts placed on ranks with
---ep 2 (tp 1 x dp 2), is killed, resumes with --ep 1, gives plain HF's loss curve and
+--ep 2 (tp 1 x dp 2), is killed, resumes at tp 2 x dp 1 (no ep), gives plain HF's loss curve and
 exports a folder plain transformers loads. (Generic families through the same loop, one launch for
 several: tests/e2e/test_families_fit.py.)"""
 
@@ -52,7 +52,8 @@ def test_moe_expert_parallel_resumes_with_another_ep_and_exports(tmp_path) -> No
     finally:
         del os.environ["HF_TP_CRASH"]
     assert first.returncode != 0 and latest_checkpoint(out).name == "step-3"
-    second = hf_tp_train(*flags, *mesh, "--ep", "1", "--resume", "--export-on-finish")
+    # Resumed on another tp: the checkpoint holds the packed expert layout tp 2 stores (hf_tp/checkpoint/packed.py).
+    second = hf_tp_train(*flags, "--tp", "2", "--dp", "1", "--batch-size", "4", "--resume", "--export-on-finish")
     assert second.returncode == 0, second.stderr[-4000:]
     records = metrics(out)
     got = [r["loss"] for r in records]

@@ -37,5 +37,6 @@ def test_cli_estimates_a_gemma3_checkpoint_folder(tmp_path: Path, capsys: pytest
     data = json.loads(capsys.readouterr().out)
     assert data["model_type"] == "gemma3" and data["tower_params"] > 0 and data["projector_params"] > 0
     assert data["trainable_params"] == data["num_params"] - data["tower_params"]
-    assert main([*args, "--lora-r", "4"]) == 2
-    assert "without LoRA" in capsys.readouterr().err
+    assert main([*args, "--lora-r", "4", "--json"]) == 0  # LoRA on the language model only
+    lora = json.loads(capsys.readouterr().out)
+    assert 0 < lora["trainable_params"] < data["trainable_params"] - data["projector_params"]

@@ -126,3 +126,63 @@ def test_collated_batches_train_a_parallel_llava_as_plain_hf(processor, tmp_path
             torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=name)
 
     run_threaded(2, rank_fn)
+
+
+def test_dp_rank_without_images_gets_a_ghost_row_and_plain_hf_gradients(processor, tmp_path) -> None:
+    # tp2 x dp2, dp rank 0's rows hold no image, dp rank 1's do: FSDP2 gathers the vision tower and
+    # projector (and reduce-scatters the projector's gradient) on every dp rank or on none, so rank
+    # 0 collates a ghost row (a blank image, no targets). Loss and every trainable gradient equal
+    # plain HF on the four real rows; without the ghost the ranks' collectives do not pair up.
+    import copy
+
+    import torch
+
+    import hf_tp
+    from hf_tp.data.image_steps import ImageStepBatchSource
+    from hf_tp.data.sampler import split_global_batch
+    from hf_tp.parallel.passengers import in_tower
+    from hf_tp.train.loss import training_loss
+    from tests.helpers import full, full_grads, run_threaded
+    from tests.image_grid import image_config
+    from tests.wrapper_grid import wrapper_model
+
+    class InOrder:  # the global batch in file order: dp rank 0 takes rows 0-1, dp rank 1 rows 2-3
+        def step_indices(self, step: int) -> list[int]:
+            return [0, 1, 2, 3]
+
+        def local_indices(self, step: int, **sizes) -> list[list[int]]:
+            return split_global_batch(self.step_indices(step), **sizes)
+
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 3), counts=(0, 0, 1, 2)))
+    rows = _encode(processor, path)
+    collate = ImageBatchCollator(processor, multiple_of=2, base_dir=tmp_path)
+    config = image_config("llava")
+    config.image_token_index = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    ref = wrapper_model(config)
+    adapter = hf_tp.get_adapter(config)
+    candidates = [copy.deepcopy(ref) for _ in range(4)]
+    for name, p in ref.named_parameters():
+        p.requires_grad_(not in_tower(adapter, name))
+    want = ref(**collate([rows[i] for i in range(4)]), use_cache=False).loss
+    want.backward()
+    want_grads = full_grads(ref)
+    sources = [ImageStepBatchSource(rows, InOrder(), collate, d, 2, 2, 1, torch.device("cpu")) for d in range(2)]
+    steps = [source(0) for source in sources]
+    assert [len(s.micro_batches[0]["input_ids"]) for s in steps] == [3, 2]  # the ghost row on dp rank 0
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=2, dp=2, device_type="cpu")
+        model = hf_tp.parallelize(candidates[rank], mesh)
+        step = steps[mesh.get_local_rank("dp")]
+        with hf_tp.loss_parallel():
+            loss, _ = training_loss(model, dict(step.micro_batches[0]), step.num_targets, fused=True)
+            (loss * 2).backward()  # FSDP2 averages over dp; the loss is already over the global count
+        total = full(loss).detach().clone()
+        torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
+        assert abs(total.item() - want.item()) <= 1e-6 * abs(want.item())
+        got = full_grads(model)
+        assert got.keys() == want_grads.keys(), sorted(got.keys() ^ want_grads.keys())
+        for name, w in want_grads.items():
+            torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=name)
+
+    run_threaded(4, rank_fn)

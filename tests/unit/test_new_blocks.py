@@ -55,8 +55,28 @@ def test_gemma4_per_layer_embeddings_placed() -> None:
     assert d.top_linears == ("model.per_layer_model_projection",)
     assert "model.per_layer_projection_norm" in d.top_norms
     assert set(d.layer_linears) == {"per_layer_input_gate", "per_layer_projection"}
-    with pytest.raises(ValueError, match=r"routed experts \(experts\) are called by the decoder layer itself"):
-        derive(grid_config("gemma4_text", enable_moe_block=True))
+
+
+GEMMA4_MOE = dict(enable_moe_block=True, top_k_experts=2)  # 4 experts at grid sizes, 2 per token
+
+
+def test_gemma4_moe_experts_the_layer_calls_itself() -> None:
+    # its decoder layer calls router and experts itself on the flattened tokens: the experts are a
+    # region of their own, the router and the layer's norms run per token on the rank's tokens
+    d = derive(grid_config("gemma4_text", **GEMMA4_MOE))
+    assert set(d.regions) == {"experts"} and d.regions["experts"].experts == ""
+    assert {"router", "pre_feedforward_layernorm_2"} <= set(d.layer_linears) and not d.layer_norms
+    adapter = hf_tp.get_adapter(grid_config("gemma4_text", **GEMMA4_MOE))
+    assert adapter.moe and adapter.flattens_tokens and adapter.experts == ("experts",)
+
+
+def test_gemma4_moe_tp2() -> None:
+    # parity with generate: its one-token decode steps gather the token before the layer flattens it
+    assert run_family("gemma4_text", **GEMMA4_MOE).status == "parity"
+
+
+def test_gemma4_moe_ep2() -> None:
+    run_family_ep("gemma4_text", **GEMMA4_MOE)
 
 
 @LATER["mistral4"]

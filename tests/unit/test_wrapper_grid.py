@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-from transformers import CONFIG_MAPPING, AutoConfig
 
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
@@ -42,21 +41,6 @@ def test_wrapper_with_its_own_loss_is_refused() -> None:
         pytest.skip("this transformers has no Qwen2-Audio")
     with pytest.raises(ValueError, match=r"multimodal qwen2_audio checkpoint: .*computes its own cross entropy"):
         hf_tp.get_adapter(wrapper_config("qwen2_audio"))
-
-
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
-def test_mrope_wrapper_is_refused_naming_its_positions(model_type: str) -> None:
-    # Their language models take 3-D mrope position ids: one line saying so (not that the text
-    # tower cannot be built), and that other wrappers' language models train.
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"this transformers has no {model_type}")
-    with pytest.raises(ValueError) as info:
-        hf_tp.get_adapter(AutoConfig.for_model(model_type))
-    message = str(info.value)
-    assert "\n" not in message and f"multimodal {model_type} checkpoint" in message, message
-    assert "3-D mrope position ids" in message and "sequence parallelism" in message, message
-    assert "could not be built" not in message and "issue" not in message, message
-    assert "Qwen3.5" in message, message
 
 
 def test_unverified_features_are_refused() -> None:

@@ -17,11 +17,21 @@ from hf_tp.data.formats.base import (
     DEFAULT_MESSAGES_COLUMN,
     DEFAULT_TEXT_COLUMN,
     IMAGES,
+    PREFERENCE,
     TEXT,
     DataFormat,
 )
 
-__all__ = ["CHAT", "COMPLETION", "IMAGES", "DEFAULT_MESSAGES_COLUMN", "DEFAULT_TEXT_COLUMN", "TEXT", "DataFormat"]
+__all__ = [
+    "CHAT",
+    "COMPLETION",
+    "IMAGES",
+    "PREFERENCE",
+    "DEFAULT_MESSAGES_COLUMN",
+    "DEFAULT_TEXT_COLUMN",
+    "TEXT",
+    "DataFormat",
+]
 __all__ += ["detect_format", "encode_batch"]
 
 
@@ -32,13 +42,16 @@ def detect_format(
     messages_column: str | None = None,
     assistant_only: bool = True,
     label: str = "",
+    seq_len: int | None = None,
 ) -> DataFormat:
     """The format of a dataset with ``columns``: an explicit ``--messages-column`` or
     ``--text-column`` wins; otherwise a ``text`` column means text, ``messages`` chat, and
-    ``prompt`` + ``completion`` prompt/completion. Raises a one-line ``ValueError`` naming the
+    ``prompt`` + ``completion`` prompt/completion, ``chosen`` + ``rejected`` preference pairs
+    (each side cut to ``seq_len``). Raises a one-line ``ValueError`` naming the
     columns and the flags when none fits."""
     from hf_tp.data.formats.completion import COMPLETION as COMPLETION_COLUMN
     from hf_tp.data.formats.completion import PROMPT
+    from hf_tp.data.formats.preference import is_preference_data
 
     shown = ", ".join(columns)
     if text_column and messages_column:
@@ -53,6 +66,8 @@ def detect_format(
                     f"{what} column '{given}' not in dataset {label}; its columns are: {shown}; pass {flag}"
                 )
             return DataFormat(kind, given, assistant_only)
+    if is_preference_data(columns):
+        return DataFormat(PREFERENCE, None, True, seq_len)
     if DEFAULT_TEXT_COLUMN in columns:
         return DataFormat(TEXT, DEFAULT_TEXT_COLUMN, assistant_only)
     if DEFAULT_MESSAGES_COLUMN in columns:
@@ -61,7 +76,7 @@ def detect_format(
         return DataFormat(COMPLETION, None, assistant_only)
     raise ValueError(
         f"text column 'text' not in dataset {label}; its columns are: {shown}; pass --text-column (documents) "
-        "or --messages-column (conversations), or use prompt/completion columns"
+        "or --messages-column (conversations), or use prompt/completion (or prompt/chosen/rejected) columns"
     )
 
 

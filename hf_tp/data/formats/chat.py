@@ -60,13 +60,16 @@ def normalize_messages(value: Any, where: str) -> list[dict[str, Any]]:
     return [{k: v for k, v in msg.items() if v is not None or k == "content"} for msg in value]
 
 
-def _render(tokenizer: Any, messages: list[dict], **kwargs: Any) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+def _render(tokenizer: Any, messages: list[dict], tools: list | None = None, **kwargs: Any) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, tools=tools, **kwargs)
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict], *, first: int = 0, where: str) -> tuple[str, list]:
+def assistant_spans(
+    tokenizer: Any, messages: list[dict], *, first: int = 0, where: str, tools: list | None = None
+) -> tuple[str, list]:
     """The rendered conversation and the character spans of its assistant turns from message
-    index ``first`` on (earlier turns are context: a prompt/completion pair's prompt)."""
+    index ``first`` on (earlier turns are context: a prompt/completion pair's prompt). ``tools``:
+    the row's tool schemas, which the template renders (:mod:`hf_tp.data.formats.tools`)."""
     template = tokenizer.get_chat_template()
     if _GENERATION_TAG.search(template) and first == 0:
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -75,19 +78,20 @@ def assistant_spans(tokenizer: Any, messages: list[dict], *, first: int = 0, whe
             conversations=[messages],
             chat_template=template,
             return_assistant_tokens_mask=True,
+            tools=tools,
             **tokenizer.special_tokens_map,
         )
         text, spans = rendered[0], [tuple(s) for s in indices[0]]
-        if text != _render(tokenizer, messages):
+        if text != _render(tokenizer, messages, tools):
             raise ValueError(f"{where}: the chat template renders differently with and without generation spans")
     else:
-        text = _render(tokenizer, messages)
+        text = _render(tokenizer, messages, tools)
         spans = []
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant" or i < first:
                 continue
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-            through = _render(tokenizer, messages[: i + 1])
+            before = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+            through = _render(tokenizer, messages[: i + 1], tools)
             if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
                 raise ValueError(
                     f"{where}: the chat template renders the turns before assistant message {i} differently once "
@@ -105,12 +109,13 @@ def assistant_spans(tokenizer: Any, messages: list[dict], *, first: int = 0, whe
 
 
 def encode_conversation(
-    tokenizer: Any, messages: list[dict], *, assistant_only: bool, first: int = 0, where: str
+    tokenizer: Any, messages: list[dict], *, assistant_only: bool, first: int = 0, where: str, tools: list | None = None
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` of one conversation: labels on the assistant tokens only, or on all."""
+    """``(input_ids, labels)`` of one conversation: labels on the assistant tokens only (their tool
+    calls included, tool results not), or on all."""
     if assistant_only:
-        text, spans = assistant_spans(tokenizer, messages, first=first, where=where)
+        text, spans = assistant_spans(tokenizer, messages, first=first, where=where, tools=tools)
     else:
-        text = _render(tokenizer, messages)
+        text = _render(tokenizer, messages, tools)
         spans = [(0, len(text))]
     return span_labels(tokenizer, text, spans, where=where)

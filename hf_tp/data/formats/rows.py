@@ -12,10 +12,13 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from hf_tp.data.formats.base import CHAT, IMAGES, TEXT, DataFormat
+from hf_tp.data.formats.base import CHAT, IMAGES, PREFERENCE, TEXT, DataFormat
 from hf_tp.data.formats.chat import encode_conversation, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_problem
+from hf_tp.data.formats.preference import COLUMNS as PAIR_COLUMNS
+from hf_tp.data.formats.preference import encode_preference_row, preference_problem
 from hf_tp.data.formats.text import encode_text_batch, text_problem
+from hf_tp.data.formats.tools import TOOLS_COLUMN, row_tools, tools_problem
 from hf_tp.data.places import RowPlaces, summarize_places
 
 SKIPPED = "skipped"  # the column that records why a row was dropped
@@ -29,7 +32,9 @@ def row_problem(fmt: DataFormat, row: dict[str, Any]) -> str | None:
     if fmt.kind == TEXT:
         return text_problem(row.get(fmt.column), fmt.column)
     if fmt.kind == CHAT:
-        return messages_problem(row.get(fmt.column))
+        return messages_problem(row.get(fmt.column)) or tools_problem(row.get(TOOLS_COLUMN))
+    if fmt.kind == PREFERENCE:
+        return preference_problem(row)
     if fmt.kind == IMAGES:  # image files are checked where the dataset's folder is known (row_checks)
         from hf_tp.data.formats.images import image_row_problem
 
@@ -57,17 +62,15 @@ def encode_rows(
         indices = batch.pop(ROW_COLUMN)
     n = len(next(iter(batch.values()))) if batch else 0
     rows = [{k: v[i] for k, v in batch.items()} for i in range(n)]
-    out: dict[str, list] = {"input_ids": [], SKIPPED: []}
-    if fmt.kind != TEXT:
-        out["labels"] = []
+    columns = ["input_ids"] if fmt.kind == TEXT else PAIR_COLUMNS if fmt.kind == PREFERENCE else ["input_ids", "labels"]
+    out: dict[str, list] = {name: [] for name in (*columns, SKIPPED)}
 
     def drop(where: str, problem: str) -> None:
         line = problem if problem.startswith(where) else f"{where}: {problem}"
         if not skip:
             raise ValueError(line)
-        out["input_ids"].append([])
-        if "labels" in out:
-            out["labels"].append([])
+        for name in columns:
+            out[name].append(False if name == "truncated" else [])
         out[SKIPPED].append(line)
 
     good = []
@@ -80,12 +83,12 @@ def encode_rows(
             good.append(row[fmt.column])
         else:
             try:
-                ids, labels = _encode_row(fmt, row, tokenizer, where)
+                example = _encode_row(fmt, row, tokenizer, where)
             except _ROW_ERRORS as exc:
                 drop(where, _explain(exc))
                 continue
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
+            for name in columns:
+                out[name].append(example[name])
             out[SKIPPED].append("")
     if good:
         docs = encode_text_batch({fmt.column: good}, tokenizer, column=fmt.column)["input_ids"]
@@ -106,11 +109,19 @@ def skipped_summary(lines: list[str], label: str, shown: int = 3) -> str:
     return f"hf-tp: --skip-bad-rows dropped {len(lines)} bad {rows} of dataset {label}: {places}{more} ({reasons})"
 
 
-def _encode_row(fmt: DataFormat, row: dict[str, Any], tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+def _encode_row(fmt: DataFormat, row: dict[str, Any], tokenizer: Any, where: str) -> dict[str, Any]:
+    if fmt.kind == PREFERENCE:
+        return encode_preference_row(tokenizer, row, fmt.seq_len, where)
     if fmt.kind == CHAT:
-        messages = normalize_messages(row[fmt.column], where)
-        return encode_conversation(tokenizer, messages, assistant_only=fmt.assistant_only, where=where)
-    return encode_pair(tokenizer, row[PROMPT], row[COMPLETION], completion_only=fmt.assistant_only, where=where)
+        messages, tools = normalize_messages(row[fmt.column], where), row_tools(row.get(TOOLS_COLUMN))
+        ids, labels = encode_conversation(
+            tokenizer, messages, assistant_only=fmt.assistant_only, where=where, tools=tools
+        )
+    else:
+        ids, labels = encode_pair(
+            tokenizer, row[PROMPT], row[COMPLETION], completion_only=fmt.assistant_only, where=where
+        )
+    return {"input_ids": ids, "labels": labels}
 
 
 def _explain(exc: BaseException) -> str:

@@ -1,0 +1,155 @@
+"""``hf-tp verify``: check a layout (tp, dp, cp, ep, LoRA) of a model on these machines against
+a single-rank reference on the same ranks, one line per check, exit 0 when every check passes.
+
+A random copy of the model's config, cut to one layer of each kind at small widths, is trained a
+few AdamW steps by plain HF on one rank and by the layout built as ``hf-tp train`` builds it
+(ranks launched as train launches them: gloo on CPU, NCCL on GPUs). Compared: logits, loss,
+every gradient, the gradient norm, buffers (rotary tables), the weights after the steps, a
+checkpoint resumed on another mesh of the same ranks, and the export loaded by plain HF.
+Offline: the config comes from a local folder, the Hub cache or a bundled name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
+
+EPILOG = """examples:
+  hf-tp verify --model llama-3.1-8b --tp 2                  # 2 ranks: GPUs if visible, else CPU
+  hf-tp verify --model qwen3-30b-a3b --tp 1 --dp 2 --ep 2      # a MoE under expert parallelism
+  hf-tp verify --model ./my-model --tp 2 --cp 2 --lora-r 8
+
+Exit code: 0 every check passed, 1 a check failed, 2 the model or layout was refused. The weights
+are random and the model small: it checks the layout's arithmetic, not a trained model's quality."""
+
+# flag -> TrainConfig field, for the flags verify shares with hf-tp train
+SHARED = ("model", "tp", "dp", "cp", "ep", "lora_r", "lora_alpha", "lora_target_modules", "seed", "device")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_and_layout(p, dp=True)
+    p.add_argument("--lora-r", type=int, default=0, help="check LoRA adapters of this rank (peft); 0: full training")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x r)")
+    p.add_argument("--lora-target-modules", default="all-linear", help="LoRA targets, as hf-tp train takes them")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per row (rounded up to what the layout needs)")
+    p.add_argument("--max-steps", type=int, default=3, help="AdamW steps compared")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where the ranks run")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", help="check tp without SP")
+    p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false", help="replicated logits")
+    p.add_argument("--output-dir", help="folder for the model, checkpoint and export (default: a temporary one)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes; run the same command on each")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    p.add_argument("--master-port", type=int, help="port on node 0 (default: a free one)")
+    p.add_argument("--verbose", action="store_true", help="the launcher's own output and every rank's error")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them."""
+    from hf_tp.train.config import TrainConfig
+
+    fields = {k: getattr(args, k) for k in SHARED}
+    fields |= dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+    fields |= dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr)
+    fields |= dict(master_port=args.master_port, max_steps=args.max_steps, lr=args.lr, output_dir=args.output_dir or "")
+    multiple = args.tp * (2 * args.cp if args.cp > 1 else 1)  # TrainConfig.row_multiple
+    seq_len = -(-args.seq_len // multiple) * multiple if multiple > 0 else args.seq_len
+    return TrainConfig(**fields, seq_len=seq_len, dtype="fp32", report_to="none")
+
+
+def checked(cfg) -> str:
+    """The checks before launch (the numbers, peft, devices, the model's config against the layout,
+    the plan); returns the device type. Raises ``ValueError`` naming what is refused."""
+    from hf_tp.plan import plan_for
+    from hf_tp.plan.build import resolve_config
+    from hf_tp.train.validate import check_devices, check_packages, device_type
+    from hf_tp.verify.shrink import cut_config
+
+    cfg.resolve().validate()
+    if cfg.nnodes > 1 and not cfg.output_dir:
+        raise ValueError(
+            "on several nodes give --output-dir: a folder every node sees (the model and checkpoint go there)"
+        )
+    check_packages(cfg)
+    kind = device_type(cfg)
+    check_devices(cfg, kind)
+    config, _ = resolve_config(cfg.model)
+    if getattr(config, "text_config", None) is not None:
+        raise ValueError(
+            f"hf-tp verify checks causal LMs; {cfg.model} is a multimodal wrapper: verify its language model "
+            "(a folder holding its text_config as config.json)"
+        )
+    plan_for(cut_config(config, cfg.tp, cfg.seq_len), tp=cfg.tp, ep=cfg.ep, cp=cfg.cp, seq_len=cfg.seq_len)
+    return kind
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_tp.train.launch import launch
+    from hf_tp.verify.faults import requested
+
+    try:
+        cfg = config_from_args(args)
+        checked(cfg)
+        requested()
+    except ValueError as exc:
+        print(f"hf-tp verify: error: {(str(exc).splitlines() or [''])[0]}", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" in os.environ or cfg.world_size == 1:  # under torchrun, or one rank: run here
+        return _in_place(cfg)
+    with tempfile.TemporaryDirectory(prefix="hf_tp-verify-result-") as folder:
+        from hf_tp.verify.main import RESULT_ENV
+
+        result = Path(folder) / "code"
+        os.environ[RESULT_ENV] = str(result)
+        try:
+            code = launch(cfg, verbose=args.verbose, module="hf_tp.verify")
+        finally:
+            os.environ.pop(RESULT_ENV, None)
+        return int(result.read_text()) if code == 0 and result.is_file() else code
+
+
+def _in_place(cfg) -> int:
+    from hf_tp.train.distributed import shutdown
+    from hf_tp.verify.main import rank_main
+
+    code = rank_main(cfg)
+    shutdown()
+    return code
+
+
+def _launched(cfg) -> int:
+    """A launched rank: the verdict goes to the launching process through the result file, so a
+    rank whose checks failed still ends as a success (the launcher would report it as a crash)."""
+    from hf_tp.train.distributed import shutdown
+    from hf_tp.verify.main import rank_main
+
+    rank_main(cfg)
+    shutdown()
+    return 0
+
+
+def rank_entry(argv: list[str]) -> int:
+    """``python -m hf_tp.verify --config FILE`` on a launched rank (the file: the launch's TrainConfig)."""
+    from hf_tp.train.config import TrainConfig, merge
+    from hf_tp.train.errors import run_reporting_crashes
+
+    p = argparse.ArgumentParser(prog="python -m hf_tp.verify")
+    p.add_argument("--config", required=True)
+    path = p.parse_args(argv).config
+    code = run_reporting_crashes(lambda: _launched(merge(TrainConfig(), TrainConfig.from_yaml(path))))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = subcommand_parser("hf-tp verify", __doc__, EPILOG)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,84 @@
+"""Preference objectives on pairs (:mod:`hf_tp.data.pairs`: a micro-batch's B chosen rows, then
+its B rejected rows): DPO's sigmoid loss against a reference model, and SimPO's, which needs none.
+
+Both are means over the global batch's pairs (each micro-batch's sum divided by the global pair
+count), so any split of the global batch over dp ranks and micro-steps gives the same loss as
+one device; the logged metrics are TRL's, means over the same pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_tp.data.steps import StepBatches
+from hf_tp.objectives.base import MicroLoss
+from hf_tp.objectives.reference import model_inputs
+from hf_tp.parallel.logps import sequence_log_probs
+
+Reference = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a pair batch -> its rows' log-probs
+
+
+def _sigmoid_loss(delta: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """Per pair: -(1 - e) log s(beta delta) - e log s(-beta delta) (e = 0: DPO's sigmoid loss)."""
+    return -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+
+
+def _metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict[str, torch.Tensor]:
+    """TRL's logged names, as sums over this micro-batch's pairs."""
+    c, r = chosen_rewards.detach().float(), rejected_rewards.detach().float()
+    return {
+        "rewards/chosen": c.sum(),
+        "rewards/rejected": r.sum(),
+        "rewards/margins": (c - r).sum(),
+        "rewards/accuracies": (c > r).float().sum(),
+        "logps/chosen": chosen_logps.detach().float().sum(),
+        "logps/rejected": rejected_logps.detach().float().sum(),
+    }
+
+
+@dataclass
+class DPO:
+    """DPO (Rafailov et al. 2023), TRL's ``loss_type="sigmoid"``: with d = (log pi(c) - log ref(c))
+    - (log pi(r) - log ref(r)), summed over each completion's tokens, the loss is -log s(beta d);
+    ``label_smoothing`` e > 0 gives conservative DPO's -(1-e) log s(beta d) - e log s(-beta d).
+    Rewards are beta times each side's log-ratio."""
+
+    reference: Reference
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    name: str = "dpo"
+
+    def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
+        logps, _ = sequence_log_probs(model, model_inputs(batch))
+        ref = self.reference(batch)
+        n = logps.shape[0] // 2
+        chosen_ratio, rejected_ratio = logps[:n] - ref[:n], logps[n:] - ref[n:]
+        losses = _sigmoid_loss(chosen_ratio - rejected_ratio, self.beta, self.label_smoothing)
+        sums = _metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps[:n], logps[n:])
+        return MicroLoss(losses.sum() / step.num_examples, None, sums)
+
+
+@dataclass
+class SimPO:
+    """SimPO (Meng et al. 2024), TRL's CPO ``loss_type="simpo"`` with ``cpo_alpha=0``: with each
+    completion's mean token log-prob a, the loss is -log s(beta (a(c) - a(r)) - gamma); no
+    reference model. Rewards are beta times each side's mean log-prob."""
+
+    beta: float = 0.1
+    gamma: float = 0.5
+    label_smoothing: float = 0.0
+    name: str = "simpo"
+
+    def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
+        logps, counts = sequence_log_probs(model, model_inputs(batch))
+        mean = logps / counts.clamp(min=1)
+        n = logps.shape[0] // 2
+        delta = mean[:n] - mean[n:] - self.gamma / self.beta
+        losses = _sigmoid_loss(delta, self.beta, self.label_smoothing)
+        sums = _metrics(self.beta * mean[:n], self.beta * mean[n:], mean[:n], mean[n:])
+        return MicroLoss(losses.sum() / step.num_examples, None, sums)

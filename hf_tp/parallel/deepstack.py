@@ -1,0 +1,72 @@
+"""DeepStack visual features on a sequence-sharded residual stream (Qwen3-VL, Qwen3-VL-MoE).
+
+A DeepStack language model adds visual features into the hidden states of its first decoder
+layers, at the image tokens' positions: transformers' ``_deepstack_process(hidden_states,
+visual_pos_masks, visual_embeds)`` does ``hidden_states[visual_pos_masks, :] += visual_embeds``
+after each of those layers. Under sequence parallelism the hidden states are a DTensor sharded
+over the sequence (its global shape, each rank a slice), the mask and the features plain tensors
+of the whole sequence, which boolean indexing cannot mix. Here the features are scattered into a
+whole-sequence tensor (zero elsewhere, the same on every tp rank), laid out as the hidden states
+(a local slice: no communication; its backward all-gathers the gradient, so the deepstack
+mergers see the whole one, as the projector does) and added: at the visual positions the same
+``h + v`` as transformers', elsewhere ``h + 0``, exactly ``h``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor, Replicate
+
+DEEPSTACK = "_deepstack_process"  # transformers' name for the merge (Qwen3-VL, Qwen3-VL-MoE, Cohere Compass)
+ARGUMENTS = ("hidden_states", "visual_pos_masks", "visual_embeds")
+
+
+def shard_deepstack(language_model: nn.Module) -> None:
+    """Let ``language_model``'s DeepStack merge (if it has one) take sequence-sharded hidden states."""
+    own = getattr(type(language_model), DEEPSTACK, None)
+    if own is None:
+        return
+    if tuple(inspect.signature(own).parameters)[1:] != ARGUMENTS or not _adds_at_positions(language_model, own):
+        raise ValueError(
+            f"hf_tp cannot place {type(language_model).__name__}'s DeepStack merge on sequence shards: its "
+            f"{DEEPSTACK} is not the addition of {ARGUMENTS[2]} at {ARGUMENTS[1]} that hf_tp knows; "
+            "pass sequence_parallel=False"
+        )
+
+    def process(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
+        if not isinstance(hidden_states, DTensor):
+            return own(language_model, hidden_states, visual_pos_masks, visual_embeds)
+        return hidden_states + sequence_addend(hidden_states, visual_pos_masks, visual_embeds)
+
+    setattr(language_model, DEEPSTACK, process)
+
+
+def _adds_at_positions(language_model: nn.Module, own) -> bool:
+    """The model's merge adds the features at the masked positions (checked on a small example):
+    only then may hf_tp add them on sequence shards instead."""
+    with unset_fake_temporarily():  # real CPU tensors, also under hf-tp estimate's fake tensors
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, device="cpu")
+        positions = torch.tensor([[True, False, True], [False, False, True]], device="cpu")
+        values = torch.randn(3, 4, generator=g, dtype=torch.float64, device="cpu")
+        want = hidden + torch.zeros_like(hidden).index_put((positions,), values)
+        try:
+            got = own(language_model, hidden.clone(), positions, values)
+        except Exception:  # noqa: BLE001 - a merge that cannot run on plain tensors is one hf_tp does not know
+            return False
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+
+
+def sequence_addend(hidden_states: DTensor, positions: torch.Tensor, values: torch.Tensor) -> DTensor:
+    """``values`` (one row per True of ``positions``, row-major) at ``positions`` of a zero tensor of
+    ``hidden_states``' global shape, laid out as ``hidden_states``."""
+    mesh = hidden_states.device_mesh
+    whole = torch.zeros(hidden_states.shape, dtype=hidden_states.dtype, device=values.device)
+    whole = whole.index_put((positions.to(values.device),), values.to(hidden_states.dtype))
+    return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+        mesh, hidden_states.placements
+    )

@@ -1,0 +1,58 @@
+"""Which objective a run trains (``--objective``), built once per rank (the data's fit is checked by
+:func:`hf_tp.data.formats.preference.check_objective_data`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_tp.objectives.base import Objective
+from hf_tp.objectives.precompute import Stored, with_reference_logps
+from hf_tp.objectives.preference import DPO, SimPO
+from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
+from hf_tp.parallel.linear_ce import fusable
+from hf_tp.train.config import TrainConfig
+from hf_tp.train.loss import CrossEntropy
+
+
+def build_objective(
+    cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, route_group, batches
+) -> Objective:
+    """The run's objective; DPO's reference is the LoRA policy with its adapters off (``--lora-r``),
+    else a frozen copy of the checkpoint built and sharded exactly like the policy. With
+    ``--precompute-ref`` the reference scores every pair of ``batches`` (a
+    :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed."""
+    fused = fusable(model)
+    if cfg.objective == "sft":
+        return CrossEntropy(fused, route_group)
+    if not fused:
+        raise ValueError(
+            f"--objective {cfg.objective} needs the lm_head fused with the log-probs, which this "
+            f"{model.config.model_type} model does not allow (a biased or soft-capped lm_head, or a MoE router aux "
+            "loss from HF's forward: set output_router_logits=False); use --objective sft"
+        )
+    if cfg.objective == "simpo":
+        return SimPO(beta=cfg.beta, gamma=cfg.simpo_gamma, label_smoothing=cfg.label_smoothing)
+    if cfg.lora_r:
+        reference = AdaptersOff(model)
+    else:
+        from hf_tp.train.model import build_parallel_model
+
+        if dist.get_rank() == 0:
+            print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
+        reference = FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
+    if cfg.precompute_ref:
+        where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=mesh["dp"].get_group(), device=device)
+        batches.data = with_reference_logps(
+            batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where
+        )
+        reference = Stored()  # the frozen copy, if any, is freed with the last reference to it
+        if dist.get_rank() == 0:
+            print(
+                f"hf-tp: --precompute-ref: reference log-probs of {len(batches.data)} pairs computed", file=sys.stderr
+            )
+    return DPO(reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing)

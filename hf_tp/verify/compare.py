@@ -1,0 +1,162 @@
+"""Comparisons of a parallel run with its single-rank reference: global views of sharded tensors,
+the largest error of a set of tensors, and the weights after AdamW steps.
+
+Shared by ``hf-tp verify`` and the test grids (tests/parity.py), so both hold a layout to the same
+standard. Each function returns its measure; the caller decides what passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hf_tp.styles.experts import hf_shapes
+
+# Biases added to every key (k_proj, the packed query_key_value, a key LayerNorm): their gradient is zero in
+# exact arithmetic (softmax ignores a per-query constant q.b_k), so their Adam update is round-off.
+KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm.bias")
+
+
+MOVED_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class Error:
+    """The largest difference over a set of tensors: absolute, and relative to the largest
+    magnitude of the reference tensor it occurred in (so a tensor of small values is held to
+    its own scale); ``where`` names the tensor with the largest relative error."""
+
+    abs: float = 0.0
+    rel: float = 0.0
+    where: str = ""
+    missing: tuple[str, ...] = ()  # names one side has and the other lacks
+
+    def text(self) -> str:
+        if self.missing:
+            return f"names differ: {', '.join(self.missing[:4])}"
+        return f"max abs {self.abs:.2e}, rel {self.rel:.2e}" + (f" ({self.where})" if self.where else "")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The global value of a DTensor (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Global gradients in HF's shapes (hf_tp stores packed expert weights with their halves apart)."""
+    shapes = hf_shapes(model)
+    return {
+        n: full(p.grad).detach().reshape(shapes.get(n, p.shape)).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def full_params(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Global parameters in HF's shapes (``trainable_only``: those with ``requires_grad``)."""
+    shapes = hf_shapes(model)
+    return {
+        n: full(p.detach()).reshape(shapes.get(n, p.shape)).clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trainable_only
+    }
+
+
+def full_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer (rotary tables and the like), global."""
+    return {n: full(b.detach()).clone() for n, b in model.named_buffers()}
+
+
+def tensor_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> Error:
+    """The largest error of ``got`` against ``want``, tensor by tensor (a NaN counts as infinite)."""
+    missing = tuple(sorted(got.keys() ^ want.keys()))
+    if missing:
+        return Error(missing=missing)
+    worst = Error()
+    for name, w in want.items():
+        g = got[name].to(w.device, w.dtype)
+        if g.shape != w.shape:
+            return Error(math.inf, math.inf, f"{name}: shape {tuple(g.shape)} vs {tuple(w.shape)}")
+        diff = (g.double() - w.double()).abs()
+        d = diff.max().item() if diff.numel() else 0.0
+        d = math.inf if math.isnan(d) else d
+        scale = w.double().abs().max().item() if w.numel() else 0.0
+        rel = d / scale if scale > 0 else (0.0 if d == 0 else math.inf)
+        if rel > worst.rel or (rel == worst.rel and d > worst.abs):
+            worst = Error(max(d, worst.abs), rel, name)
+        else:
+            worst = Error(max(d, worst.abs), worst.rel, worst.where)
+    return worst
+
+
+def adam_error(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor] | None = None,
+    got_grads: dict[str, torch.Tensor] | None = None,
+    max_unresolved: float = 1e-3,
+    uncapped: tuple[str, ...] = (),
+) -> Error:
+    """Weights after AdamW steps: the largest, over tensors, of |W_got - W_want| / (|W_want - W_start|
+    + 1e-4) (norms) over the elements whose first gradient is resolved; ``rel`` is that ratio (the
+    1e-4: a tensor that barely moved is allowed 1e-7 of round-off at a tolerance of 1e-3).
+
+    An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
+    lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
+    elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the
+    tensor's RMS gradient, scaled by the dtype's epsilon) are left out; at most ``max_unresolved``
+    of a tensor may be (far less than one tp shard of it), or the tensor counts as failed
+    (``where`` says so). Given ``got_grads`` too, an
+    element whose gradient differs by over a tenth of itself is not resolved either (at most 1 in
+    100): a float64 model that computes parts in fp32 has fp32 round-off in its gradients.
+
+    ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
+    caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
+    one embedding, so the weights that collapse the streams (a scale-invariant norm follows) and mix
+    them (doubly stochastic: every column sums to one) get whole rows of gradients that are zero in
+    exact arithmetic, and near it in the next mixers; the element-wise gradient check covers them.
+    """
+    if missing := tuple(sorted(got.keys() ^ want.keys())):
+        return Error(missing=missing)
+    worst = Error()
+    for name, w in want.items():
+        if name.endswith(KEY_BIASES):  # exactly zero gradient in exact arithmetic: its update is round-off
+            continue
+        capped = max_unresolved if not name.startswith(uncapped) else 1.0
+        resolved, problem = _resolved(name, w, grads, got_grads, capped)
+        if problem:
+            return Error(math.inf, math.inf, problem)
+        moved = (w - start[name])[resolved].norm().item()
+        err = (got[name].to(w.device, w.dtype) - w)[resolved].norm().item()
+        err = math.inf if math.isnan(err) else err
+        rel = err / (moved + MOVED_FLOOR)
+        if rel > worst.rel:
+            worst = Error(err, rel, name)
+    return worst
+
+
+def _resolved(
+    name: str, w: torch.Tensor, grads: dict | None, got_grads: dict | None, max_unresolved: float
+) -> tuple[torch.Tensor, str | None]:
+    """The elements of ``w`` whose first gradient is resolved, or a reason the tensor cannot pass."""
+    resolved = torch.ones_like(w, dtype=torch.bool)
+    if grads is None or name not in grads:  # a parameter used without gradient has none: all resolved
+        return resolved, None
+    g = grads[name]
+    scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
+    floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
+    resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
+    unresolved = int((~resolved).sum())
+    if unresolved > int(g.numel() * max_unresolved):
+        return resolved, f"{name}: {unresolved} of {g.numel()} gradients are ~0"
+    if got_grads is not None and name in got_grads:
+        noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name].to(g.device, g.dtype) - g).abs())
+        if int(noisy.sum()) > int(g.numel() * max(max_unresolved, 0.01)):
+            return resolved, f"{name}: {int(noisy.sum())} gradients within noise"
+        resolved &= ~noisy
+    return resolved, None

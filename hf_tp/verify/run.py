@@ -1,0 +1,171 @@
+"""One rank of ``hf-tp verify``: the random cut model, its single-rank reference, the layout under
+test, and the checks in order (logits, loss, gradients, buffers, AdamW steps, checkpoint resume
+on another mesh, export round trip)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hf_tp.adapters.wrapper import model_from_pretrained
+from hf_tp.train.config import TrainConfig
+from hf_tp.verify import candidate, roundtrip
+from hf_tp.verify.compare import adam_error, tensor_error
+from hf_tp.verify.faults import requested
+from hf_tp.verify.model import make_batch, random_model, save_model
+from hf_tp.verify.reference import Settings, reference_run
+from hf_tp.verify.report import ADAM, EXACT, NORM, UNRESOLVED, VALUES, Check
+
+# from_pretrained is not thread-safe (ranks run as threads of one process in the unit tests)
+_LOADING = threading.Lock()
+LORA_B_STD = 0.1  # LoRA's B starts at zero in training; random here, so the first gradients reach A
+
+
+def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str, list[Check]]:
+    """(what was checked, in words; the checks of ``cfg``'s layout on this rank). The process
+    group is up; ``work`` is a folder every rank can read (the checkpoint is written there)."""
+    from hf_tp.plan.build import resolve_config
+    from hf_tp.verify.shrink import cut_config
+
+    fault = requested()
+    config = cut_config(resolve_config(cfg.model)[0], cfg.tp, cfg.seq_len)
+    about = describe(cfg, config, device)
+    if dist.get_rank() == 0:  # rank 0 draws the weights; every rank's reference and candidate load them
+        save_model(random_model(config, cfg.seed), work / "model")
+    dist.barrier()
+    cfg = dataclasses.replace(cfg, model=str(work / "model"), dtype="fp32")
+    with _LOADING:
+        ref = model_from_pretrained(cfg.model, dtype=torch.float32).train()
+    ref, peft, lora_state = _with_lora(ref, cfg)
+    ref.to(device)
+    batch = {k: v.to(device) for k, v in make_batch(config.vocab_size, _rows(cfg), cfg.seq_len, cfg.seed + 1).items()}
+    s = candidate.settings_of(cfg)
+    want = reference_run(ref, batch, s)
+    mesh = _mesh(cfg, device)
+    model, opt, rank = candidate.run(cfg, mesh, device, lora_state, fault)
+    try:
+        logits = candidate.first_forward(model, batch, rank)
+    except Exception as exc:  # noqa: BLE001 - a layout that cannot run: reported, the rest not run
+        return about, [Check.crashed("logits", exc)] + [Check.skipped(n, "the first forward failed") for n in LATER]
+    checks = [
+        Check.of(
+            "logits",
+            tensor_error({"logits": logits}, {"logits": candidate.want_logits(model, want.logits, rank)}),
+            VALUES,
+        )
+    ]
+    got = candidate.train(model, opt, batch, rank, s, s.steps)
+    checks += _training_checks(got, want)
+    ckpt = roundtrip.save(cfg, work, model, opt)
+    more = candidate.train(model, opt, batch, rank, s, 1)  # what a resumed run's next step must give
+    checks.append(_resume(cfg, ckpt, device, lora_state, batch, s, got, more))
+    ref.load_state_dict(got.params, strict=False)  # the export must hold the layout's own weights
+    error = roundtrip.on_rank0(lambda: roundtrip.export_error(ckpt, work / "export", peft or ref, bool(peft)))
+    checks.append(Check.of("export round trip", error, EXACT))
+    return about, checks
+
+
+def describe(cfg: TrainConfig, config, device: torch.device) -> str:
+    """The header line: the layout, the cut model and the data."""
+    layout = f"tp {cfg.tp}" + (f" x cp {cfg.cp}" if cfg.cp > 1 else "") + f" x dp {cfg.dp}"
+    layout += (f" (ep {cfg.ep})" if cfg.ep > 1 else "") + (f", LoRA r {cfg.lora_r}" if cfg.lora_r else "")
+    return (
+        f"hf-tp verify: {layout} on {cfg.world_size} {device.type} rank{'s' if cfg.world_size > 1 else ''} vs one "
+        f"rank; {cfg.model} cut to {config.num_hidden_layers} layer{'s' if config.num_hidden_layers > 1 else ''} "
+        f"(one of each kind), hidden {config.hidden_size}, vocab {config.vocab_size}, random fp32 weights; "
+        f"{_rows(cfg)} rows of {cfg.seq_len} tokens, {cfg.max_steps} AdamW steps"
+    )
+
+
+LATER = ("loss", "gradients", "gradient norm", "buffers", "AdamW steps", "checkpoint resume", "export round trip")
+
+
+def _training_checks(got, want) -> list[Check]:
+    losses = tensor_error({"loss": torch.tensor(got.losses)}, {"loss": torch.tensor(want.losses)})
+    # the first step's norm: later ones are of weights that AdamW already moved apart by round-off
+    norms = tensor_error({"norm": torch.tensor(got.grad_norms[:1])}, {"norm": torch.tensor(want.grad_norms[:1])})
+    return [
+        Check.of(f"loss ({len(got.losses)} steps)", losses, VALUES),
+        Check.of("gradients", tensor_error(got.grads, want.grads), VALUES),
+        Check.of("gradient norm (first step)", norms, NORM),
+        Check.of("buffers", tensor_error(got.buffers, want.buffers), VALUES),
+        Check.of(
+            "AdamW steps", adam_error(got.params, want.params, want.start, want.grads, got.grads, UNRESOLVED), ADAM
+        ),
+    ]
+
+
+def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more) -> Check:
+    """Load the checkpoint on another mesh: the weights must be the ``saved`` ones, and one more
+    step must take them where the layout's own next step took them (``more``): weights, AdamW
+    moments and step count all carried over."""
+    try:
+        other, model, opt, rank = roundtrip.resume_model(cfg, device, lora_state, candidate.run)
+    except ValueError as exc:
+        return Check.skipped("checkpoint resume", str(exc))
+    name = f"checkpoint resume (tp {other.tp} x dp {other.dp})"
+    try:
+        roundtrip.load(ckpt, model, opt)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises on every rank: the check fails naming why
+        return Check.crashed(name, exc)
+    from hf_tp.verify.compare import full_params
+
+    loaded = tensor_error(full_params(model, trainable_only=True), saved.params)
+    if loaded.rel > EXACT or loaded.missing:
+        return Check.of(name + ": loaded weights", loaded, EXACT)
+    step = candidate.train(model, opt, batch, rank, s, 1)
+    return Check.of(name, adam_error(step.params, more.params, more.start, more.grads, step.grads, UNRESOLVED), ADAM)
+
+
+def _with_lora(model, cfg: TrainConfig):
+    """(the model, its peft wrapper or None, the LoRA factors' full initial state or None): LoRA
+    adapters put into ``model`` as training puts them, B drawn at random (training starts it at
+    zero, where the first gradients would not reach A)."""
+    if not cfg.lora_r:
+        return model, None, None
+    from hf_tp.parallel.lora import lora_init_state
+    from hf_tp.train.model import with_lora
+
+    peft = with_lora(model, cfg)  # in place: ``model`` now holds the adapters, as the candidate does
+    state = lora_init_state(model, cfg.seed)
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    for key, value in state.items():
+        if ".lora_B." in key:
+            state[key] = (torch.randn(value.shape, generator=g) * LORA_B_STD).to(value.dtype)
+    model.load_state_dict(state, strict=False)
+    return model, peft, state
+
+
+def _rows(cfg: TrainConfig) -> int:
+    """Rows of the global batch: one per rank (at least two), so every mesh of these ranks splits it."""
+    return max(2, cfg.world_size)
+
+
+def _mesh(cfg: TrainConfig, device: torch.device):
+    from hf_tp.parallel.mesh import build_mesh
+
+    return build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
+
+
+def work_dir(cfg: TrainConfig) -> tuple[Path, bool]:
+    """(the folder for the saved model, checkpoint and export; whether verify made it): the given
+    output dir, else a temporary folder made by rank 0 (one node: every rank sees it)."""
+    if cfg.output_dir:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        return Path(cfg.output_dir), False
+    box = [tempfile.mkdtemp(prefix="hf_tp-verify-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]), True
+
+
+def remove(work: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,55 @@
+"""``hf-tp verify`` on threaded ranks: it passes on a sample of supported layouts of a dense model
+(the whole set, dense and MoE: ``python -m tests.verify_grid``; a MoE under expert parallelism,
+launched: tests/e2e/test_verify_cli.py) and fails, naming the check, when a fault is injected
+(HF_TP_VERIFY_FAULT); the config cut and the refusals before launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_tp.cli.main import main
+from hf_tp.verify.faults import FAULT_ENV
+from tests.helpers import tiny_config
+from tests.verify_grid import model_dir, verify_threaded
+
+
+@pytest.mark.parametrize("flags", [("--tp", "2", "--lora-r", "4"), ("--tp", "1", "--cp", "2")], ids=["tp2-lora", "cp2"])
+def test_dense_layouts_pass(tmp_path, flags) -> None:
+    text, code, _ = verify_threaded(model_dir(tmp_path / "config", tiny_config("llama")), tmp_path, *flags)
+    assert code == 0, text
+    assert "8 of 8 checks passed" in text and "checkpoint resume (tp " in text, text
+
+
+@pytest.mark.parametrize(
+    "fault, failed",
+    [("stale-rotary", {"logits", "loss", "gradients", "buffers", "AdamW steps"}), ("rowwise-as-colwise", {"logits"})],
+)
+def test_injected_fault_fails_naming_the_check(tmp_path, monkeypatch, fault, failed) -> None:
+    monkeypatch.setenv(FAULT_ENV, fault)
+    text, code, ok = verify_threaded(model_dir(tmp_path / "config", tiny_config("llama")), tmp_path, "--tp", "2")
+    assert code == 1, text
+    assert failed <= {name for name, passed in ok.items() if not passed}, text
+    assert "FAIL  logits" in text and "checks passed; failed: logits" in text, text
+    if fault == "stale-rotary":  # the buffer is named, and what merely copies still passes
+        assert "rotary_emb.inv_freq" in text and ok["export round trip"], text
+
+
+def test_cut_keeps_one_layer_of_each_kind() -> None:
+    from hf_tp.plan.build import resolve_config
+    from hf_tp.verify.shrink import cut_config, layer_kinds
+
+    deepseek = cut_config(resolve_config("deepseek-v3")[0], tp=2, seq_len=32)
+    kinds = layer_kinds(deepseek)
+    assert deepseek.num_hidden_layers == 4 and len(set(kinds)) == 2  # 3 dense layers, then the first MoE one
+    assert deepseek.n_routed_experts == 16 and deepseek.num_attention_heads == 128 and deepseek.hidden_size == 512
+    qwen = cut_config(resolve_config("qwen3-30b-a3b")[0], tp=4, seq_len=32)
+    assert (qwen.num_hidden_layers, qwen.num_key_value_heads, qwen.num_experts) == (1, 4, 16)
+    assert qwen.vocab_size % 4 == 151936 % 4 and qwen.vocab_size < 4096 and qwen.moe_intermediate_size % 4 == 0
+
+
+def test_refused_before_launch(capsys, monkeypatch) -> None:
+    assert main(["verify", "--model", "qwen3-0.6b", "--tp", "3", "--device", "cpu"]) == 2
+    assert "hf-tp verify: error:" in capsys.readouterr().err
+    monkeypatch.setenv(FAULT_ENV, "no-such-fault")
+    assert main(["verify", "--model", "qwen3-0.6b", "--tp", "2", "--device", "cpu"]) == 2
+    assert "no-such-fault" in capsys.readouterr().err
