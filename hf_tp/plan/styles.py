@@ -58,6 +58,8 @@ class Placed:
     partial: bool = False  # replicated, its gradient a partial sum over tp
 
 
+PER_TOKEN = ("per_token", "hyper")  # kinds that run a module whole per token, its submodules too
+
 WORDS = {
     "gather_in": "all-gather the sequence in",
     "whole_block": "runs whole on the gathered sequence, output sliced to sequence shards",
@@ -154,7 +156,7 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
     if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
-    if kind in ("per_token", "hyper"):  # (a router or mixer with its own submodules too)
+    if kind in PER_TOKEN:  # (a router or mixer with its own submodules too)
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
     if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
         return {n: Placed(None, "") for n, _ in module.named_parameters()}
