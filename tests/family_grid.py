@@ -18,7 +18,7 @@ import hf_tp
 from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.compat import UnsupportedRelease, family_refusal
-from hf_tp.styles import HyperConnectionOnShards
+from hf_tp.verify.compare import stream_mixer_params
 from tests.helpers import batch, clone, run_threaded
 from tests.parity import assert_parity, train_steps
 
@@ -207,18 +207,6 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
                 # every expert ties, half of its gradient is round-off
                 p.normal_(0.0, config.initializer_range)
     return model
-
-
-def stream_mixer_params(model: torch.nn.Module) -> tuple[str, ...]:
-    """Name prefixes of the hyper-connection mixers' parameters (as the plan places them), for
-    :func:`tests.parity.assert_weights_after_adam_close`'s ``uncapped``."""
-    adapter = hf_tp.get_adapter(model.config)
-    opts = hf_tp.PlanOptions()
-    mixers = [p for p, s in adapter.top_plan(opts).items() if isinstance(s, HyperConnectionOnShards)]
-    inner = [p for p, s in adapter.layer_plan(opts).items() if isinstance(s, HyperConnectionOnShards)]
-    count = len(model.get_submodule(adapter.layers_path))
-    mixers += [f"{adapter.layers_path}.{i}.{p}" for i in range(count) for p in inner]
-    return tuple(f"{p}." for p in mixers)
 
 
 def is_moe(config: PretrainedConfig) -> bool:

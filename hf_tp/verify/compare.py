@@ -160,3 +160,23 @@ def _resolved(
             return resolved, f"{name}: {int(noisy.sum())} gradients within noise"
         resolved &= ~noisy
     return resolved, None
+
+
+def stream_mixer_params(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of the hyper-connection mixers' parameters in ``model`` (a causal LM), as its
+    plan places them: :func:`adam_error`'s ``uncapped``. None where the model has no such mixers
+    (or its layers are not where its adapter says: a wrapper)."""
+    from hf_tp.adapters.adapter import PlanOptions
+    from hf_tp.adapters.registry import get_adapter
+    from hf_tp.styles import HyperConnectionOnShards
+
+    adapter = get_adapter(model.config)
+    opts = PlanOptions()
+    try:
+        count = len(model.get_submodule(adapter.layers_path))
+    except AttributeError:
+        return ()
+    mixers = [p for p, s in adapter.top_plan(opts).items() if isinstance(s, HyperConnectionOnShards)]
+    inner = [p for p, s in adapter.layer_plan(opts).items() if isinstance(s, HyperConnectionOnShards)]
+    mixers += [f"{adapter.layers_path}.{i}.{p}" for i in range(count) for p in inner]
+    return tuple(f"{p}." for p in mixers)
