@@ -39,6 +39,10 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # Mistral4ForCausalLM is not found from its config); the releases between were not run.
     "mimo_v2_flash": ("5.24.0", "a tensor-parallel plan of its attention sinks"),
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
+    # Hyper-connection families, held to parity at 5.24 (the releases between were not run). At 5.17
+    # DeepSeek-V4's config has no plan, Qwen4-Exp's layer types differ, and HY-V4's first mixer
+    # weights missed the grid's AdamW check (2e-3 of the update) where 5.24 holds it.
+    **{mt: ("5.24.0", PLAN) for mt in ("deepseek_v4", "hy_v4", "qwen4_exp_text")},
     # Qwen3-VL-MoE's language model: 5.17's plan names no experts (held to parity at 5.24)
     "qwen3_vl_moe_text": ("5.24.0", EXPERTS),
     # per-layer mixers: held to parity at 5.24, earlier releases not run

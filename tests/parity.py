@@ -71,17 +71,18 @@ def train_steps(
 
 
 def assert_weights_after_adam_close(
-    got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None
+    got: dict, want: dict, start: dict, grads: dict | None = None, got_grads: dict | None = None, uncapped=()
 ) -> None:
     """Tensor by tensor: |W_got - W_want| <= 1e-3 |W_want - W_start| + 1e-7 (norms), over the
     elements whose first gradient is resolved (:func:`hf_tp.verify.compare.adam_error`, which
-    ``hf-tp verify`` holds its layouts to as well)."""
-    error = adam_error(got, want, start, grads, got_grads)
+    ``hf-tp verify`` holds its layouts to as well); ``uncapped``: name prefixes of hyper-connection
+    mixers' parameters (see there)."""
+    error = adam_error(got, want, start, grads, got_grads, uncapped=tuple(uncapped))
     assert not error.missing, sorted(error.missing)
     assert error.rel <= 1e-3, f"param {error.where}: |diff|={error.abs:.3g}, {error.rel:.3g} of its update"
 
 
-def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
+def assert_parity(got: Trace, want: Trace, rows: slice = slice(None), uncapped=()) -> None:
     """Logits (the given batch rows), every gradient and the loss curve to fp32 tolerance; then
     the weights after the AdamW steps.
 
@@ -89,7 +90,7 @@ def assert_parity(got: Trace, want: Trace, rows: slice = slice(None)) -> None:
     torch.testing.assert_close(got.logits, want.logits[rows], rtol=1e-5, atol=1e-5)
     assert_close_dict(got.grads, want.grads, "grad")
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-5, atol=0)
-    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads, got.grads)
+    assert_weights_after_adam_close(got.params, want.params, want.start, want.grads, got.grads, uncapped)
 
 
 @dataclass

@@ -86,6 +86,10 @@ class Derivation:
     plain_lm_head: bool = False
     widths: tuple[tuple[str, int], ...] = ()  # (module, features tp splits) for the divisibility check
     kv_vary: bool = False  # layer kinds differ in their K/V heads (no replication across tp ranks)
+    # hyper-connections: modules mixing the residual's streams per token (replicated, on sequence shards)
+    layer_mixers: tuple[str, ...] = ()
+    top_mixers: tuple[str, ...] = ()  # model-relative
+    hidden_size: int = 0
     # blocks whose kind changes by layer: path -> module class name -> that kind (the plan's entry
     # chooses per layer; a MoE kind is in ``regions``)
     mixers: dict[str, dict[str, Mixer]] = field(hash=False, default_factory=dict)

@@ -57,6 +57,8 @@ from hf_tp.styles import (
     Compose,
     DenseOrMoE,
     GatherAsCalled,
+    HyperConnectionLayer,
+    HyperConnectionOnShards,
     LocalHeadParams,
     LocalParamViews,
     MoERegion,
@@ -64,6 +66,7 @@ from hf_tp.styles import (
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
+    StreamShape,
     WidthNormParallel,
     head_norm,
 )
@@ -139,7 +142,12 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
-    return dict(sorted(plan.items()))
+    plan = dict(sorted(plan.items()))
+    if opts.sequence_parallel and d.layer_mixers:  # hyper-connections: the layer itself last (its hooks run last)
+        stream = StreamShape(d.hidden_size)
+        plan.update({path: HyperConnectionOnShards(stream) for path in d.layer_mixers})
+        plan[""] = HyperConnectionLayer(stream, tuple(sorted({*d.blocks, *d.regions})))
+    return plan
 
 
 def _block_style(block: Block) -> ParallelStyle:
@@ -197,6 +205,8 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
             plan[path] = SequenceParallel()
         for path in d.top_linears:  # per token: replicated weights on sequence shards
             plan[path] = PerTokenOnShards()
+        for path in d.top_mixers:
+            plan[path] = HyperConnectionOnShards()
     return plan
 
 

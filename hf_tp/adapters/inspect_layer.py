@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import layer_experts_region, moe_blocks, moe_region
-from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes
+from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
@@ -19,11 +19,13 @@ GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"
 
 
 def layer_facts(
-    mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple, own_routers: tuple = ()
+    mt: str, config, layer: nn.Module, layer_styles: dict[str, str], routers: tuple, streams: bool = False
 ) -> dict:
     """What the plan needs from one decoder layer (see :class:`Derivation` for the fields);
-    ``routers``: the classes whose logits the causal LM records, ``own_routers``: those of its base
-    model too (a router the layer calls itself)."""
+    ``routers``: the classes whose logits HF records (:func:`router_classes`); ``streams``: the
+    residual has hyper-connection streams (the model mixes them at the top)."""
+    mixers = _mixers(mt, layer, config.hidden_size, streams)
+    layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mixers}
     # Multi-head latent attention (DeepSeek's low-rank q/kv projections) runs whole on every rank:
     # its shared latent and rotary key feed every head, which a head split cannot express locally.
     mla = {p.split(".", 1)[0] for p, s in layer_styles.items() if s == "mla_kv_a_proj"}
@@ -33,7 +35,7 @@ def layer_facts(
     # norms then run per token on the rank's tokens (the layer flattens them for router and experts)
     own = [p for p, s in layer_styles.items() if s == "moe_tp_experts" and "." not in p and has_submodule(layer, p)]
     own_regions = {p: layer_experts_region(mt, layer, p, layer_styles) for p in own}
-    layer_routers = [n for n, c in layer.named_children() if own and own_routers and isinstance(c, own_routers)]
+    layer_routers = [n for n, c in layer.named_children() if own and routers and isinstance(c, routers)]
     if own and not layer_routers:
         raise refuse(
             mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, with no router it records"
@@ -49,7 +51,7 @@ def layer_facts(
     head_dim = head_dim_of(layer, config)
     facts = _plan_entries(mt, config, layer, layer_styles, head_dim)
     facts.update(_kv_projections(config, layer, facts["colwise"], facts["gathered"], head_dim))
-    skip = set(moe) | set(own) | set(layer_routers)
+    skip = set(moe) | set(own) | set(layer_routers) | set(mixers)
     blocks = _blocks(mt, layer, facts, config.hidden_size, skip=skip)
     facts.update(_unplanned(layer, blocks, facts, head_dim))
     planned = facts.pop("planned")
@@ -58,11 +60,24 @@ def layer_facts(
     norms = _layer_norms(mt, layer, planned | skip | set(linears), blocks, config.hidden_size)
     facts.update(
         layer_linears=linears + layer_routers + (norms if own else []),
+        layer_mixers=mixers,
         layer_norms=[] if own else norms,
         blocks=blocks,
         regions=regions,
     )
     return facts
+
+
+def _mixers(mt: str, layer: nn.Module, hidden: int, streams: bool) -> list[str]:
+    """The layer's hyper-connection mixers (:func:`stream_mixers`), when the residual has streams,
+    each called with the residual first."""
+    if not streams:
+        return []
+    found = stream_mixers(layer, hidden)
+    for name in found:
+        if not hidden_states_passing(layer, name):
+            raise refuse(mt, f"cannot read that {type(layer).__name__}.forward passes the residual first to {name}")
+    return sorted(found)
 
 
 def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], head_dim: int) -> dict:

@@ -10,13 +10,15 @@ plan and reads the top level (embedding, final norms, lm_head).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
-from hf_tp.adapters.facts import Derivation, refuse
+from hf_tp.adapters.facts import Derivation, Region, refuse
 from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
 from hf_tp.adapters.mixers import per_kind_blocks
-from hf_tp.adapters.modules import has_submodule, is_linear, is_norm
+from hf_tp.adapters.modules import has_submodule, is_linear, is_norm, stream_mixers
 from hf_tp.adapters.source import plain_logits, returned_self_call
 
 
@@ -24,17 +26,23 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
     """The :class:`Derivation` of ``model`` (a ``*ForCausalLM``, possibly on the meta device)."""
     config = model.config
     mt = config.model_type
-    layers_path, layer_styles = _layer_styles(model, tp_plan)
+    prefix = base_model_path(model)
+    # hyper-connections: the streams' final mix sits beside the layers, each layer mixes them too
+    top_mixers = [f"{prefix}.{name}" for name in stream_mixers(model.get_submodule(prefix), config.hidden_size)]
+    layers_path, layer_styles = _layer_styles(model, tp_plan, top_mixers)
     layers = model.get_submodule(layers_path)
-    kinds: dict[tuple[str, ...], nn.Module] = {}  # parameter names -> first layer of that kind
+    # parameter names and module classes -> first layer of that kind (DeepSeek-V4's hash-routed and
+    # learned-router MoE layers have the same parameters; only the latter's router logits are recorded)
+    kinds: dict[tuple, nn.Module] = {}
     for layer in layers:
-        kinds.setdefault(tuple(n for n, _ in layer.named_parameters()), layer)
-    routers = (router_classes(model), router_classes(model, base=True))
-    facts = [layer_facts(mt, config, layer, layer_styles, *routers) for layer in kinds.values()]
+        names = tuple(n for n, _ in layer.named_parameters())
+        kinds.setdefault((names, tuple(type(m).__name__ for m in layer.modules())), layer)
+    routers = router_classes(model)  # the logits HF records for the aux loss
+    facts = [layer_facts(mt, config, layer, layer_styles, routers, bool(top_mixers)) for layer in kinds.values()]
     mixers = per_kind_blocks(mt, facts, list(kinds.values()))  # blocks whose kind changes by layer
     merged = {key: _merge(mt, key, [f[key] for f in facts]) for key in facts[0]}
     _norms_run_as_blocks(mt, merged, list(kinds.values()))
-    top = _top_level(model, layers_path, config.hidden_size)
+    top = _top_level(model, layers_path, config.hidden_size, top_mixers)
     widths = []  # layers may differ in size (Gemma 4's full-attention layers have wider heads)
     for i, each in enumerate(layers):
         present = [p for p in merged["colwise"] + merged["rowwise"] if has_submodule(each, p)]
@@ -56,6 +64,7 @@ def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:
         and model.get_decoder() is model.get_submodule(base_model_path(model)),
         widths=tuple(widths),
         kv_vary=_kv_vary(layers, merged["kv"], config),
+        hidden_size=config.hidden_size,
         mixers=mixers,
     )
 
@@ -77,10 +86,23 @@ def _merge(mt: str, key: str, values: list):
         out: dict = {}
         for value in values:
             for name, item in value.items():
-                if out.setdefault(name, item) != item:
+                have = out.setdefault(name, item)
+                if key == "regions" and have != item:  # routers recorded in some layers only
+                    item = _same_region_but_routers(have, item)
+                    out[name] = item or have
+                if out[name] != item:
                     raise refuse(mt, f"its layer kinds treat {name} differently ({key})")
         return out
     return sorted({item for value in values for item in value})
+
+
+def _same_region_but_routers(a: Region, b: Region) -> Region | None:
+    """One MoE region for two layer kinds that differ only in which routers HF records (DeepSeek-V4's
+    hash-routed layers record none): the union, each layer scaling the aux-loss gradient of the
+    routers it has (a router whose logits nothing records gets none)."""
+    if replace(a, routers=(), aux_exact=True) != replace(b, routers=(), aux_exact=True):
+        return None
+    return replace(a, routers=tuple(sorted({*a.routers, *b.routers})), aux_exact=a.aux_exact and b.aux_exact)
 
 
 def _norms_run_as_blocks(mt: str, merged: dict, layers: list[nn.Module]) -> None:
@@ -98,8 +120,9 @@ def _norms_run_as_blocks(mt: str, merged: dict, layers: list[nn.Module]) -> None
         merged["layer_norms"].remove(path)
 
 
-def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """The layers' ModuleList path and the plan relative to one layer."""
+def _layer_styles(model: nn.Module, tp_plan: dict[str, str], mixers: list[str]) -> tuple[str, dict[str, str]]:
+    """The layers' ModuleList path and the plan relative to one layer. Entries inside the
+    hyper-connection ``mixers`` (model-relative) are left out: they run whole on sequence shards."""
     mt = model.config.model_type
     # transformers >= 5.24 names the input embedding in some plans (vocab-sharded or replicated):
     # hf_tp's top plan shards it over the vocab anyway, handing sequence shards to the layers
@@ -107,7 +130,8 @@ def _layer_styles(model: nn.Module, tp_plan: dict[str, str]) -> tuple[str, dict[
     prefix = base_model_path(model)
     base = model.get_submodule(prefix)
     embed_path = next((n for n, m in base.named_modules() if m is embed), None)
-    outside = sorted(k for k in tp_plan if ".*." not in k and k != embed_path)
+    inside = tuple(m.removeprefix(prefix + ".") + "." for m in mixers)
+    outside = sorted(k for k in tp_plan if ".*." not in k and k != embed_path and not k.startswith(inside))
     if outside:
         raise refuse(mt, f"its tp plan shards modules outside the decoder layers ({', '.join(outside)})")
     lists = {k.split(".*.", 1)[0] for k in tp_plan if ".*." in k}
@@ -139,10 +163,11 @@ def base_model_path(model: nn.Module) -> str:
     return path.rpartition(".")[0]
 
 
-def _top_level(model: nn.Module, layers_path: str, hidden: int) -> dict:
+def _top_level(model: nn.Module, layers_path: str, hidden: int, mixers: list[str]) -> dict:
     """Paths of the input embedding, the lm_head, and what else sits outside the layers: norms,
     further token embeddings and per-token Linears (Gemma 4's per-layer embeddings and their
-    projection, which feed every layer a sequence-sharded input of its own)."""
+    projection, which feed every layer a sequence-sharded input of its own), hyper-connection
+    ``mixers`` (found by the caller)."""
     mt = model.config.model_type
     paths = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -152,7 +177,8 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int) -> dict:
         raise refuse(mt, "it has no nn.Linear output embedding (lm_head)")
     embedding, lm_head = paths[id(embed)], paths[id(head)]
     owners = {n.rpartition(".")[0] for n, _ in model.named_parameters()}
-    owners = {o for o in owners if o not in (embedding, lm_head) and not o.startswith(layers_path + ".")}
+    skip = tuple(f"{p}." for p in [layers_path, *mixers])
+    owners = {o for o in owners if o not in (embedding, lm_head, *mixers) and not o.startswith(skip)}
     module = {o: model.get_submodule(o) if o else model for o in owners}
     embeddings = sorted(o for o in owners if o and isinstance(module[o], nn.Embedding))
     linears = sorted(o for o in owners if o and is_linear(module[o]))
@@ -170,6 +196,7 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int) -> dict:
         top_norms=norms,
         top_embeddings=embeddings,
         top_linears=linears,
+        top_mixers=mixers,
     )
 
 

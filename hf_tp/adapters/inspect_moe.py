@@ -178,18 +178,21 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
     return dense_leaf.get(path.rsplit(".", 1)[-1])
 
 
-def router_classes(model: nn.Module, base: bool = False) -> tuple[type, ...]:
-    """The module classes whose output HF records as ``router_logits``; with ``base``, the base
-    model's too where the causal LM declares none (Gemma 4's router, a child of its layer)."""
+def router_classes(model: nn.Module) -> tuple[type, ...]:
+    """The module classes whose output HF records as ``router_logits``: the causal LM's, or where
+    it declares none, those of the first module that does (its base model: Qwen4-Exp's, Gemma 4's
+    router) whose first output it records, the logits :class:`hf_tp.styles.MoERegion` scales
+    (Llama 4's base model records its routers' second output, and its causal LM has no aux loss)."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
-    if base and not recorders.get("router_logits"):
+    first_output = not recorders.get("router_logits")
+    if first_output:
         found = (getattr(m, "_can_record_outputs", None) or {} for m in model.modules())
         recorders = next((r for r in found if r.get("router_logits")), {})
     rec = recorders.get("router_logits")
     out = []
     for item in rec if isinstance(rec, list | tuple) else [rec]:
         cls = getattr(item, "target_class", item)
-        if isinstance(cls, type):
+        if isinstance(cls, type) and not (first_output and getattr(item, "index", 0) != 0):
             out.append(cls)
     return tuple(out)
 

@@ -61,3 +61,19 @@ def expert_holders(module: nn.Module, config) -> list[str]:
         if path.rsplit(".", 1)[-1] == "experts" or (count and stacked):
             out.append(path)
     return out
+
+
+def stream_mixers(parent: nn.Module, hidden: int) -> list[str]:
+    """Children of ``parent`` that mix a residual stream of several copies per token
+    (hyper-connections: DeepSeek-V4's ``attn_hc``/``hc_head``, Qwen4-Exp's gated residuals): a
+    module (not a plain Linear) holding a matrix that reads the streams flattened (a multiple
+    k >= 2 of ``hidden`` input features) and none that reads a single ``hidden`` one (an MLP or
+    attention block reads the hidden states themselves)."""
+    out = []
+    for name, child in parent.named_children():
+        if is_linear(child) or isinstance(child, nn.ModuleList | nn.Embedding):
+            continue
+        reads = {p.shape[-1] for p in child.parameters() if p.dim() >= 2}
+        if hidden not in reads and any(w % hidden == 0 and w > hidden for w in reads):
+            out.append(name)
+    return out

@@ -116,6 +116,9 @@ MOE: dict[str, str] = {
     "bailing_hybrid": "linear-attention and latent-attention layers under one name (self_attn), both run whole on every rank; shared experts; dense first layer",
     "nemotron_h": "one mixer per layer, Mamba-2 (whole on every rank), attention, ReLU^2 MLP or MoE by layer index: each layer's mixer gets its kind's plan (attention and MLP projections named by hf_tp)",
     "minimax": "lightning linear attention (whole on every rank) and softmax attention (split by heads) under one name (self_attn), each layer's by its kind; fp32 only (its fp32 decay buffers break bf16 mixed precision)",
+    "deepseek_v4": "hyper-connections: the residual's streams sequence-parallel, their mixers (attn_hc, ffn_hc, hc_head) replicated, run per token on each rank's shard, gradients summed over tp; attention runs whole; hash-routed and learned-router MoE layers",
+    "qwen4_exp_text": "hyper-connections on a flattened residual (streams sequence-parallel; gated residual mixers replicated per token, gradients summed over tp, transformers' split of their down projection not used); gated delta-net and indexed attention run whole; shared expert with a sigmoid gate; per-layer n-gram embeddings (ple_layer_ids) refused",
+    "hy_v4": "hyper-connections as DeepSeek-V4's (streams sequence-parallel, mixers replicated per token, gradients summed over tp); latent attention with sinks and indexer runs whole; shared experts",
 }
 
 # model_type -> why hf_tp refuses it (the error message names this reason)
@@ -128,9 +131,6 @@ REFUSED: dict[str, str] = {
     # mixture-of-experts families
     "longcat_flash": "two attention and two MLP sublayers per decoder layer held in ModuleLists that the layer indexes itself (self_attn[0], mlps[1], input_layernorm[0], ...), which the generic plan cannot read (it reads a layer's blocks as its named children); its MoE block also has zero-computation (identity) experts, whose whole output every tp rank would add once",
     "inkling2_text": "block attention residuals: each layer's attention_input / mlp_input (Inkling2BlockAttentionResidual) attends over a stack of earlier blocks' outputs that the model carries from layer to layer as an extra argument (block_states), which hf_tp cannot yet place on sequence shards",
-    "qwen4_exp_text": "hyper-connection mixers outside the decoder layers",
-    "deepseek_v4": "hyper-connection parameters outside the decoder layers",
-    "hy_v4": "hyper-connection parameters outside the decoder layers",
 }
 
 # Language models with no causal LM of their own in transformers (a bare *TextModel, the lm_head in

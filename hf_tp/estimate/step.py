@@ -72,12 +72,12 @@ _MODULE_TO = nn.Module.to
 
 
 def _fp32_to(module: nn.Module, *args, **kwargs) -> nn.Module:
-    """``Module.to`` while the fp32 model is built: a model's own cast to fp32 (Inkling's short
-    convolutions) is a no-op on fp32 weights, but ``Module.to`` cannot swap fake tensors; any other
-    conversion goes through."""
-    if not args and set(kwargs) == {"dtype"} and kwargs["dtype"] == torch.float32:
-        return module
-    if len(args) == 1 and not kwargs and args[0] == torch.float32:
+    """``Module.to`` while the fp32 model is built: a model's own cast of a module to fp32 in its
+    ``__init__`` (Inkling's short convolutions, DeepSeek-V4's attention and hyper-connections) is a
+    no-op on its fp32 weights, but ``Module.to`` cannot swap fake tensors; any other conversion goes
+    through."""
+    only = args[0] if len(args) == 1 and not kwargs else kwargs.get("dtype") if set(kwargs) == {"dtype"} else None
+    if only is torch.float32 and all(p.dtype == torch.float32 for p in module.parameters()):
         return module
     return _MODULE_TO(module, *args, **kwargs)
 

@@ -95,9 +95,14 @@ def odd_dtype_params(model: nn.Module, adapter: Adapter) -> set[nn.Parameter]:
     and these modules must keep theirs. They are small: they stay whole on every dp rank, outside
     FSDP2. (A unit of their own would unshard them only at their own forward, after a MoE
     region has read their weights.)"""
+    layers = model.get_submodule(adapter.layers_path)
+    units = [layers] + [m for n, m in model.named_modules() if n in adapter.passengers]  # FSDP units of their own
+    inside = {id(m) for unit in units for m in unit.modules()}
+    # the root unit's own modules too (DeepSeek-V4's fp32 hyper-connection head beside a float64 embedding)
+    root = [[m for m in model.modules() if id(m) not in inside]]
     out: set[nn.Parameter] = set()
-    for layer in model.get_submodule(adapter.layers_path):
-        owned = [(m, p) for m in layer.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+    for modules in [list(layer.modules()) for layer in layers] + root:
+        owned = [(m, p) for m in modules for p in m.parameters(recurse=False) if p.requires_grad]
         sizes: Counter[torch.dtype] = Counter()
         for _, p in owned:
             sizes[p.dtype] += p.numel()

@@ -25,6 +25,8 @@ from hf_tp.adapters.modules import has_parameter
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
+    HyperConnectionLayer,
+    HyperConnectionOnShards,
     LocalParamViews,
     MoERegion,
     PerLayerChoice,
@@ -56,6 +58,8 @@ class Placed:
     partial: bool = False  # replicated, its gradient a partial sum over tp
 
 
+PER_TOKEN = ("per_token", "hyper")  # kinds that run a module whole per token, its submodules too
+
 WORDS = {
     "gather_in": "all-gather the sequence in",
     "whole_block": "runs whole on the gathered sequence, output sliced to sequence shards",
@@ -75,6 +79,8 @@ WORDS = {
     "width_norm": "norm over the whole width: weight split, all-reduce of per-token sums",
     "moe": "expert-TP region: all-gather in, reduce-scatter out",
     "per_token": "per token on the rank's sequence shard, weights whole",
+    "hyper": "hyper-connection mixer: per token on the rank's sequence shard, weights whole",
+    "hyper_layer": "residual streams on the rank's sequence shard (the layer mixes them per token, plain tensors)",
 }
 
 
@@ -105,6 +111,10 @@ def _kind(style: ParallelStyle, module: nn.Module) -> str:
         return "moe"
     if isinstance(style, WidthNormParallel):
         return "width_norm"
+    if isinstance(style, HyperConnectionOnShards):
+        return "hyper"
+    if isinstance(style, HyperConnectionLayer):
+        return "hyper_layer"
     if isinstance(style, PerTokenOnShards):
         return "per_token"
     if isinstance(style, ReplicatedToSequenceShards):
@@ -146,7 +156,7 @@ def placements(part: Part, module: nn.Module) -> dict[str, Placed]:
         return {n: Placed(None if n == "bias" else dim, "") for n, _ in module.named_parameters(recurse=False)}
     if kind in ("sp_norm", "head_norm", "kv_replicated"):
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
-    if kind == "per_token":  # (a router with its own submodules too)
+    if kind in PER_TOKEN:  # (a router or mixer with its own submodules too)
         return {n: Placed(None, "", partial=True) for n, _ in module.named_parameters()}
     if kind == "activation":  # (DTensor all-reduces each scalar's gradient itself)
         return {n: Placed(None, "") for n, _ in module.named_parameters()}

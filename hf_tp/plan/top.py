@@ -9,7 +9,7 @@ from torch import nn
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.plan.layers import Context, shard_of
 from hf_tp.plan.record import ModuleRow, ParamShard
-from hf_tp.plan.styles import parts, placements
+from hf_tp.plan.styles import PER_TOKEN, parts, placements
 
 PASSENGER = "whole on every tp rank (FSDP2 shards it over dp); a vision tower frozen unless --train-vision-tower, a projector trained"
 
@@ -26,9 +26,10 @@ def describe_top(
         module = model.get_submodule(path)
         ps = parts(style, module)
         placed = {n: w for p in ps for n, w in placements(p, module).items()}
+        whole = any(p.kind in PER_TOKEN for p in ps)  # its submodules (Qwen4-Exp's mixers') are placed with it
         shards = tuple(
             shard_of(n, tuple(p.shape), placed.get(n), ctx, False, p.requires_grad)
-            for n, p in module.named_parameters(recurse=False)
+            for n, p in module.named_parameters(recurse=whole)
         )
         words = "; ".join(p.words for p in ps if p.words)
         if tied and module is model.get_output_embeddings():
@@ -40,11 +41,12 @@ def describe_top(
         partial += sum(math.prod(s.shape) for s in shards if s.partial_grad)
     rows += _passengers(model, adapter)
     placed_paths = set(plan) | {r.path for r in rows}
+    whole = tuple(f"{path}." for path, (kind, _) in kinds.items() if kind in PER_TOKEN)  # placed with their module
     for name, p in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         if owner == adapter.layers_path or owner.startswith(adapter.layers_path + "."):
             continue
-        if owner in placed_paths or adapter.is_passenger(name):  # (a tied lm_head weight is listed once)
+        if owner in placed_paths or name.startswith(whole) or adapter.is_passenger(name):  # (a tied lm_head: once)
             continue
         rows.append(ModuleRow(owner, "not placed by the plan (parallelize refuses it)", (_unplaced(leaf, p),)))
     return tuple(rows), kinds, partial

@@ -11,6 +11,7 @@ from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, Replic
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
 from hf_tp.styles.linear import ColwiseOwnOutput, PerTokenOnShards
 from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
+from hf_tp.styles.streams import HyperConnectionLayer, HyperConnectionOnShards, StreamShape
 
 __all__ = [
     "ByKind",
@@ -27,6 +28,9 @@ __all__ = [
     "PerTokenOnShards",
     "ReplicatedToSequenceShards",
     "HEADS_DIM",
+    "HyperConnectionLayer",
+    "HyperConnectionOnShards",
+    "StreamShape",
     "KVHeadLinear",
     "ReplicatedKVProjection",
     "ScaledEmbeddingRowwise",

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
-from hf_tp.verify.compare import adam_error, tensor_error
+from hf_tp.verify.compare import adam_error, stream_mixer_params, tensor_error
 from hf_tp.verify.faults import requested
 from hf_tp.verify.model import make_batch, random_model, save_model
 from hf_tp.verify.reference import Settings, reference_run
@@ -62,7 +62,7 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str
         )
     ]
     got = candidate.train(model, opt, batch, rank, s, s.steps)
-    checks += _training_checks(got, want)
+    checks += _training_checks(got, want, stream_mixer_params(ref))
     ckpt = roundtrip.save(cfg, work, model, opt)
     more = candidate.train(model, opt, batch, rank, s, 1)  # what a resumed run's next step must give
     checks.append(_resume(cfg, ckpt, device, lora_state, batch, s, got, more))
@@ -87,7 +87,9 @@ def describe(cfg: TrainConfig, config, device: torch.device) -> str:
 LATER = ("loss", "gradients", "gradient norm", "buffers", "AdamW steps", "checkpoint resume", "export round trip")
 
 
-def _training_checks(got, want) -> list[Check]:
+def _training_checks(got, want, mixers: tuple[str, ...]) -> list[Check]:
+    """The checks of a training run against the reference's; ``mixers``: hyper-connection mixers'
+    parameter prefixes (:func:`adam_error`'s ``uncapped``)."""
     losses = tensor_error({"loss": torch.tensor(got.losses)}, {"loss": torch.tensor(want.losses)})
     # the first step's norm: later ones are of weights that AdamW already moved apart by round-off
     norms = tensor_error({"norm": torch.tensor(got.grad_norms[:1])}, {"norm": torch.tensor(want.grad_norms[:1])})
@@ -97,7 +99,9 @@ def _training_checks(got, want) -> list[Check]:
         Check.of("gradient norm (first step)", norms, NORM),
         Check.of("buffers", tensor_error(got.buffers, want.buffers), VALUES),
         Check.of(
-            "AdamW steps", adam_error(got.params, want.params, want.start, want.grads, got.grads, UNRESOLVED), ADAM
+            "AdamW steps",
+            adam_error(got.params, want.params, want.start, want.grads, got.grads, UNRESOLVED, mixers),
+            ADAM,
         ),
     ]
 

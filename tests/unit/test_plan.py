@@ -100,10 +100,11 @@ FAMILIES = [
     "axk1",
     "inkling_text",
 ]
-# per-layer mixers (a plan per mixer kind), on the release that serves them
+# per-layer mixers (a plan per mixer kind) and hyper-connections (the mixers and the layer's stream
+# arithmetic add no collective), on the release that serves them
 FAMILIES += [
     pytest.param(mt, marks=pytest.mark.skipif(bool(family_refusal(mt)), reason=str(family_refusal(mt))))
-    for mt in ("nemotron_h", "minimax")
+    for mt in ("nemotron_h", "minimax", "hy_v4", "deepseek_v4")
 ]
 
 
@@ -143,9 +144,11 @@ def test_cp_and_ep_collectives_are_what_the_estimate_simulates() -> None:
     cases = [(tiny_config("llama"), dict(cp=2))]
     if moe_estimate_refusal("fp32") is None:  # an fp32 MoE estimate needs a later transformers than the floor
         cases.append((grid_config("qwen3_moe"), dict(ep=2)))
-        if "inkling_text" in CONFIG_MAPPING and not family_refusal("inkling_text"):
-            # its layers cast their short convolutions to fp32 in __init__ (built under fake tensors)
-            cases.append((grid_config("inkling_text"), {}))
+        # their layers cast modules to fp32 in __init__ (built under fake tensors): Inkling's short
+        # convolutions, DeepSeek-V4's attention and hyper-connection mixers
+        for mt in ("inkling_text", "deepseek_v4"):
+            if mt in CONFIG_MAPPING and not family_refusal(mt):
+                cases.append((grid_config(mt), {}))
     for config, layout in cases:
         plan = whole_model(plan_for(config, tp=2, seq_len=64, **layout))
         simulated = estimate(config, 2, 2 if "ep" in layout else 1, 64, 1, dtype="fp32", **layout)
