@@ -100,6 +100,7 @@ class ParityCase:
     tied: bool = False
     tp: int = 2
     dp: int = 1
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x dp / dp_replicate ranks sharding the weights
     attn: str = "sdpa"
     pad: str | None = "right"
     heads: int = 4
@@ -125,7 +126,7 @@ class ParityCase:
     def check(self, model, data: dict, want: Trace) -> None:
         """On one rank: parallelize ``model`` (an untouched copy of the reference), train it on
         this dp rank's rows and assert parity."""
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu", dp_replicate=self.dp_replicate)
         hf_tp.parallelize(
             model,
             mesh,
@@ -135,13 +136,13 @@ class ParityCase:
             compile=self.compile,
         )
         q = model.model.layers[0].self_attn.q_proj.weight
-        assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() // (self.tp * self.dp)
+        assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() * self.dp_replicate // (self.tp * self.dp)
         if self.tied:
             assert model.lm_head.weight is model.model.embed_tokens.weight
         rows = slice(None)
         if self.dp > 1:
             per = self.b // self.dp
-            d = mesh.get_local_rank("dp")
+            d = mesh["dp"].get_local_rank()
             rows = slice(d * per, (d + 1) * per)
         local = {k: v[rows] for k, v in data.items()}
         ctx = hf_tp.loss_parallel if self.lp else contextlib.nullcontext
