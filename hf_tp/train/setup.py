@@ -78,7 +78,7 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
+    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate)
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
