@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,
@@ -142,11 +143,11 @@ class ParityCase:
         rows = slice(None)
         if self.dp > 1:
             per = self.b // self.dp
-            d = mesh["dp"].get_local_rank()
+            d = mesh.get_local_rank("dp")
             rows = slice(d * per, (d + 1) * per)
         local = {k: v[rows] for k, v in data.items()}
         ctx = hf_tp.loss_parallel if self.lp else contextlib.nullcontext
-        dp_group = mesh["dp"].get_group() if self.dp > 1 else None
+        dp_group = dp_mesh_of(mesh).get_group() if self.dp > 1 else None
         got = train_steps(model, local, ctx=ctx, dp_group=dp_group, micro=self.micro)
         assert_parity(got, want, rows)
         if self.sp:  # the norm weights' Partial gradients went through the fused all-reduce, every backward

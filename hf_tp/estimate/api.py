@@ -34,6 +34,7 @@ from hf_tp.estimate.step import (
     train_step,
 )
 from hf_tp.estimate.work import Work, WorkCounter
+from hf_tp.parallel.mesh import HSDP_DIMS, check_dp_replicate
 from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
@@ -78,6 +79,7 @@ class Estimate:
     # FSDP2-sharded over dp. The step is text-only: neither runs (see :func:`estimate`)
     tower_params: int = 0
     projector_params: int = 0
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 shard group of dp / dp_replicate
 
     @property
     def world_size(self) -> int:
@@ -101,7 +103,15 @@ class Estimate:
 
 
 def validate_inputs(
-    config: PretrainedConfig, tp: int, dp: int, seq_len: int, batch_size: int, dtype: str, ep: int = 1, cp: int = 1
+    config: PretrainedConfig,
+    tp: int,
+    dp: int,
+    seq_len: int,
+    batch_size: int,
+    dtype: str,
+    ep: int = 1,
+    cp: int = 1,
+    dp_replicate: int = 1,
 ) -> None:
     """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
     quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
@@ -111,6 +121,7 @@ def validate_inputs(
         ("dp", dp),
         ("ep", ep),
         ("cp", cp),
+        ("dp_replicate", dp_replicate),
         ("seq_len", seq_len),
         ("batch_size", batch_size),
     ):
@@ -120,6 +131,7 @@ def validate_inputs(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
     check_mixed_precision(config, dtype)
+    check_dp_replicate(dp, dp_replicate, cp, ep)
     if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
         raise UnsupportedRelease(refusal)
     if (dp * cp) % ep:
@@ -147,13 +159,15 @@ def estimate(
     lora_r: int = 0,
     lora_target_modules: str = "all-linear",
     cp: int = 1,
+    dp_replicate: int = 1,
 ) -> Estimate:
     """Simulate one training step of ``config`` at (tp, dp) and return one rank's memory and comms.
 
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
     MoE layer's experts over ep of the dp (x cp) ranks, all-to-alls simulated with balanced routing
     (:func:`hf_tp.parallel.expert_parallel.balanced_routing`); ``cp`` > 1 splits each row's tokens
-    over cp ranks. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run (``lora_target_modules``:
+    over cp ranks; ``dp_replicate`` > 1 is HSDP: parameters, gradients and optimizer state sharded
+    over the dp / dp_replicate ranks of a replica, gradients all-reduced across replicas. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run (``lora_target_modules``:
     ``all-linear`` or comma-separated names): the frozen base in the compute dtype, fp32 adapters
     with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer (Qwen2-0.5B ~8 s,
     Llama-3.1-70B ~30 s); no GPU, weights or network.
@@ -161,11 +175,11 @@ def estimate(
     A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector
     whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
     """
-    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp)
+    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp, dp_replicate)
     config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
-        mesh, groups = _mesh_and_groups(tp, cp, dp)
+        mesh, groups = _mesh_and_groups(tp, cp, dp, dp_replicate)
         # The gradient norm is one all-reduce over every rank (hf_tp.parallel.grad.clip_grad_norm).
         groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
         fake = FakeTensorMode()
@@ -201,6 +215,7 @@ def estimate(
         lora_target_modules=lora_target_modules if lora_r else "",
         trainable_params=trainable,
         cp=cp,
+        dp_replicate=dp_replicate,
         tower_params=tower,
         projector_params=projector,
     )
@@ -273,9 +288,19 @@ def _functional_groups(mesh: DeviceMesh, cp: int) -> dict[str, tuple[str, int]]:
     return {mesh["cp"].get_group().group_name: ("cp", cp)} if cp > 1 else {}
 
 
-def _mesh_and_groups(tp: int, cp: int, dp: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
+def _mesh_and_groups(tp: int, cp: int, dp: int, dp_replicate: int = 1) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
     """The mesh hf_tp.build_mesh makes, and its groups by name -> (dim, size) for the comm counter
-    (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp"."""
+    (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp".
+    With HSDP, FSDP2's gathers and reduce-scatters over the shard group count as "dp", its
+    gradient all-reduce across replicas as "dp_replicate", and collectives over all dp ranks
+    (e.g. a router's gradient kept whole) as "dp_all"."""
+    if dp_replicate > 1:
+        mesh = init_device_mesh("cpu", (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
+        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        named = {"tp": "tp", "dp_shard": "dp", "dp_replicate": "dp_replicate"}
+        groups = {mesh[d].get_group().group_name: (name, mesh[d].size()) for d, name in named.items()}
+        groups.setdefault(flat.get_group().group_name, ("dp_all", flat.size()))
+        return mesh, groups
     if cp == 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         return mesh, {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}

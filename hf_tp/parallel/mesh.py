@@ -69,6 +69,15 @@ def check_dp_replicate(dp: int, dp_replicate: int, cp: int = 1, ep: int = 1) -> 
         )
 
 
+def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``dp`` dim of a 2-D or 3-D mesh from :func:`build_mesh`: every dp rank's own rows (with
+    HSDP both dp dims flattened, re-flattened rather than sliced from the root, which torch
+    deprecates for flattened dims)."""
+    if mesh.mesh_dim_names == HSDP_DIMS:
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
+
+
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The 2-D ``("dp_replicate", "dp_shard")`` mesh FSDP2 takes for HSDP (weights sharded over
     dp_shard, replicated over dp_replicate), or None when the mesh has no HSDP dims."""

@@ -170,7 +170,19 @@ class TrainConfig:
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
         self._validate_types()
-        for name in ("tp", "dp", "ep", "cp", "dp_replicate", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
+        for name in (
+            "tp",
+            "dp",
+            "ep",
+            "cp",
+            "dp_replicate",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "log_every",
+            "nnodes",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -48,7 +48,7 @@ def _run(ref, data, replicate: int, root: Path, resume: Path | None) -> dict:
         if resume is not None:
             load_checkpoint(resume, model, opt)
             loaded = full_params(model)
-        d = mesh["dp"].get_local_rank()
+        d = mesh.get_local_rank("dp")
         model(**{k: v[d : d + 1] for k, v in data.items()}, use_cache=False).loss.backward()
         opt.step()
         opt.zero_grad()
