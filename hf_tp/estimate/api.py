@@ -166,22 +166,18 @@ def estimate(
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
     MoE layer's experts over ep of the dp (x cp) ranks, all-to-alls simulated with balanced routing
     (:func:`hf_tp.parallel.expert_parallel.balanced_routing`); ``cp`` > 1 splits each row's tokens
-    over cp ranks; ``dp_replicate`` > 1 is HSDP: parameters, gradients and optimizer state sharded
-    over the dp / dp_replicate ranks of a replica, gradients all-reduced across replicas. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run (``lora_target_modules``:
-    ``all-linear`` or comma-separated names): the frozen base in the compute dtype, fp32 adapters
-    with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer (Qwen2-0.5B ~8 s,
-    Llama-3.1-70B ~30 s); no GPU, weights or network.
-
-    A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector
-    whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
+    over cp ranks; ``dp_replicate`` > 1 is HSDP: the state sharded over the dp / dp_replicate ranks of a
+    replica, gradients all-reduced across replicas. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run
+    (``lora_target_modules``: ``all-linear`` or comma-separated names): the frozen base in the compute dtype,
+    fp32 adapters with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer; no GPU or network. A
+    multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector whole over tp,
+    FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
     """
     validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp, dp_replicate)
     config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
         mesh, groups = _mesh_and_groups(tp, cp, dp, dp_replicate)
-        # The gradient norm is one all-reduce over every rank (hf_tp.parallel.grad.clip_grad_norm).
-        groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
         fake = FakeTensorMode()
         with fake:
             model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
@@ -288,7 +284,15 @@ def _functional_groups(mesh: DeviceMesh, cp: int) -> dict[str, tuple[str, int]]:
     return {mesh["cp"].get_group().group_name: ("cp", cp)} if cp > 1 else {}
 
 
-def _mesh_and_groups(tp: int, cp: int, dp: int, dp_replicate: int = 1) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
+def _mesh_and_groups(tp: int, cp: int, dp: int, dp_replicate: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
+    """:func:`_layout_mesh` and, as "world", the group of the gradient norm's one all-reduce over
+    every rank (:func:`hf_tp.parallel.grad.clip_grad_norm`)."""
+    mesh, groups = _layout_mesh(tp, cp, dp, dp_replicate)
+    groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
+    return mesh, groups
+
+
+def _layout_mesh(tp: int, cp: int, dp: int, dp_replicate: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
     """The mesh hf_tp.build_mesh makes, and its groups by name -> (dim, size) for the comm counter
     (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp".
     With HSDP, FSDP2's gathers and reduce-scatters over the shard group count as "dp", its

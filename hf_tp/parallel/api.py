@@ -48,14 +48,13 @@ def parallelize(
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` (or a multimodal wrapper) over ``mesh`` in place; return it.
 
-    ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")``, ``("dp", "cp", "tp")`` or
-    ``("dp_replicate", "dp_shard", "tp")`` (HSDP); a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
-    a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
+    ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")``, ``("dp", "cp", "tp")`` or ``("dp_replicate",
+    "dp_shard", "tp")`` (HSDP: FSDP2 over dp_shard, replicated over dp_replicate); a dp or cp dim > 1 adds FSDP2 over
+    dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
     each parameter object and the gradient hooks parallelize attached: :mod:`hf_tp.parallel.materialize`),
     or a peft LoRA model (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
-    and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
-    depends only on the config and the mesh shape: a bad input raises the same ``ValueError`` on
-    every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
+    and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and depends only on
+    the config and the mesh shape: a bad input raises the same ``ValueError`` on every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
     :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism.
 
     ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after
