@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate
 
 import hf_tp
 from hf_tp.checkpoint.dcp import load_checkpoint, save_checkpoint
+from hf_tp.parallel.grad import clip_grad_norm
 from tests.helpers import batch, full_params, run_threaded, tiny_config, tiny_model
 from tests.parity import ParityCase, train_steps
 
@@ -35,7 +36,7 @@ def test_hsdp_equals_plain_hf(tp: int, dp: int, replicate: int) -> None:
 
 def _run(ref, data, replicate: int, root: Path, resume: Path | None) -> dict:
     """One AdamW step at dp 4 (``replicate`` replicas) after loading ``resume``; rank 0's full
-    weights after the load and after the step, and the checkpoint written after it."""
+    weights after the load and after the step, the step's gradient norm and the checkpoint."""
     models = [copy.deepcopy(ref) for _ in range(4)]
     out: dict = {}
 
@@ -50,6 +51,7 @@ def _run(ref, data, replicate: int, root: Path, resume: Path | None) -> dict:
             loaded = full_params(model)
         d = mesh.get_local_rank("dp")
         model(**{k: v[d : d + 1] for k, v in data.items()}, use_cache=False).loss.backward()
+        norm = clip_grad_norm(model.parameters(), 0.0)  # 0: measure only (the trainer's exact global norm)
         opt.step()
         opt.zero_grad()
         path = save_checkpoint(
@@ -57,7 +59,7 @@ def _run(ref, data, replicate: int, root: Path, resume: Path | None) -> dict:
         )
         after = full_params(model)
         if rank == 0:
-            out.update(path=path, loaded=loaded, after=after)
+            out.update(path=path, loaded=loaded, after=after, norm=norm)
 
     run_threaded(4, rank_fn)
     return out
@@ -69,6 +71,8 @@ def test_checkpoint_moves_between_hsdp_and_dp(tmp_path: Path) -> None:
     data = batch(config.vocab_size, b=4, s=12, pad=None)
     want = train_steps(copy.deepcopy(ref), data, steps=3, lr=1e-3)
     first = _run(ref, data, 2, tmp_path, None)  # HSDP 2 x 2 ...
+    want_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in want.grads.values()]))
+    torch.testing.assert_close(first["norm"].to(want_norm.dtype), want_norm, rtol=1e-6, atol=0)
     second = _run(ref, data, 1, tmp_path, first["path"])  # ... resumed at dp 4 ...
     third = _run(ref, data, 2, tmp_path, second["path"])  # ... and back
     for before, after in ((first, second), (second, third)):
