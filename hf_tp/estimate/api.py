@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
@@ -21,8 +19,9 @@ from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate.comm import CommCounter, CommStat
+from hf_tp.estimate.groups import expert_groups, functional_groups, mesh_and_groups
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
-from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
+from hf_tp.estimate.moe import MoEStats, RoutedRows, find_experts, moe_stats
 from hf_tp.estimate.simulate import simulation
 from hf_tp.estimate.step import (
     DTYPES,
@@ -34,7 +33,7 @@ from hf_tp.estimate.step import (
     train_step,
 )
 from hf_tp.estimate.work import Work, WorkCounter
-from hf_tp.parallel.mesh import HSDP_DIMS, check_dp_replicate
+from hf_tp.parallel.mesh import check_dp_replicate
 from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
@@ -177,7 +176,7 @@ def estimate(
     config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
-        mesh, groups = _mesh_and_groups(tp, cp, dp, dp_replicate)
+        mesh, groups = mesh_and_groups(tp, cp, dp, dp_replicate)
         fake = FakeTensorMode()
         with fake:
             model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
@@ -188,7 +187,7 @@ def estimate(
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tower, projector = _passenger_params(model, config)
         experts = find_experts(model, config)
-        counter = CommCounter(groups, _expert_groups(experts, groups), _functional_groups(mesh, cp))
+        counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, cp))
         peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, dp, config, experts, counter)
     return Estimate(
         model=model_name or getattr(config, "name_or_path", "") or config.model_type,
@@ -265,51 +264,3 @@ def _tracked_step(
     peak = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
     moe = moe_stats(model, config, experts, tracker, routed) if experts else None
     return peak, MemoryBreakdown.from_snapshot(after[0]), moe, work.work
-
-
-def _expert_groups(experts, groups: dict[str, tuple[str, int]]) -> dict[tuple[str, str], tuple[str, int]]:
-    """Add the ep mesh's groups to ``groups`` (its tp dim is the tp ranks again) and return the
-    all-to-alls to count as ep, named so even where the ep ranks are all the dp ranks (one group)."""
-    all_to_all = {}
-    for name, dim in ep_groups(experts).items():
-        groups.setdefault(name, dim)
-        if dim[0] == "ep":
-            all_to_all[(name, "all_to_all")] = dim
-    return all_to_all
-
-
-def _functional_groups(mesh: DeviceMesh, cp: int) -> dict[str, tuple[str, int]]:
-    """The cp group for the comm counter's functional collectives: cp's K/V gathers are functional,
-    FSDP2's over dp x cp are c10d ones, and at dp = 1 the two share one process group."""
-    return {mesh["cp"].get_group().group_name: ("cp", cp)} if cp > 1 else {}
-
-
-def _mesh_and_groups(tp: int, cp: int, dp: int, dp_replicate: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
-    """:func:`_layout_mesh` and, as "world", the group of the gradient norm's one all-reduce over
-    every rank (:func:`hf_tp.parallel.grad.clip_grad_norm`)."""
-    mesh, groups = _layout_mesh(tp, cp, dp, dp_replicate)
-    groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
-    return mesh, groups
-
-
-def _layout_mesh(tp: int, cp: int, dp: int, dp_replicate: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
-    """The mesh hf_tp.build_mesh makes, and its groups by name -> (dim, size) for the comm counter
-    (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp".
-    With HSDP, FSDP2's gathers and reduce-scatters over the shard group count as "dp", its
-    gradient all-reduce across replicas as "dp_replicate", and collectives over all dp ranks
-    (e.g. a router's gradient kept whole) as "dp_all"."""
-    if dp_replicate > 1:
-        mesh = init_device_mesh("cpu", (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
-        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        named = {"tp": "tp", "dp_shard": "dp", "dp_replicate": "dp_replicate"}
-        groups = {mesh[d].get_group().group_name: (name, mesh[d].size()) for d, name in named.items()}
-        groups.setdefault(flat.get_group().group_name, ("dp_all", flat.size()))
-        return mesh, groups
-    if cp == 1:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        return mesh, {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}
-    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    flat = mesh["dp", "cp"]._flatten("dp_cp")
-    groups = {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("cp", "tp")}
-    groups[flat.get_group().group_name] = ("dp", flat.size())
-    return mesh, groups
