@@ -18,7 +18,7 @@ from tests.helpers import batch, full_params, run_threaded, tiny_config, tiny_mo
 from tests.parity import ParityCase, train_steps
 
 
-@pytest.mark.parametrize(("tp", "dp", "replicate"), [(1, 4, 2), (2, 2, 2)])
+@pytest.mark.parametrize(("tp", "dp", "replicate"), [(1, 4, 2), (2, 4, 2)])
 def test_hsdp_equals_plain_hf(tp: int, dp: int, replicate: int) -> None:
     case = ParityCase(family="llama", tp=tp, dp=dp, dp_replicate=replicate, b=4, pad=None, sp=tp > 1)
     start, data, want = case.reference()
