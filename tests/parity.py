@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,
@@ -101,6 +102,7 @@ class ParityCase:
     tied: bool = False
     tp: int = 2
     dp: int = 1
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x dp / dp_replicate ranks sharding the weights
     attn: str = "sdpa"
     pad: str | None = "right"
     heads: int = 4
@@ -126,7 +128,7 @@ class ParityCase:
     def check(self, model, data: dict, want: Trace) -> None:
         """On one rank: parallelize ``model`` (an untouched copy of the reference), train it on
         this dp rank's rows and assert parity."""
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu", dp_replicate=self.dp_replicate)
         hf_tp.parallelize(
             model,
             mesh,
@@ -136,7 +138,7 @@ class ParityCase:
             compile=self.compile,
         )
         q = model.model.layers[0].self_attn.q_proj.weight
-        assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() // (self.tp * self.dp)
+        assert isinstance(q, DTensor) and q.to_local().numel() == q.numel() * self.dp_replicate // (self.tp * self.dp)
         if self.tied:
             assert model.lm_head.weight is model.model.embed_tokens.weight
         rows = slice(None)
@@ -146,7 +148,7 @@ class ParityCase:
             rows = slice(d * per, (d + 1) * per)
         local = {k: v[rows] for k, v in data.items()}
         ctx = hf_tp.loss_parallel if self.lp else contextlib.nullcontext
-        dp_group = mesh["dp"].get_group() if self.dp > 1 else None
+        dp_group = dp_mesh_of(mesh).get_group() if self.dp > 1 else None
         got = train_steps(model, local, ctx=ctx, dp_group=dp_group, micro=self.micro)
         assert_parity(got, want, rows)
         if self.sp:  # the norm weights' Partial gradients went through the fused all-reduce, every backward

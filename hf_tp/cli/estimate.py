@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cp", type=int, default=1, help="context-parallel size: each sequence's tokens split over cp ranks"
     )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        help="HSDP: dp = R replicas x an FSDP2 shard group of dp/R ranks (state sharded over dp/R only); divides dp",
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument(
         "--batch-size",
@@ -98,7 +104,13 @@ def run(args: argparse.Namespace) -> int:
             lora_target_modules=args.lora_target_modules,
         )
         if args.gpu_memory is None and args.world_size is None:
-            return print_single(estimate(config, args.tp, args.dp, **common), cluster, args.json)
+            return print_single(
+                estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), cluster, args.json
+            )
+        if args.dp_replicate != 1:
+            raise ValueError(
+                "--dp-replicate sizes one layout; the --gpu-memory/--world-size sweep does not try HSDP yet"
+            )
         gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
         world = args.world_size if args.world_size is not None else args.tp * args.cp * args.dp
         start = time.perf_counter()

@@ -89,6 +89,13 @@ def _sizes_and_optimizer(p) -> None:
         f"processes run; rows padded to a multiple of 2*cp*tp ({d('cp')})",
     )
     p.add_argument(
+        "--dp-replicate",
+        type=int,
+        metavar="R",
+        help=f"HSDP: dp = R replicas x an FSDP2 group of dp/R ranks sharding the weights; gradients are "
+        f"all-reduced across replicas once per step (put replicas across nodes); must divide --dp ({d('dp_replicate')})",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         metavar="N",

@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
@@ -21,8 +19,9 @@ from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate.comm import CommCounter, CommStat
+from hf_tp.estimate.groups import expert_groups, functional_groups, mesh_and_groups
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
-from hf_tp.estimate.moe import MoEStats, RoutedRows, ep_groups, find_experts, moe_stats
+from hf_tp.estimate.moe import MoEStats, RoutedRows, find_experts, moe_stats
 from hf_tp.estimate.simulate import simulation
 from hf_tp.estimate.step import (
     DTYPES,
@@ -34,6 +33,7 @@ from hf_tp.estimate.step import (
     train_step,
 )
 from hf_tp.estimate.work import Work, WorkCounter
+from hf_tp.parallel.mesh import check_dp_replicate
 from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
@@ -78,6 +78,7 @@ class Estimate:
     # FSDP2-sharded over dp. The step is text-only: neither runs (see :func:`estimate`)
     tower_params: int = 0
     projector_params: int = 0
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 shard group of dp / dp_replicate
 
     @property
     def world_size(self) -> int:
@@ -101,7 +102,15 @@ class Estimate:
 
 
 def validate_inputs(
-    config: PretrainedConfig, tp: int, dp: int, seq_len: int, batch_size: int, dtype: str, ep: int = 1, cp: int = 1
+    config: PretrainedConfig,
+    tp: int,
+    dp: int,
+    seq_len: int,
+    batch_size: int,
+    dtype: str,
+    ep: int = 1,
+    cp: int = 1,
+    dp_replicate: int = 1,
 ) -> None:
     """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
     quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
@@ -111,6 +120,7 @@ def validate_inputs(
         ("dp", dp),
         ("ep", ep),
         ("cp", cp),
+        ("dp_replicate", dp_replicate),
         ("seq_len", seq_len),
         ("batch_size", batch_size),
     ):
@@ -120,6 +130,7 @@ def validate_inputs(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
     validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
     check_mixed_precision(config, dtype)
+    check_dp_replicate(dp, dp_replicate, cp, ep)
     if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
         raise UnsupportedRelease(refusal)
     if (dp * cp) % ep:
@@ -147,27 +158,25 @@ def estimate(
     lora_r: int = 0,
     lora_target_modules: str = "all-linear",
     cp: int = 1,
+    dp_replicate: int = 1,
 ) -> Estimate:
     """Simulate one training step of ``config`` at (tp, dp) and return one rank's memory and comms.
 
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
     MoE layer's experts over ep of the dp (x cp) ranks, all-to-alls simulated with balanced routing
     (:func:`hf_tp.parallel.expert_parallel.balanced_routing`); ``cp`` > 1 splits each row's tokens
-    over cp ranks. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run (``lora_target_modules``:
-    ``all-linear`` or comma-separated names): the frozen base in the compute dtype, fp32 adapters
-    with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer (Qwen2-0.5B ~8 s,
-    Llama-3.1-70B ~30 s); no GPU, weights or network.
-
-    A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector
-    whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
+    over cp ranks; ``dp_replicate`` > 1 is HSDP: the state sharded over the dp / dp_replicate ranks of a
+    replica, gradients all-reduced across replicas. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run
+    (``lora_target_modules``: ``all-linear`` or comma-separated names): the frozen base in the compute dtype,
+    fp32 adapters with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer; no GPU or network. A
+    multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector whole over tp,
+    FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
     """
-    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp)
+    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp, dp_replicate)
     config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
-        mesh, groups = _mesh_and_groups(tp, cp, dp)
-        # The gradient norm is one all-reduce over every rank (hf_tp.parallel.grad.clip_grad_norm).
-        groups.setdefault(dist.group.WORLD.group_name, ("world", dist.get_world_size()))
+        mesh, groups = mesh_and_groups(tp, cp, dp, dp_replicate)
         fake = FakeTensorMode()
         with fake:
             model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
@@ -178,7 +187,7 @@ def estimate(
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         tower, projector = _passenger_params(model, config)
         experts = find_experts(model, config)
-        counter = CommCounter(groups, _expert_groups(experts, groups), _functional_groups(mesh, cp))
+        counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, cp))
         peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, dp, config, experts, counter)
     return Estimate(
         model=model_name or getattr(config, "name_or_path", "") or config.model_type,
@@ -201,6 +210,7 @@ def estimate(
         lora_target_modules=lora_target_modules if lora_r else "",
         trainable_params=trainable,
         cp=cp,
+        dp_replicate=dp_replicate,
         tower_params=tower,
         projector_params=projector,
     )
@@ -254,33 +264,3 @@ def _tracked_step(
     peak = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
     moe = moe_stats(model, config, experts, tracker, routed) if experts else None
     return peak, MemoryBreakdown.from_snapshot(after[0]), moe, work.work
-
-
-def _expert_groups(experts, groups: dict[str, tuple[str, int]]) -> dict[tuple[str, str], tuple[str, int]]:
-    """Add the ep mesh's groups to ``groups`` (its tp dim is the tp ranks again) and return the
-    all-to-alls to count as ep, named so even where the ep ranks are all the dp ranks (one group)."""
-    all_to_all = {}
-    for name, dim in ep_groups(experts).items():
-        groups.setdefault(name, dim)
-        if dim[0] == "ep":
-            all_to_all[(name, "all_to_all")] = dim
-    return all_to_all
-
-
-def _functional_groups(mesh: DeviceMesh, cp: int) -> dict[str, tuple[str, int]]:
-    """The cp group for the comm counter's functional collectives: cp's K/V gathers are functional,
-    FSDP2's over dp x cp are c10d ones, and at dp = 1 the two share one process group."""
-    return {mesh["cp"].get_group().group_name: ("cp", cp)} if cp > 1 else {}
-
-
-def _mesh_and_groups(tp: int, cp: int, dp: int) -> tuple[DeviceMesh, dict[str, tuple[str, int]]]:
-    """The mesh hf_tp.build_mesh makes, and its groups by name -> (dim, size) for the comm counter
-    (sliced outside fake mode). With cp, FSDP2 runs on dp x cp: its traffic is counted as "dp"."""
-    if cp == 1:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        return mesh, {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("dp", "tp")}
-    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    flat = mesh["dp", "cp"]._flatten("dp_cp")
-    groups = {mesh[d].get_group().group_name: (d, mesh[d].size()) for d in ("cp", "tp")}
-    groups[flat.get_group().group_name] = ("dp", flat.size())
-    return mesh, groups

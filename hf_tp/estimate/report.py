@@ -38,6 +38,8 @@ def describe(est: Estimate) -> str:
     """One line naming the model and the run shape."""
     ac = "activation checkpointing" if est.activation_checkpointing else "no activation checkpointing"
     ep = f", ep={est.ep} (of dp's ranks)" if est.ep > 1 else ""
+    if est.dp_replicate > 1:
+        ep += f", HSDP: {est.dp_replicate} replicas x {est.dp // est.dp_replicate} ranks sharding the state"
     lora = ""
     if est.lora_r:
         lora = (

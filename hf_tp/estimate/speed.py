@@ -28,7 +28,8 @@ from hf_tp.estimate.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY
 BASE_LATENCY = 8.4e-6
 STEP_LATENCY = {"NVLink": 3.4e-6, "PCIe": 5.7e-6, "net": 14e-6}
 CAUSAL_FRACTION = 0.5  # a causal flash kernel skips the masked half of the score matrix
-OVERLAPPED_DIMS = ("dp", "dp_out")  # FSDP2's collectives run on their own stream, prefetched
+# FSDP2's collectives run on their own stream, prefetched (HSDP's all-reduce across replicas too)
+OVERLAPPED_DIMS = ("dp", "dp_out", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,13 @@ class Cluster:
         return self.gpu.link_bandwidth * self.gpu.link_efficiency
 
 
-def dim_stride(dim: str, tp: int, ep: int) -> int:
+def dim_stride(dim: str, tp: int, ep: int, dp_shard: int = 1) -> int:
     """Rank distance between neighbours of a mesh dim: the (dp_out, ep, tp) / (dp, tp) / (dp, cp,
-    tp) meshes keep tp innermost, so tp groups are consecutive ranks and dp's (FSDP2's dp x cp
-    with cp), ep's and cp's are tp apart."""
-    return {"tp": 1, "cp": tp, "dp": tp, "ep": tp, "dp_out": tp * ep}.get(dim, 1)
+    tp) / (dp_replicate, dp_shard, tp) meshes keep tp innermost, so tp groups are consecutive
+    ranks and dp's (FSDP2's dp x cp with cp, its shard group with HSDP), ep's and cp's are tp
+    apart; HSDP's replicas are tp x dp_shard apart (across nodes once a replica fills one)."""
+    strides = {"tp": 1, "cp": tp, "dp": tp, "dp_all": tp, "ep": tp, "dp_out": tp * ep, "dp_replicate": tp * dp_shard}
+    return strides.get(dim, 1)
 
 
 def members_per_node(group_size: int, stride: int, gpus_per_node: int) -> int:
@@ -144,7 +147,7 @@ def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]
     """Per mesh dim, per collective: seconds of all of its calls in one step."""
     out: dict[str, dict[str, float]] = {}
     for stat in est.comms:
-        stride = dim_stride(stat.dim, est.tp, est.ep)
+        stride = dim_stride(stat.dim, est.tp, est.ep, est.dp // est.dp_replicate)
         per_node = members_per_node(stat.group_size, stride, cluster.gpu.gpus_per_node)
         out.setdefault(stat.dim, {})[stat.collective] = collective_seconds(stat, per_node, cluster)
     return out

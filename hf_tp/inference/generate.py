@@ -44,7 +44,9 @@ def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None
         return root["dp"], root["tp"]
     if root.ndim == 3 and root.mesh_dim_names == ("dp", "cp", "tp"):
         return root["dp"], root["tp"]  # the cp ranks of a dp rank share its rows
-    return None, root  # parallelize accepts only these: 3-D (dp, cp, tp), 2-D (dp, tp) or 1-D tp
+    if root.ndim == 3 and root.mesh_dim_names == ("dp_replicate", "dp_shard", "tp"):
+        return root["dp_replicate", "dp_shard"]._flatten("dp"), root["tp"]  # HSDP: dp is both dims
+    return None, root  # parallelize accepts only these: 3-D (dp, cp, tp), HSDP, 2-D (dp, tp) or 1-D tp
 
 
 def comm_device(mesh: DeviceMesh) -> torch.device:

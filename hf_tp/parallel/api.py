@@ -25,7 +25,7 @@ from hf_tp.parallel.lora import (
 )
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
-from hf_tp.parallel.mesh import cp_mesh, split_mesh
+from hf_tp.parallel.mesh import check_dp_replicate, cp_mesh, fsdp_mesh, split_mesh
 from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
@@ -48,14 +48,13 @@ def parallelize(
 ) -> nn.Module:
     """Tensor-parallelize a HF ``*ForCausalLM`` (or a multimodal wrapper) over ``mesh`` in place; return it.
 
-    ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")`` or ``("dp", "cp", "tp")``;
-    a dp or cp dim > 1 adds FSDP2 over dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes
-    a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
+    ``mesh`` (:func:`hf_tp.build_mesh`) is 1-D (tp), ``("dp", "tp")``, ``("dp", "cp", "tp")`` or ``("dp_replicate",
+    "dp_shard", "tp")`` (HSDP: FSDP2 over dp_shard, replicated over dp_replicate); a dp or cp dim > 1 adds FSDP2 over
+    dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
     each parameter object and the gradient hooks parallelize attached: :mod:`hf_tp.parallel.materialize`),
     or a peft LoRA model (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
-    and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and
-    depends only on the config and the mesh shape: a bad input raises the same ``ValueError`` on
-    every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
+    and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and depends only on
+    the config and the mesh shape: a bad input raises the same ``ValueError`` on every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
     :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism.
 
     ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after
@@ -94,6 +93,7 @@ def parallelize(
             model,
             adapter,
             dp_mesh,
+            shard_mesh=fsdp_mesh(mesh),
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
             ignored_params=(set(expert_params) | whole) or None,
@@ -135,6 +135,8 @@ def _check(
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
+    if fsdp_mesh(mesh) is not None:
+        check_dp_replicate(dp_mesh.size(), mesh["dp_replicate"].size(), ep=ep)
     check_wrapper(adapter, ep=ep, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())

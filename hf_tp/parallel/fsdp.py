@@ -20,6 +20,7 @@ def apply_fsdp(
     adapter: Adapter,
     dp_mesh: DeviceMesh,
     *,
+    shard_mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     ignored_params: set[nn.Parameter] | None = None,
@@ -35,9 +36,12 @@ def apply_fsdp(
     ``ignored_params`` (expert-parallel weights, :func:`odd_dtype_params`) stay as they are;
     those of them in ``averaged`` get their gradients averaged over dp here, as FSDP2 averages
     the others (``fused``: tp-``Partial`` ones are left to :mod:`hf_tp.parallel.partial_grads`,
-    which reduces them over dp and tp at once).
+    which reduces them over dp and tp at once). ``shard_mesh``: the mesh ``fully_shard`` takes
+    when it is not ``dp_mesh``, a 2-D ``(dp_replicate, dp_shard)`` one for HSDP (FSDP2 then
+    reduce-scatters over dp_shard and all-reduces over dp_replicate, still the mean over dp).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    mesh = shard_mesh or dp_mesh
     layers = model.get_submodule(adapter.layers_path)
     for p in averaged or set():
         p.register_hook(_mean_over(dp_mesh, fused))
@@ -45,17 +49,17 @@ def apply_fsdp(
     modules = dict(model.named_modules())
     for path in adapter.passengers:  # a wrapper's vision tower, projector: own units, gathered only if they run
         if path in modules:
-            fully_shard(modules[path], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
+            fully_shard(modules[path], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     for layer in layers:
         fully_shard(
             layer,
-            mesh=dp_mesh,
+            mesh=mesh,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
             ignored_params=ignored_params,
         )
     # The root unit is needed in backward right away, so it is never resharded after forward.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, ignored_params=ignored_params)
     keep_output_capture(model)  # fully_shard re-classes the modules it wraps
 
 

@@ -271,7 +271,7 @@ def fusable(model: nn.Module) -> bool:
 
 def _tp_placements(weight: torch.Tensor) -> list:
     # FSDP2 shards the weight on the mesh dim named "dp" ("dp_cp", dp x cp flattened, with context
-    # parallelism: a _StridedShard there under tp); any other mesh dim of more than one rank shards
+    # parallelism: a _StridedShard there under tp; "dp_replicate" and "dp_shard" with HSDP); any other mesh dim of more than one rank shards
     # it over tp (or something hf_tp did not build).
     if not isinstance(weight, DTensor):
         return []
@@ -280,7 +280,7 @@ def _tp_placements(weight: torch.Tensor) -> list:
     return [
         pl
         for name, size, pl in zip(names, mesh.shape, weight.placements, strict=True)
-        if name not in ("dp", "dp_cp") and size > 1
+        if name not in ("dp", "dp_cp", "dp_replicate", "dp_shard") and size > 1
     ]
 
 

@@ -1,5 +1,5 @@
-"""The ("dp", "tp") device mesh (("dp", "cp", "tp") with context parallelism): building it and
-reading a user's mesh back."""
+"""The ("dp", "tp") device mesh (("dp", "cp", "tp") with context parallelism, ("dp_replicate",
+"dp_shard", "tp") with HSDP): building it and reading a user's mesh back."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+HSDP_DIMS = ("dp_replicate", "dp_shard", "tp")
+
 
 def default_device_type() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"`` (gloo)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1) -> DeviceMesh:
-    """A mesh named ``("dp", "tp")`` over the whole world, ``("dp", "cp", "tp")`` when ``cp`` > 1;
-    tp ranks are adjacent (fast links), then cp.
+def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
+    """A mesh named ``("dp", "tp")`` over the whole world, ``("dp", "cp", "tp")`` when ``cp`` > 1,
+    ``("dp_replicate", "dp_shard", "tp")`` when ``dp_replicate`` > 1 (HSDP: dp = dp_replicate
+    replicas x dp / dp_replicate ranks sharding the weights, a ``"dp"`` dim flattened from both);
+    tp ranks are adjacent (fast links), then cp or dp_shard.
 
     The process group must already be initialised (torchrun, accelerate launch, or
     ``dist.init_process_group``). Raises ``ValueError`` if ``dp * cp * tp`` is not the world size.
@@ -24,6 +28,7 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
     """
     if tp < 1 or dp < 1 or cp < 1:
         raise ValueError(f"tp, cp and dp must be positive integers, got tp={tp}, cp={cp}, dp={dp}")
+    check_dp_replicate(dp, dp_replicate, cp)
     if not dist.is_initialized():
         raise ValueError(
             "build_mesh needs an initialised process group: start the ranks with `hf-tp train`, "
@@ -35,11 +40,48 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
             raise ValueError(f"world size ({world}) must equal tp*dp ({tp}*{dp}={tp * dp})")
         raise ValueError(f"world size ({world}) must equal tp*cp*dp ({tp}*{cp}*{dp}={tp * cp * dp})")
     device_type = device_type or default_device_type()
+    if dp_replicate > 1:
+        mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # every dp rank's own rows, as on a ("dp", "tp") mesh
+        return mesh
     if cp == 1:
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
     return mesh
+
+
+def check_dp_replicate(dp: int, dp_replicate: int, cp: int = 1, ep: int = 1) -> None:
+    """One line for an HSDP split that cannot be built: ``dp_replicate`` must be a positive divisor
+    of dp, and HSDP does not compose with context or expert parallelism here."""
+    if dp_replicate < 1 or dp % dp_replicate:
+        raise ValueError(
+            f"--dp-replicate must be a positive divisor of --dp ({dp}): dp = replicas x the FSDP shard group, "
+            f"got {dp_replicate}"
+        )
+    if dp_replicate > 1 and cp > 1:
+        raise ValueError(
+            "--dp-replicate does not combine with --cp yet: drop one (FSDP2 over dp x cp shards over both)"
+        )
+    if dp_replicate > 1 and ep > 1:
+        raise ValueError(
+            "--dp-replicate does not combine with --ep yet: drop one (ep borrows its ranks from all of dp)"
+        )
+
+
+def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``dp`` dim of a 2-D or 3-D mesh from :func:`build_mesh`: every dp rank's own rows (with
+    HSDP both dp dims flattened, re-flattened rather than sliced from the root, which torch
+    deprecates for flattened dims)."""
+    if mesh.mesh_dim_names == HSDP_DIMS:
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 2-D ``("dp_replicate", "dp_shard")`` mesh FSDP2 takes for HSDP (weights sharded over
+    dp_shard, replicated over dp_replicate), or None when the mesh has no HSDP dims."""
+    return mesh["dp_replicate", "dp_shard"] if mesh.mesh_dim_names == HSDP_DIMS else None
 
 
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -50,7 +92,8 @@ def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
     """Return ``(dp_mesh or None, tp_mesh)`` of a 1-D (tp) or 2-D ``("dp", "tp")`` mesh; of a 3-D
-    ``("dp", "cp", "tp")`` one the dp mesh is dp x cp flattened (FSDP2 shards over both).
+    ``("dp", "cp", "tp")`` one the dp mesh is dp x cp flattened (FSDP2 shards over both), of a
+    ``("dp_replicate", "dp_shard", "tp")`` one both dp dims flattened.
 
     Checks are local (no collectives), so every rank raises the same error.
     """
@@ -71,7 +114,10 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
         return mesh["dp"], mesh["tp"]
     if mesh.ndim == 3 and names == ("dp", "cp", "tp"):
         return mesh["dp", "cp"]._flatten("dp_cp"), mesh["tp"]
+    if mesh.ndim == 3 and names == HSDP_DIMS:  # the dp mesh is both dims flattened; FSDP2 takes fsdp_mesh
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp"), mesh["tp"]
     raise ValueError(
-        f"the mesh must be 1-D (tp), 2-D with dims named ('dp', 'tp') or 3-D ('dp', 'cp', 'tp'), got "
+        f"the mesh must be 1-D (tp), 2-D with dims named ('dp', 'tp') or 3-D ('dp', 'cp', 'tp') or "
+        f"('dp_replicate', 'dp_shard', 'tp'), got "
         f"ndim={mesh.ndim}, mesh_dim_names={names}; build it with hf_tp.build_mesh(tp=..., cp=..., dp=...)"
     )

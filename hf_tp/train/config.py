@@ -69,6 +69,7 @@ class TrainConfig:
     dp: int | None = None
     ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
     cp: int = 1  # context parallelism: each row's tokens split over cp ranks (long sequences)
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 group of dp / dp_replicate ranks
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
@@ -169,7 +170,19 @@ class TrainConfig:
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
         self._validate_types()
-        for name in ("tp", "dp", "ep", "cp", "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nnodes"):
+        for name in (
+            "tp",
+            "dp",
+            "ep",
+            "cp",
+            "dp_replicate",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "log_every",
+            "nnodes",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -182,6 +195,7 @@ class TrainConfig:
                 f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
                 f"dp x cp, got {self.ep}"
             )
+        self._validate_hsdp()
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
@@ -215,6 +229,20 @@ class TrainConfig:
             raise ValueError(
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def _validate_hsdp(self) -> None:
+        """``--dp-replicate`` splits dp into replicas x a shard group: it must divide dp, and it
+        does not compose with cp or ep (both fold their ranks into the one FSDP2 dp mesh)."""
+        if self.dp_replicate == 1:
+            return
+        if self.dp is not None and self.dp % self.dp_replicate:
+            raise ValueError(
+                f"--dp-replicate must divide --dp ({self.dp}): dp = replicas x the FSDP shard group, "
+                f"got {self.dp_replicate}"
+            )
+        if self.cp > 1 or self.ep > 1:
+            other = "--cp" if self.cp > 1 else "--ep"
+            raise ValueError(f"--dp-replicate does not combine with {other} yet: drop one of them")
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),

@@ -15,6 +15,7 @@ from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import CrossEntropy
 
@@ -46,7 +47,7 @@ def build_objective(
             print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
         reference = FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
     if cfg.precompute_ref:
-        where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=mesh["dp"].get_group(), device=device)
+        where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=dp_mesh_of(mesh).get_group(), device=device)
         batches.data = with_reference_logps(
             batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where
         )

@@ -110,7 +110,14 @@ def write_run_record(out: Path, cfg: TrainConfig, start_step: int, resumed_from:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "start_step": start_step,
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
-        "layout": {"tp": cfg.tp, "cp": cfg.cp, "dp": cfg.dp, "ep": cfg.ep, "nnodes": cfg.nnodes},
+        "layout": {
+            "tp": cfg.tp,
+            "cp": cfg.cp,
+            "dp": cfg.dp,
+            "ep": cfg.ep,
+            "dp_replicate": cfg.dp_replicate,
+            "nnodes": cfg.nnodes,
+        },
         "config": cfg.to_dict(),
     }
     with open(out / HISTORY, "a") as f:

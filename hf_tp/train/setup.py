@@ -19,7 +19,7 @@ from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import split_mesh
+from hf_tp.parallel.mesh import dp_mesh_of, split_mesh
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
@@ -78,7 +78,7 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
+    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate)
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
@@ -90,7 +90,7 @@ def set_up(cfg: TrainConfig) -> Run:
     route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
     objective = build_objective(cfg, model, mesh, device, route_group, batches)
     if isinstance(eval_set, PairEvalSet):
-        eval_set.bind(objective, mesh["dp"].get_group())
+        eval_set.bind(objective, dp_mesh_of(mesh).get_group())
     opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
     run = Run(
         cfg=cfg,
@@ -102,7 +102,7 @@ def set_up(cfg: TrainConfig) -> Run:
         sched=build_scheduler(opt, cfg),
         batches=batches,
         eval_set=eval_set,
-        dp_group=mesh["dp"].get_group(),
+        dp_group=dp_mesh_of(mesh).get_group(),
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hf_tp.parallel.context import state_of
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import split_mesh
+from hf_tp.parallel.mesh import dp_mesh_of, split_mesh
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import loss_context, training_loss
 from hf_tp.train.model import build_parallel_model
@@ -86,7 +86,7 @@ def train(model: nn.Module, opt, batch: dict[str, torch.Tensor], rank: Rank, s: 
             # the loss is over the global target count: the dp ranks' gradients add up (FSDP2 averages)
             (loss * rank.dp).backward()
         total = full(loss).detach().float().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=rank.mesh["dp"].get_group())
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh_of(rank.mesh).get_group())
         trace.losses.append(total.item())
         if step == 0:
             trace.grads = full_grads(model)

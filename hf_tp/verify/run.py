@@ -155,7 +155,7 @@ def _rows(cfg: TrainConfig) -> int:
 def _mesh(cfg: TrainConfig, device: torch.device):
     from hf_tp.parallel.mesh import build_mesh
 
-    return build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type)
+    return build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate)
 
 
 def work_dir(cfg: TrainConfig) -> tuple[Path, bool]:

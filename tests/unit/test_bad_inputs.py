@@ -161,6 +161,18 @@ ROWS = [
         train("--tp", "2", "--dp", "1", "--nnodes", "3"),
         E + r".*cannot be split evenly over --nnodes 3",
     ),
+    # --- HSDP (--dp-replicate R: dp = R replicas x the FSDP shard group)
+    Row(
+        "dp-replicate-not-dividing-dp",
+        train("--tp", "1", "--dp", "4", "--dp-replicate", "3"),
+        E + r"--dp-replicate must divide --dp \(4\): dp = replicas x the FSDP shard group, got 3",
+    ),
+    Row("dp-replicate-zero", train("--dp-replicate", "0"), E + r"--dp-replicate must be a positive integer, got 0"),
+    Row(
+        "dp-replicate-with-cp",
+        train("--tp", "1", "--dp", "2", "--cp", "2", "--dp-replicate", "2"),
+        E + r"--dp-replicate does not combine with --cp yet: drop one of them",
+    ),
     Row("lr-negative", train("--lr", "-1"), E + r"--lr must be positive, got -1\.0"),
     Row("lr-nan", train("--lr", "nan"), E + r"--lr must be a finite number, got nan"),
     # finding 6: --lr inf was accepted and trained to NaN at step 2
