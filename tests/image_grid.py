@@ -164,6 +164,7 @@ class ImageCase:
     model_type: str
     dp: int = 1
     train_vision_tower: bool = False
+    ep: int = 1  # expert parallelism over the dp ranks (a MoE language model)
     diffs: dict[str, float] = field(default_factory=dict)
 
     def prepare(self) -> None:
@@ -182,7 +183,7 @@ class ImageCase:
     def check(self, rank: int) -> None:
         model = self.candidates[rank]
         mesh = hf_tp.build_mesh(tp=2, dp=self.dp, device_type="cpu")
-        hf_tp.parallelize(model, mesh, train_vision_tower=self.train_vision_tower)
+        hf_tp.parallelize(model, mesh, train_vision_tower=self.train_vision_tower, ep=self.ep)
         if self.dp == 1:
             tokens = model.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
             assert torch.equal(tokens, self.greedy), f"model.generate with images: {tokens} vs plain HF {self.greedy}"
@@ -192,6 +193,7 @@ class ImageCase:
         batch = collate(self.model_type, self.rows[rows])
         group = mesh["dp"].get_group() if self.dp > 1 else None
         got = two_steps(model, batch, ctx=hf_tp.loss_parallel, dp_group=group)
+        assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         towers = {n for n, _ in model.named_parameters() if in_tower(self.adapter, n)}
         assert (towers <= trainable) == self.train_vision_tower and towers, sorted(towers - trainable)

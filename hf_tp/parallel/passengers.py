@@ -39,14 +39,7 @@ def check_wrapper(adapter: Adapter, *, ep: int, cp: bool) -> None:
     """Refuse, in one line, what hf_tp has not verified on a multimodal wrapper."""
     if not adapter.language_model:
         return
-    unverified = [
-        what
-        for what, asked in (
-            ("expert parallelism (ep > 1)", ep > 1),
-            ("context parallelism (cp > 1)", cp),
-        )
-        if asked
-    ]
+    unverified = [what for what, asked in (("context parallelism (cp > 1)", cp),) if asked]
     if unverified:
         raise ValueError(
             f"hf_tp trains a multimodal {adapter.model_type} checkpoint's language model without "

@@ -49,9 +49,9 @@ def test_unverified_features_are_refused() -> None:
     candidates = [copy.deepcopy(model) for _ in range(2)]
 
     def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
-        with pytest.raises(ValueError, match=r"llava checkpoint's language model without expert parallelism"):
-            hf_tp.parallelize(candidates[rank], mesh, ep=2)
+        mesh = hf_tp.build_mesh(tp=1, cp=2, device_type="cpu")
+        with pytest.raises(ValueError, match=r"llava checkpoint's language model without context parallelism"):
+            hf_tp.parallelize(candidates[rank], mesh)
 
     run_threaded(2, rank_fn)
 
