@@ -135,7 +135,7 @@ def _check(
     )
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
-    check_wrapper(adapter, ep=ep, cp=cp is not None)
+    check_wrapper(model, adapter, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None

@@ -27,7 +27,7 @@ def _skip_unless(model_type: str) -> None:
 
 def test_moe_wrapper_on_text_at_ep2_and_tp2_ep2() -> None:
     _skip_unless("kimi_k25")
-    cases = [WrapperCase("kimi_k25", tp=1, dp=2, ep=2), WrapperCase("kimi_k25", tp=2, dp=2, ep=2)]
+    cases = [WrapperCase("kimi_k25", tp=tp, dp=2, ep=2, steps=2) for tp in (1, 2)]
     results = run_cases(cases)
     assert [r.status for r in results] == ["parity"] * 2, [(r.model_type, r.reason) for r in results]
 
