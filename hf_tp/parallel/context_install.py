@@ -20,6 +20,7 @@ from hf_tp.parallel.context import (
     state_of,
     sum_over_cp,
 )
+from hf_tp.parallel.deepstack import shard_deepstack
 
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
@@ -76,6 +77,8 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     for module in layers.modules():
         module.__dict__["hf_tp_cp"] = state  # read by cp_attention (not a submodule, not a parameter)
     model.__dict__["hf_tp_cp"] = state
+    model.get_decoder().__dict__["hf_tp_cp"] = state  # read by a DeepStack merge (hf_tp.parallel.deepstack)
+    shard_deepstack(model.get_decoder())  # a wrapper's visual features added to this rank's tokens
     # first of the decoder's pre-hooks: a wrapper's (hf_tp.parallel.passengers) then shard this rank's tokens over tp
     model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True, prepend=True)
     model.get_decoder().register_forward_hook(_check_attention_ran(state, list(layers)))

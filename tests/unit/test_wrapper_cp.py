@@ -2,7 +2,7 @@
 model's entry, after the image features are merged into it, with positions (3-D mrope ones too)
 and masks from global token indices. Logits of this rank's tokens, the whole rows' loss, every
 trainable gradient and the AdamW steps equal plain transformers on the same wrapper, on text
-(LLaVA at cp2, Qwen2.5-VL's packed rows at tp2 x cp2) and with images (tp2 x cp2);
+(LLaVA at cp2, Qwen2.5-VL's packed rows at tp2 x cp2) and with images (Qwen3-VL at tp2 x cp2);
 a wrapper that builds its language model's masks itself (Gemma 3) is refused in one line."""
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def test_mrope_wrapper_packed_text_at_tp2_cp2() -> None:
 
 
 def test_images_at_tp2_cp2() -> None:
-    # the image features merged into the whole rows, then split, with Qwen2.5-VL's (3, B, S) positions
-    _skip_unless("qwen2_5_vl")
-    diffs = run_image_cases([ImageCase("qwen2_5_vl", cp=2)])  # (LLaVA too by hand: docs/multimodal.md)
+    # the image features merged into the whole rows, then split, with Qwen3-VL's (3, B, S) positions
+    # and its DeepStack features added to this rank's tokens (LLaVA, Qwen2.5-VL ...: docs/multimodal.md)
+    _skip_unless("qwen3_vl")
+    diffs = run_image_cases([ImageCase("qwen3_vl", cp=2)])
     assert all(max(d.values()) < 1e-5 for d in diffs.values()), diffs
 
 
