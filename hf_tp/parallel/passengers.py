@@ -45,12 +45,11 @@ def check_wrapper(model: nn.Module, adapter: Adapter, *, cp: bool) -> None:
     if builder is not None:
         raise ValueError(
             f"context parallelism (cp > 1) cannot split this multimodal {adapter.model_type} checkpoint: its "
-            f"{builder} builds its language model's attention masks itself ({OWN_MASKS} over the whole "
-            "sequence), which hf_tp's cp, masking from global token indices, does not reproduce; use --cp 1"
+            f"{builder} builds its language model's attention masks itself (one per layer kind, bidirectional "
+            "over image tokens), which hf_tp's cp, masking from global token indices, does not reproduce; use --cp 1"
         )
 
 
-OWN_MASKS = "such as bidirectional attention over image tokens"
 MASK_BUILDER = re.compile(r"^create_\w*mask")  # transformers' masking_utils builders
 
 
