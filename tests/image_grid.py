@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hf_tp
+from hf_tp.parallel.context import Layout
 from hf_tp.parallel.passengers import in_tower
 from tests.family_grid import GREEDY_TOKENS
 from tests.helpers import full, full_grads, run_threaded
@@ -164,26 +165,28 @@ class ImageCase:
     model_type: str
     dp: int = 1
     train_vision_tower: bool = False
+    ep: int = 1  # expert parallelism over the dp ranks (a MoE language model)
+    cp: int = 1  # context parallelism: every cp rank gets the same rows, keeps its share of the tokens
     diffs: dict[str, float] = field(default_factory=dict)
 
     def prepare(self) -> None:
         self.config = image_config(self.model_type)
         ref = wrapper_model(self.config)
         self.rows = image_rows(self.model_type, self.config)
-        self.candidates = [copy.deepcopy(ref) for _ in range(2 * self.dp)]
+        self.candidates = [copy.deepcopy(ref) for _ in range(2 * self.dp * self.cp)]
         self.adapter = hf_tp.get_adapter(self.config)
         for name, p in ref.named_parameters():  # plain HF trains what hf_tp trains
             p.requires_grad_(self.train_vision_tower or not in_tower(self.adapter, name))
-        if self.dp == 1:  # greedy decoding from the first row (two images), before any training
+        if self.dp == self.cp == 1:  # greedy decoding from the first row (two images), before any training
             self.prompt = {k: v for k, v in collate(self.model_type, self.rows[:1]).items() if k != "labels"}
             self.greedy = ref.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
         self.want = two_steps(ref, collate(self.model_type, self.rows))
 
     def check(self, rank: int) -> None:
         model = self.candidates[rank]
-        mesh = hf_tp.build_mesh(tp=2, dp=self.dp, device_type="cpu")
-        hf_tp.parallelize(model, mesh, train_vision_tower=self.train_vision_tower)
-        if self.dp == 1:
+        mesh = hf_tp.build_mesh(tp=2, dp=self.dp, cp=self.cp, device_type="cpu")
+        hf_tp.parallelize(model, mesh, train_vision_tower=self.train_vision_tower, ep=self.ep)
+        if self.dp == self.cp == 1:
             tokens = model.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
             assert torch.equal(tokens, self.greedy), f"model.generate with images: {tokens} vs plain HF {self.greedy}"
         d = mesh.get_local_rank("dp") if self.dp > 1 else 0
@@ -192,11 +195,14 @@ class ImageCase:
         batch = collate(self.model_type, self.rows[rows])
         group = mesh["dp"].get_group() if self.dp > 1 else None
         got = two_steps(model, batch, ctx=hf_tp.loss_parallel, dp_group=group)
+        assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         towers = {n for n, _ in model.named_parameters() if in_tower(self.adapter, n)}
         assert (towers <= trainable) == self.train_vision_tower and towers, sorted(towers - trainable)
         assert set(got.grads) <= trainable, sorted(set(got.grads) - trainable)
         want_rows = self.want.logits[rows]
+        if self.cp > 1:  # this rank's tokens
+            want_rows = want_rows[:, Layout(self.cp, mesh.get_local_rank("cp")).indices(want_rows.shape[1])]
         diffs = {"logits": ((got.logits - want_rows).abs().max() / want_rows.abs().max()).item()}
         diffs["loss"] = abs(got.loss - self.want.loss) / abs(self.want.loss)
         diffs["loss after AdamW"] = abs(got.second_loss - self.want.second_loss) / abs(self.want.second_loss)
@@ -227,7 +233,7 @@ def run_image_cases(cases: list[ImageCase]) -> dict[tuple[str, int], dict[str, f
     """Prepare every case, then check them in one threaded world per size: (model_type, dp) -> max diffs."""
     for case in cases:
         case.prepare()
-    for dp in sorted({c.dp for c in cases}):
-        group = [c for c in cases if c.dp == dp]
-        run_threaded(2 * dp, lambda rank, group=group: [c.check(rank) for c in group])
+    for size in sorted({c.dp * c.cp for c in cases}):
+        group = [c for c in cases if c.dp * c.cp == size]
+        run_threaded(2 * size, lambda rank, group=group: [c.check(rank) for c in group])
     return {(c.model_type, c.dp): c.diffs for c in cases}

@@ -133,6 +133,7 @@ class WrapperCase:
     tp: int = 2
     dp: int = 1
     steps: int = 3
+    ep: int = 1  # expert parallelism over the dp ranks (a MoE language model)
 
     def prepare(self) -> WrapperResult | None:
         """Build the wrapper, run plain HF; None when ready to check, else the result (refused)."""
@@ -162,7 +163,7 @@ class WrapperCase:
     def check(self, rank: int) -> None:
         model = self.candidates[rank]
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, device_type="cpu")
-        hf_tp.parallelize(model, mesh)
+        hf_tp.parallelize(model, mesh, ep=self.ep)
         adapter = hf_tp.get_adapter(self.config)
         assert all(not p.requires_grad for n, p in model.named_parameters() if in_tower(adapter, n))
         if self.dp == 1:
@@ -180,6 +181,7 @@ class WrapperCase:
         local = {k: v[rows] for k, v in self.data.items()}
         dp_group = mesh["dp"].get_group() if self.dp > 1 else None
         got = train_steps(model, local, steps=self.steps, ctx=hf_tp.loss_parallel, dp_group=dp_group)
+        assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert set(got.grads) <= trainable, sorted(set(got.grads) - trainable)
         assert_parity(_trainable(got, trainable), _trainable(self.want, trainable), rows)

@@ -34,7 +34,7 @@ from hf_tp.estimate.step import (
 )
 from hf_tp.estimate.work import Work, WorkCounter
 from hf_tp.parallel.mesh import check_dp_replicate
-from hf_tp.parallel.passengers import check_wrapper, in_tower, passenger_parameters
+from hf_tp.parallel.passengers import in_tower, passenger_parameters
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
@@ -173,7 +173,7 @@ def estimate(
     FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
     """
     validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp, dp_replicate)
-    config = _checked_for_training(config, ep, lora_r, lora_target_modules, cp)
+    config = _checked_for_training(config, lora_r, lora_target_modules)
     start = time.perf_counter()
     with simulation(tp * cp * dp):
         mesh, groups = mesh_and_groups(tp, cp, dp, dp_replicate)
@@ -216,14 +216,10 @@ def estimate(
     )
 
 
-def _checked_for_training(
-    config: PretrainedConfig, ep: int, lora_r: int, lora_target_modules: str, cp: int
-) -> PretrainedConfig:
-    """The checks ``hf-tp train`` makes of LoRA and cp (on a multimodal wrapper: what hf_tp has not
-    verified there, refused before building); returns the config in full precision (a quantized
-    checkpoint: hf_tp trains its dequantized copy)."""
-    if cp > 1:
-        check_wrapper(get_adapter(full_precision(config)), ep=ep, cp=True)
+def _checked_for_training(config: PretrainedConfig, lora_r: int, lora_target_modules: str) -> PretrainedConfig:
+    """The checks ``hf-tp train`` makes of LoRA; returns the config in full precision (a quantized
+    checkpoint: hf_tp trains its dequantized copy). (cp on a multimodal wrapper whose forward builds
+    its own masks is refused by ``hf_tp.parallelize`` when the step is simulated.)"""
     if lora_r:
         TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules).validate()
     return full_precision(config)

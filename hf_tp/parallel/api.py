@@ -137,7 +137,7 @@ def _check(
     cp = cp_mesh(mesh)
     if fsdp_mesh(mesh) is not None:
         check_dp_replicate(dp_mesh.size(), mesh["dp_replicate"].size(), ep=ep)
-    check_wrapper(adapter, ep=ep, cp=cp is not None)
+    check_wrapper(model, adapter, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     ep_mesh = None

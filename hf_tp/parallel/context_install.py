@@ -8,6 +8,7 @@ import ast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.source import source_tree
 from hf_tp.labels import IGNORE_INDEX
@@ -19,6 +20,7 @@ from hf_tp.parallel.context import (
     state_of,
     sum_over_cp,
 )
+from hf_tp.parallel.deepstack import shard_deepstack
 
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
@@ -31,7 +33,7 @@ _KERNELS = ("sdpa", "eager")
 def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
     """Refuse, before anything changes, a model whose attention context parallelism cannot make
     exact: token mixing outside attention, chunked attention, a kernel other than SDPA or eager."""
-    config = model.config
+    config = decoder_config(model)
     kind = config.model_type
     base = getattr(config, "_attn_implementation", None) or "eager"
     if base == ATTENTION_NAME:
@@ -66,21 +68,29 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     """Make ``model`` context parallel over ``cp_mesh`` (after tensor parallelism, before FSDP2)."""
     from transformers import AttentionInterface
 
-    state = ContextState(
-        mesh=cp_mesh, base=model.config._attn_implementation or "eager", multiple=2 * cp_mesh.size() * tp
-    )
+    config = decoder_config(model)
+    state = ContextState(mesh=cp_mesh, base=config._attn_implementation or "eager", multiple=2 * cp_mesh.size() * tp)
     state.documents = masks_documents(model.get_decoder())
     AttentionInterface.register(ATTENTION_NAME, cp_attention)
-    model.config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = ATTENTION_NAME  # (a wrapper's vision tower keeps its own kernel)
     layers = model.get_submodule(layers_path)
     for module in layers.modules():
         module.__dict__["hf_tp_cp"] = state  # read by cp_attention (not a submodule, not a parameter)
     model.__dict__["hf_tp_cp"] = state
-    model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True)
+    model.get_decoder().__dict__["hf_tp_cp"] = state  # read by a DeepStack merge (hf_tp.parallel.deepstack)
+    shard_deepstack(model.get_decoder())  # a wrapper's visual features added to this rank's tokens
+    # first of the decoder's pre-hooks: a wrapper's (hf_tp.parallel.passengers) then shard this rank's tokens over tp
+    model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True, prepend=True)
     model.get_decoder().register_forward_hook(_check_attention_ran(state, list(layers)))
     model.register_forward_pre_hook(_split_labels(state, model), with_kwargs=True)
     model.register_forward_hook(_whole_loss)
     return state
+
+
+def decoder_config(model: nn.Module):
+    """The config of the model's decoder: a causal LM's own; a multimodal wrapper's text config
+    (setting the attention kernel on the wrapper's config would set it on its vision tower too)."""
+    return getattr(model.get_decoder(), "config", None) or model.config
 
 
 def masks_documents(decoder: nn.Module) -> bool:
@@ -123,21 +133,42 @@ def _split_inputs(state: ContextState):
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = ids if ids is not None else embeds
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        if mask is not None and mask.dim() != 2:
-            raise ValueError(f"context parallelism takes a 2-D attention_mask (padding), got {mask.dim()}-D")
-        docs = packed_documents(pos) if pos is not None and mask is None and state.documents else None
+        _check_padding_mask(module, mask)
+        docs = _documents(pos) if pos is not None and mask is None and state.documents else None
         if pos is None:
             pos = torch.arange(x.shape[1], device=x.device)[None]
         state.start(x.shape[1], mask, docs, x.device)
-        kwargs.update(attention_mask=None, position_ids=state.layout.take(pos), use_cache=False)
+        # (B, S), or a multimodal wrapper's 3-D mrope positions (3 or 4, B, S): the sequence is last
+        kwargs.update(attention_mask=None, position_ids=state.layout.take(pos, dim=-1), use_cache=False)
         kwargs.pop("cache_position", None)
         if ids is not None:
             kwargs["input_ids"] = state.layout.take(ids)
-        else:
-            kwargs["inputs_embeds"] = state.layout.take(embeds)
+        else:  # a wrapper's merged embeddings; under tp its text-only path hands them sequence-sharded
+            whole = embeds.full_tensor() if isinstance(embeds, DTensor) else embeds
+            kwargs["inputs_embeds"] = state.layout.take(whole)
         return args, kwargs
 
     return hook
+
+
+def _check_padding_mask(module: nn.Module, mask) -> None:
+    """cp masks from global indices: it takes a 2-D padding mask, nothing a model built itself."""
+    if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return
+    what = f"{mask.dim()}-D" if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__} of masks"
+    raise ValueError(
+        f"context parallelism takes a 2-D attention_mask (padding), but {type(module).__name__} is given {what} "
+        "(a multimodal wrapper's own masks, such as bidirectional attention over image tokens, cannot be split); "
+        "use --cp 1"
+    )
+
+
+def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Packed documents from ``position_ids``: (B, S), or the text row of the 4-row mrope form
+    (text, temporal, height, width); 3 rows carry no text positions, so HF masks no documents."""
+    if position_ids.dim() == 3:
+        return packed_documents(position_ids[0]) if position_ids.shape[0] == 4 else None
+    return packed_documents(position_ids)
 
 
 def _check_attention_ran(state: ContextState, layers: list[nn.Module]):

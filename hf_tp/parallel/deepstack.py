@@ -9,7 +9,9 @@ of the whole sequence, which boolean indexing cannot mix. Here the features are 
 whole-sequence tensor (zero elsewhere, the same on every tp rank), laid out as the hidden states
 (a local slice: no communication; its backward all-gathers the gradient, so the deepstack
 mergers see the whole one, as the projector does) and added: at the visual positions the same
-``h + v`` as transformers', elsewhere ``h + 0``, exactly ``h``.
+``h + v`` as transformers', elsewhere ``h + 0``, exactly ``h``. Under context parallelism the
+mask covers the whole rows and the hidden states this rank's tokens: the whole-sequence tensor is
+cut to them first (:class:`hf_tp.parallel.context.Layout`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate
+
+from hf_tp.parallel.context import Layout, state_of
 
 DEEPSTACK = "_deepstack_process"  # transformers' name for the merge (Qwen3-VL, Qwen3-VL-MoE, Cohere Compass)
 ARGUMENTS = ("hidden_states", "visual_pos_masks", "visual_embeds")
@@ -38,9 +42,11 @@ def shard_deepstack(language_model: nn.Module) -> None:
         )
 
     def process(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
-        if not isinstance(hidden_states, DTensor):
+        state = state_of(language_model)
+        layout = state.layout if state is not None and visual_pos_masks.shape[-1] != hidden_states.shape[1] else None
+        if not isinstance(hidden_states, DTensor) and layout is None:
             return own(language_model, hidden_states, visual_pos_masks, visual_embeds)
-        return hidden_states + sequence_addend(hidden_states, visual_pos_masks, visual_embeds)
+        return hidden_states + sequence_addend(hidden_states, visual_pos_masks, visual_embeds, layout)
 
     setattr(language_model, DEEPSTACK, process)
 
@@ -61,12 +67,19 @@ def _adds_at_positions(language_model: nn.Module, own) -> bool:
         return isinstance(got, torch.Tensor) and torch.equal(got, want)
 
 
-def sequence_addend(hidden_states: DTensor, positions: torch.Tensor, values: torch.Tensor) -> DTensor:
+def sequence_addend(
+    hidden_states: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, layout: Layout | None = None
+) -> torch.Tensor:
     """``values`` (one row per True of ``positions``, row-major) at ``positions`` of a zero tensor of
-    ``hidden_states``' global shape, laid out as ``hidden_states``."""
-    mesh = hidden_states.device_mesh
-    whole = torch.zeros(hidden_states.shape, dtype=hidden_states.dtype, device=values.device)
+    the whole rows, laid out as ``hidden_states``: this cp rank's tokens (``layout``, context
+    parallelism: the mask covers the whole rows), then the hidden states' sequence shard over tp."""
+    whole = torch.zeros((*positions.shape, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=values.device)
     whole = whole.index_put((positions.to(values.device),), values.to(hidden_states.dtype))
+    if layout is not None:
+        whole = layout.take(whole)
+    if not isinstance(hidden_states, DTensor):
+        return whole
+    mesh = hidden_states.device_mesh
     return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
         mesh, hidden_states.placements
     )

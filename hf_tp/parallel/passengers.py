@@ -35,23 +35,39 @@ TOWER = re.compile(r"(vision|visual|audio|speech|image_encoder|tower|vqmodel|vq_
 PROJECTOR_INSIDE_TOWER = ("merger", "deepstack_merger_list")
 
 
-def check_wrapper(adapter: Adapter, *, ep: int, cp: bool) -> None:
-    """Refuse, in one line, what hf_tp has not verified on a multimodal wrapper."""
-    if not adapter.language_model:
+def check_wrapper(model: nn.Module, adapter: Adapter, *, cp: bool) -> None:
+    """Refuse, in one line, context parallelism on a wrapper whose forward builds its language
+    model's attention masks itself (Gemma 3's and PaliGemma's: a mask per layer kind, bidirectional
+    over image tokens): cp masks from global token indices and takes only a 2-D padding mask."""
+    if not adapter.language_model or not cp:
         return
-    unverified = [
-        what
-        for what, asked in (
-            ("expert parallelism (ep > 1)", ep > 1),
-            ("context parallelism (cp > 1)", cp),
-        )
-        if asked
-    ]
-    if unverified:
+    builder = own_mask_builder(model, adapter.language_model)
+    if builder is not None:
         raise ValueError(
-            f"hf_tp trains a multimodal {adapter.model_type} checkpoint's language model without "
-            f"{' or '.join(unverified)} for now: not yet checked against plain transformers on wrappers"
+            f"context parallelism (cp > 1) cannot split this multimodal {adapter.model_type} checkpoint: its "
+            f"{builder} builds its language model's attention masks itself (one per layer kind, bidirectional "
+            "over image tokens), which hf_tp's cp, masking from global token indices, does not reproduce; use --cp 1"
         )
+
+
+MASK_BUILDER = re.compile(r"^create_\w*mask")  # transformers' masking_utils builders
+
+
+def own_mask_builder(model: nn.Module, lm_path: str) -> str | None:
+    """The class (wrapper, or a module between it and its language model) whose forward calls one of
+    transformers' mask builders (``create_causal_mask``, ``create_masks_for_generate``, ...), else None."""
+    parts = lm_path.split(".")
+    for depth in range(len(parts)):
+        module = model.get_submodule(".".join(parts[:depth]))
+        tree = source_tree(type(module).forward)
+        for node in ast.walk(tree) if tree is not None else ():
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if MASK_BUILDER.match(name):
+                return f"{type(module).__name__}.forward ({name})"
+    return None
 
 
 def passenger_parameters(model: nn.Module, adapter: Adapter) -> list[tuple[str, nn.Parameter]]:

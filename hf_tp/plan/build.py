@@ -150,7 +150,7 @@ def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: i
     from hf_tp.parallel.tp import check_plan_paths
 
     check_plan_paths(model, adapter, opts)
-    check_wrapper(adapter, ep=ep, cp=cp > 1)
+    check_wrapper(model, adapter, cp=cp > 1)
     if cp > 1:
         check_context_parallel(model, adapter.layers_path, cp)
     if ep > 1:

@@ -105,10 +105,6 @@ def validate_model_config(
 
     adapter = get_adapter(config)
     adapter.validate(config, tp)
-    if adapter.language_model and ep > 1:
-        from hf_tp.parallel.passengers import check_wrapper
-
-        check_wrapper(adapter, ep=ep, cp=False)
     config = adapter.layers_config(config)  # a multimodal wrapper's sizes are its language model's
     if ep > 1:
         experts = num_experts(config)

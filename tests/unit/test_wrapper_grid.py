@@ -1,19 +1,16 @@
 """Multimodal wrappers on text: a sample of the wrapper grid (tests/wrapper_grid.py; the whole grid
 is scripts/wrapper_grid.py) holds parity with plain transformers on the same wrapper at tp=2 and
-tp2 x dp2, in one threaded world per size; what hf_tp has not verified on a wrapper is refused
-with one line."""
+tp2 x dp2, in one threaded world per size (--ep and --cp on wrappers: test_wrapper_ep.py,
+test_wrapper_cp.py)."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
-from tests.helpers import run_threaded
 from tests.image_grid import ImageCase, run_image_cases
-from tests.wrapper_grid import WrapperCase, run_cases, wrapper_config, wrapper_model, wrapper_types
+from tests.wrapper_grid import WrapperCase, run_cases, wrapper_config, wrapper_types
 
 # One wrapper per kind of language model: Llama (LLaVA), Gemma 3 (its own adapter, scaled
 # embedding), Mistral (Mistral 3: Pixtral tower), Qwen3.5 (hybrid linear attention), Llama under
@@ -41,19 +38,6 @@ def test_wrapper_with_its_own_loss_is_refused() -> None:
         pytest.skip("this transformers has no Qwen2-Audio")
     with pytest.raises(ValueError, match=r"multimodal qwen2_audio checkpoint: .*computes its own cross entropy"):
         hf_tp.get_adapter(wrapper_config("qwen2_audio"))
-
-
-def test_unverified_features_are_refused() -> None:
-    config = wrapper_config("llava")
-    model = wrapper_model(config)
-    candidates = [copy.deepcopy(model) for _ in range(2)]
-
-    def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
-        with pytest.raises(ValueError, match=r"llava checkpoint's language model without expert parallelism"):
-            hf_tp.parallelize(candidates[rank], mesh, ep=2)
-
-    run_threaded(2, rank_fn)
 
 
 def test_images_at_tp2_and_tp2_dp2() -> None:
