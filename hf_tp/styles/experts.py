@@ -163,7 +163,7 @@ class MoERegion(ParallelStyle):
             norm = module.get_submodule(self.output_norm)
             norm.register_forward_pre_hook(lambda mod, args: (from_region(args[0]), *args[1:]), prepend=True)
         for path in self.routers:
-            _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
+            _scale_aux_grad(peft_base(module.get_submodule(path)), 1.0 / tp)  # (where HF records its logits)
         return module
 
 
