@@ -1,0 +1,57 @@
+"""peft's all-linear LoRA on MoE models (routers and fused 3-D experts through peft's
+``target_parameters``) under hf_tp against the same peft model in one process: expert tp
+(packed gate/up halves), expert parallelism with FSDP2 over dp, the router's aux-loss gradient."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+import hf_tp  # noqa: E402
+from tests.family_grid import grid_config, grid_model  # noqa: E402
+from tests.helpers import run_threaded  # noqa: E402
+from tests.lora_grid import lora, run_lora  # noqa: E402
+
+# per layer: 4 attention projections, the router, gate_up_proj and down_proj, each (A, B); 2 layers
+ALL = 2 * 7 * 2
+
+
+def _wrappers(model: torch.nn.Module) -> set[str]:
+    return {type(m).__name__ for m in model.modules() if type(m).__module__.startswith("peft.")}
+
+
+def test_all_linear_moe_lora_holds_parity_at_tp2() -> None:
+    # Qwen3-MoE with the router aux loss in HF's loss (the router's LoRA gradient through it counted
+    # once over tp), Mixtral; expert factors sliced like their experts (gate/up halves each).
+    model = lora(grid_model(grid_config("qwen3_moe", vocab_size=300, output_router_logits=True)))
+    assert "ParamWrapper" in _wrappers(model)
+    assert run_lora(model, tp=2, b=4, steps=2)["lora"] == ALL
+    assert run_lora(lora(grid_model(grid_config("mixtral", vocab_size=300))), tp=2, b=4, steps=2)["lora"] == ALL
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_all_linear_moe_lora_holds_parity_under_expert_parallelism(model_type: str) -> None:
+    # tp1 x dp2 x ep2: each rank adds the update of its own experts; factors FSDP2-sharded over dp.
+    model = lora(grid_model(grid_config(model_type, vocab_size=300)))
+    assert run_lora(model, tp=1, dp=2, ep=2, b=4, steps=2)["lora"] == ALL
+
+
+def test_target_parameters_outside_moe_regions_are_refused_at_tp2() -> None:
+    config = LoraConfig(r=4, target_modules=[], target_parameters=["self_attn.q_proj.weight"])
+    model = get_peft_model(grid_model(grid_config("qwen3_moe", vocab_size=300)), config)
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    errors: dict[int, str] = {}
+
+    def rank_fn(rank: int) -> None:
+        with pytest.raises(ValueError, match=r"LoRA on model.layers.0.self_attn.q_proj: peft's target_parameters") as e:
+            hf_tp.parallelize(copies[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        errors[rank] = str(e.value)
+
+    run_threaded(2, rank_fn)
+    assert "only on the parameters of a MoE region" in errors[0]
