@@ -122,9 +122,7 @@ class MoERegion(ParallelStyle):
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
                 owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
-            for owner, leaf, _ in owners:  # (LoRA factors' views first; ep makes its experts' own views)
-                if "hf_tp_local_experts" not in owner.__dict__:
-                    owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
+            _add_lora_updates(owners)
             by_keyword = self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs)
             hidden = kwargs["hidden_states"] if by_keyword else args[0]
             # experts a layer calls itself (Gemma 4) take its flattened tokens, in their own layout
@@ -172,6 +170,14 @@ def _owner(block: nn.Module, name: str) -> tuple[nn.Module, str]:
     peft's ``ParamWrapper`` modules to the module they wrap."""
     prefix, _, leaf = name.rpartition(".")
     return peft_base(block.get_submodule(prefix) if prefix else block), leaf
+
+
+def _add_lora_updates(owners: list[tuple[nn.Module, str, Role]]) -> None:
+    """The views made, the LoRA updates of peft's ``ParamWrapper`` modules added to theirs (from the
+    factors' views; expert parallelism makes its experts' views, and adds them, itself)."""
+    for owner, leaf, _ in owners:
+        if "hf_tp_local_experts" not in owner.__dict__:
+            owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
 
 
 def _with_lora_factors(roles: dict[str, Role], block: nn.Module) -> dict[str, Role]:
