@@ -82,9 +82,14 @@ def _plain(w: torch.Tensor) -> torch.Tensor:
 
 
 def _factors(wrapper: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lhs, rhs)`` with the update ``scaling * lhs @ rhs`` in the parameter's layout (peft's
-    ``get_delta_factors``; for a 2-D parameter ``lora_B @ lora_A``)."""
-    a, b = _plain(wrapper.lora_A[adapter].weight), _plain(wrapper.lora_B[adapter].weight)
+    """``(lhs, rhs)`` of ``wrapper``'s adapter now (:func:`update_factors`)."""
+    return update_factors(wrapper, _plain(wrapper.lora_A[adapter].weight), _plain(wrapper.lora_B[adapter].weight))
+
+
+def update_factors(wrapper: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lhs, rhs)`` with the update ``scaling * lhs @ rhs`` in the wrapped parameter's layout from
+    the factors ``a`` (``lora_A``) and ``b`` (``lora_B``) (peft's ``get_delta_factors``; for a 2-D
+    parameter ``lora_B @ lora_A``)."""
     if wrapper._param_ndim == 2:
         return b, a
     n = wrapper.num_experts

@@ -55,3 +55,33 @@ def test_target_parameters_outside_moe_regions_are_refused_at_tp2() -> None:
 
     run_threaded(2, rank_fn)
     assert "only on the parameters of a MoE region" in errors[0]
+
+
+def test_adapter_and_merged_export_of_moe_lora_match_peft(tmp_path) -> None:
+    # What hf-tp export writes from a run's LoRA tensors (keyed as the HF model inside peft names
+    # them): the adapter folder PeftModel loads, and the merged weights, against peft's merge.
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from hf_tp.adapters.wrapper import model_from_config
+    from hf_tp.checkpoint.lora_export import lora_config, param_wrappers, peft_key, wrapped_update
+
+    config = grid_config("qwen3_moe", vocab_size=300)
+    base = grid_model(config)
+    peft_model = lora(copy.deepcopy(base))  # r=4, alpha=8, all-linear
+    run = {"lora_r": 4, "lora_alpha": 8, "model": "base"}
+    tensors = {k: v for k, v in peft_model.base_model.model.state_dict().items() if ".lora_" in k}
+    save_file({peft_key(k): v.contiguous() for k, v in tensors.items()}, str(tmp_path / "adapter_model.safetensors"))
+    lora_config(run).save_pretrained(str(tmp_path))
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    data = torch.arange(3, 15)[None]
+    torch.testing.assert_close(loaded(data).logits, peft_model(data).logits, rtol=0, atol=0)
+
+    with torch.device("meta"):  # as hf-tp export builds the model it writes
+        meta = model_from_config(config, dtype=torch.float32)
+    wrapped = param_wrappers(meta, run)
+    assert len(wrapped) == 2 * 3  # per layer: the router, gate_up_proj, down_proj
+    want = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    for key, (path, wrapper) in wrapped.items():
+        got = base.state_dict()[key] + wrapped_update(path, wrapper, tensors).to(base.dtype)
+        torch.testing.assert_close(got, want[key], rtol=1e-6, atol=1e-7)
