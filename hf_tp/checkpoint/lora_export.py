@@ -83,7 +83,7 @@ def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     lora = read_lora_tensors(ckpt)
     scaling = (run.get("lora_alpha") or 2 * run["lora_r"]) / run["lora_r"]
-    wrapped = param_wrappers(model, run)
+    wrapped = {k: w for k, w in param_wrappers(model, run).items() if f"{w[0]}.lora_A.{ADAPTER}.weight" in lora}
 
     def read(group: list[str]) -> dict[str, torch.Tensor]:
         out = {}
