@@ -99,7 +99,8 @@ def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, e
             style = _WHOLE_RUN  # computed whole on every tp rank, as the region's own weights
         reason = _refusal(module, style) if tp > 1 else None
         if reason is not None:
-            raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
+            where = "target_parameters" if is_param_wrapper(module) else "target_modules"
+            raise ValueError(f"LoRA on {path}: {reason}; leave it out of {where}")
         if style is _WHOLE_RUN:
             module.hf_tp_whole_run_tp = tp  # its dropout: the tp group's mask (install_dropouts)
 
