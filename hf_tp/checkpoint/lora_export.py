@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_tp.checkpoint.safe_load import SafeReader, safe_load
+from hf_tp.styles.lora_params import is_param_wrapper, update_factors
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # the adapter name hf-tp train gives peft
@@ -41,12 +42,17 @@ def read_lora_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def write_adapter(ckpt: Path, folder: Path, dtype: torch.dtype, run: dict[str, Any]) -> None:
     """``adapter_config.json`` and ``adapter_model.safetensors`` of the run into ``folder``."""
-    from peft import LoraConfig
-
     tensors = {peft_key(k): t.to(dtype).contiguous() for k, t in read_lora_tensors(ckpt).items()}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    lora_config(run).save_pretrained(str(folder))
+
+
+def lora_config(run: dict[str, Any]):
+    """peft's ``LoraConfig`` of the run."""
+    from peft import LoraConfig
+
     targets = run.get("lora_target_modules") or "all-linear"
-    config = LoraConfig(
+    return LoraConfig(
         r=run["lora_r"],
         lora_alpha=run.get("lora_alpha") or 2 * run["lora_r"],
         lora_dropout=run.get("lora_dropout") or 0.0,
@@ -54,7 +60,6 @@ def write_adapter(ckpt: Path, folder: Path, dtype: torch.dtype, run: dict[str, A
         base_model_name_or_path=run.get("model"),
         task_type="CAUSAL_LM",
     )
-    config.save_pretrained(str(folder))
 
 
 def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
@@ -78,21 +83,48 @@ def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     lora = read_lora_tensors(ckpt)
     scaling = (run.get("lora_alpha") or 2 * run["lora_r"]) / run["lora_r"]
+    wrapped = {k: w for k, w in param_wrappers(model, run).items() if f"{w[0]}.lora_A.{ADAPTER}.weight" in lora}
 
     def read(group: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for key in group:
-            if key in fused:  # experts stacked from one tensor per expert (LoRA leaves them as they are)
-                out[key] = read_whole(base_dir, {k: f.name for k, f in files.items()}, fused[key], shapes[key])
-                continue
-            name = in_file[key]
-            with safe_open(str(files[name]), framework="pt") as st:
-                tensor = st.get_tensor(name).float()
+            if key in fused:  # experts stacked from one tensor per expert
+                tensor = read_whole(base_dir, {k: f.name for k, f in files.items()}, fused[key], shapes[key]).float()
+            else:
+                with safe_open(str(files[in_file[key]]), framework="pt") as st:
+                    tensor = st.get_tensor(in_file[key]).float()
             prefix = key.removesuffix(".weight")
             a, b = lora.get(f"{prefix}.lora_A.{ADAPTER}.weight"), lora.get(f"{prefix}.lora_B.{ADAPTER}.weight")
             if a is not None and b is not None:
                 tensor = tensor + (b.float() @ a.float()) * scaling
-            out[key] = tensor
+            out[key] = tensor if key not in wrapped else tensor + wrapped_update(*wrapped[key], lora)
         return out
 
     return read
+
+
+def param_wrappers(model: torch.nn.Module, run: dict[str, Any]) -> dict[str, tuple[str, torch.nn.Module]]:
+    """HF key of each parameter the run's LoRA wraps in a peft ``ParamWrapper`` (``all-linear`` on a
+    MoE model: routers, fused experts) -> (the wrapper's path, the wrapper), from the run's peft
+    config applied to a meta copy of ``model`` (which parameter a nested wrapper holds is peft's choice)."""
+    import copy
+
+    from peft import get_peft_model
+
+    if run.get("lora_target_modules") not in (None, "", "all-linear"):
+        return {}  # (named modules: peft wraps no parameter)
+    with torch.device("meta"):
+        inner = get_peft_model(copy.deepcopy(model), lora_config(run)).base_model.model
+    out = {}
+    for path, module in inner.named_modules():
+        if is_param_wrapper(module):
+            owner = ".".join(p for p in path.split(".") if p != "base_layer")
+            out[f"{owner}.{module.parameter_name}"] = (path, module)
+    return out
+
+
+def wrapped_update(path: str, wrapper: torch.nn.Module, lora: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The update peft's merge adds to the parameter ``wrapper`` (at ``path``) wraps, from the run's factors."""
+    a, b = lora[f"{path}.lora_A.{ADAPTER}.weight"].float(), lora[f"{path}.lora_B.{ADAPTER}.weight"].float()
+    lhs, rhs = update_factors(wrapper, a, b)
+    return (lhs @ rhs) * wrapper.scaling[ADAPTER]

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hf_tp.styles.experts import region_view
+from hf_tp.styles.lora_params import adopt_param_wrappers, peft_base, with_lora
 
 _balanced = False  # set only inside balanced_routing()
 
@@ -134,7 +135,7 @@ def experts_modules(model: nn.Module, layers_path: str, paths: tuple[str, ...]) 
     for i, layer in enumerate(model.get_submodule(layers_path)):
         for rel in paths:
             try:
-                out.append((f"{layers_path}.{i}.{rel}", layer.get_submodule(rel)))
+                out.append((f"{layers_path}.{i}.{rel}", peft_base(layer.get_submodule(rel))))
             except AttributeError:
                 continue  # a dense layer
     return out
@@ -152,7 +153,8 @@ def apply_expert_parallel(
     out_mesh = ep_mesh["dp_out"]
     tp_group = ep_mesh["tp"].get_group() if ep_mesh["tp"].size() > 1 else None
     params = []
-    for _, experts in experts_modules(model, layers_path, paths):
+    for path, experts in experts_modules(model, layers_path, paths):
+        adopt_param_wrappers(model.get_submodule(path))  # peft's LoRA on the experts: added to the local views
         local = _num_experts(experts) // ep
         for name, param in list(experts.named_parameters(recurse=False)):
             value = param.to_local() if isinstance(param, DTensor) else param.detach()
@@ -242,7 +244,7 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         before = {n: self.__dict__.get(n) for n in self._parameters}
         for name, param in self._parameters.items():
             view = region_view(self, name)
-            self.__dict__[name] = (param.to_local() if view is None else view).to(rows.dtype)
+            self.__dict__[name] = (with_lora(self, name, param.to_local()) if view is None else view).to(rows.dtype)
         try:
             out = original(self, rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype, device=rows.device))
             if torch.is_grad_enabled() and not out.requires_grad and rows.requires_grad:

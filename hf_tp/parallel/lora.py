@@ -24,7 +24,9 @@ from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.dropout import runs_whole
 from hf_tp.styles.choice import resolve
 from hf_tp.styles.dropout import ShardAwareDropout
+from hf_tp.styles.experts import MoERegion
 from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
+from hf_tp.styles.lora_params import is_param_wrapper
 
 
 def unwrap_peft(model: nn.Module) -> tuple[nn.Module, bool]:
@@ -51,11 +53,10 @@ _WHOLE_RUN = object()  # (the "style" of a module inside a whole-run region)
 
 def _refusal(module: nn.Module, style: ParallelStyle | object | None) -> str | None:
     """Why the LoRA module at ``path`` cannot be sharded, or None."""
-    if type(module).__name__ == "ParamWrapper":
+    if is_param_wrapper(module):
         return (
-            "peft's target_parameters (LoRA on fused 3-D MoE expert weights or a router's weight; peft's "
-            "all-linear adds them on MoE models) are not sharded by hf_tp: the experts stay frozen; name the "
-            "projections in target_modules instead (e.g. q_proj,k_proj,v_proj,o_proj)"
+            "peft's target_parameters (LoRA on an nn.Parameter) are sharded by hf_tp only on the parameters of a "
+            "MoE region (fused experts, router weights) and this one is not one"
         )
     if not is_lora_linear(module) or type(module.base_layer) is not nn.Linear:
         base = type(getattr(module, "base_layer", module)).__name__
@@ -92,11 +93,14 @@ def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, e
     for path, module in _peft_modules(model).items():
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
         style = plan.get(sub)
+        if is_param_wrapper(module) and (tp == 1 or _in_moe_region(model, plan, path, prefix, module.parameter_name)):
+            continue  # the region or expert parallelism adds its update to the views (hf_tp.styles.lora_params)
         if style is None and path.startswith(prefix) and _in_whole_block(model, plan, path, prefix):
             style = _WHOLE_RUN  # computed whole on every tp rank, as the region's own weights
-        reason = _refusal(module, style) if tp > 1 else _refusal_at_tp1(module)
+        reason = _refusal(module, style) if tp > 1 else None
         if reason is not None:
-            raise ValueError(f"LoRA on {path}: {reason}; leave it out of target_modules")
+            where = "target_parameters" if is_param_wrapper(module) else "target_modules"
+            raise ValueError(f"LoRA on {path}: {reason}; leave it out of {where}")
         if style is _WHOLE_RUN:
             module.hf_tp_whole_run_tp = tp  # its dropout: the tp group's mask (install_dropouts)
 
@@ -114,9 +118,20 @@ def _in_whole_block(model: nn.Module, plan: dict, path: str, prefix: str) -> boo
     return False
 
 
-def _refusal_at_tp1(module: nn.Module) -> str | None:
-    """At tp = 1 with ep > 1 only peft's wrappers of the expert-parallel experts are refused."""
-    return _refusal(module, None) if type(module).__name__ == "ParamWrapper" else None
+def _in_moe_region(model: nn.Module, plan: dict, path: str, prefix: str, leaf: str) -> bool:
+    """peft's ``ParamWrapper`` at ``path`` wraps a parameter (``leaf``) of its layer's MoE region."""
+    if not path.startswith(prefix):
+        return False
+    index, _, sub = path[len(prefix) :].partition(".")
+    layer = model.get_submodule(prefix + index)
+    name = ".".join(part for part in f"{sub}.{leaf}".split(".") if part != "base_layer")
+    for block, style in plan.items():
+        if name.startswith(block + ".") and has_submodule(layer, block):
+            chosen = resolve(style, layer.get_submodule(block))
+            regions = [s for s in getattr(chosen, "styles", (chosen,)) if isinstance(s, MoERegion)]  # (a Compose)
+            if any(name[len(block) + 1 :] in region.roles for region in regions):
+                return True
+    return False
 
 
 def lora_adapter(adapter: Adapter) -> Adapter:

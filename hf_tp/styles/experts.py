@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_tp.styles.choice import PerLayerChoice, resolve
+from hf_tp.styles.lora_params import adopt_param_wrappers, factor_paths, peft_base, with_lora
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,8 @@ class MoERegion(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         owners = []  # (owner module, leaf name, role)
-        for name, role in self.roles.items():
-            prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix) if prefix else module
+        for name, role in _with_lora_factors(self.roles, module).items():
+            owner, leaf = _owner(module, name)
             param = owner._parameters[leaf]
             if role.kind == "shard":
                 if role.packed:
@@ -122,6 +122,7 @@ class MoERegion(ParallelStyle):
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
                 owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
+            _add_lora_updates(owners)
             by_keyword = self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs)
             hidden = kwargs["hidden_states"] if by_keyword else args[0]
             # experts a layer calls itself (Gemma 4) take its flattened tokens, in their own layout
@@ -160,8 +161,31 @@ class MoERegion(ParallelStyle):
             norm = module.get_submodule(self.output_norm)
             norm.register_forward_pre_hook(lambda mod, args: (from_region(args[0]), *args[1:]), prepend=True)
         for path in self.routers:
-            _scale_aux_grad(module.get_submodule(path), 1.0 / tp)
+            _scale_aux_grad(peft_base(module.get_submodule(path)), 1.0 / tp)  # (where HF records its logits)
         return module
+
+
+def _owner(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the module holding the region parameter ``name`` of ``block``, its leaf name), through
+    peft's ``ParamWrapper`` modules to the module they wrap."""
+    prefix, _, leaf = name.rpartition(".")
+    return peft_base(block.get_submodule(prefix) if prefix else block), leaf
+
+
+def _add_lora_updates(owners: list[tuple[nn.Module, str, Role]]) -> None:
+    """The views made, the LoRA updates of peft's ``ParamWrapper`` modules added to theirs (from the
+    factors' views; expert parallelism makes its experts' views, and adds them, itself)."""
+    for owner, leaf, _ in owners:
+        if "hf_tp_local_experts" not in owner.__dict__:
+            owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
+
+
+def _with_lora_factors(roles: dict[str, Role], block: nn.Module) -> dict[str, Role]:
+    """``roles`` plus the LoRA factors of peft's ``ParamWrapper`` modules in ``block``, replicated
+    (:mod:`hf_tp.styles.lora_params`), whose wrappers are adopted."""
+    factors = factor_paths(block)
+    adopt_param_wrappers(block)
+    return {**roles, **{path: Role("replicate") for path in factors}}
 
 
 def hf_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -179,7 +203,7 @@ def region_view(owner: nn.Module, leaf: str) -> torch.Tensor | None:
     made now from the parameter registered now: for code that must make it later than the region's
     entry (experts sharded over dp by FSDP2 are unsharded at their own forward)."""
     found = owner.__dict__.get("hf_tp_region_roles", {}).get(leaf)
-    return None if found is None else _view(owner._parameters[leaf], *found)
+    return None if found is None else with_lora(owner, leaf, _view(owner._parameters[leaf], *found))
 
 
 def _view(param: DTensor, role: Role, tp: int) -> torch.Tensor:
@@ -237,8 +261,7 @@ def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
         return
     for name, role in style.roles.items():
         if role.kind == "shard" and role.packed:
-            prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix) if prefix else module
+            owner, leaf = _owner(module, name)
             owner.__dict__.setdefault("hf_tp_packed", {})[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
 
 
