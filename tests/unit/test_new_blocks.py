@@ -36,7 +36,7 @@ def test_axk2_norm_that_is_a_block_elsewhere_runs_as_the_block() -> None:
 
 LATER = {
     mt: pytest.mark.skipif(bool(family_refusal(mt)), reason=str(family_refusal(mt)))
-    for mt in ("mimo_v2_flash", "mistral4")
+    for mt in ("mimo_v2_flash", "mistral4", "llama4_text")
 }
 
 
@@ -86,7 +86,11 @@ def test_mistral4_builds_as_a_causal_lm() -> None:
 
 @pytest.mark.parametrize(
     ("model_type", "kv"),
-    [("gemma4_text", 2), ("llama4_text", 2), pytest.param("mimo_v2_flash", 4, marks=LATER["mimo_v2_flash"])],
+    [
+        ("gemma4_text", 2),
+        pytest.param("llama4_text", 2, marks=LATER["llama4_text"]),
+        pytest.param("mimo_v2_flash", 4, marks=LATER["mimo_v2_flash"]),
+    ],
 )
 def test_new_blocks_tp4(model_type: str, kv: int) -> None:
     # 8 heads at tp=4; 2 KV heads replicated on 2 ranks each where the layers allow it
@@ -99,6 +103,7 @@ def test_gemma4_per_layer_embeddings_under_tp2_dp2() -> None:
     run_family_ep("gemma4_text", ep=1, tp=2, dp=2)
 
 
+@LATER["llama4_text"]
 def test_llama4_estimate_counts_every_expert_on_every_token() -> None:
     from hf_tp.estimate.api import estimate
 
