@@ -1,10 +1,12 @@
-"""``TrainConfig``: every setting of a training run, from defaults < YAML < CLI flags."""
+"""``TrainConfig``: every setting of a training run, from defaults < YAML < CLI flags.
+
+The settings are declared once, in groups (``hf_tp.train.settings_data``, ``settings_run``), each
+field with its help text and flags: ``hf-tp train``'s parser is generated from them
+(``hf_tp.cli.train_flags``). ``TrainConfig`` is the flat public API over all of them."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -12,109 +14,41 @@ from typing import Any
 
 import yaml
 
-DTYPES = ("auto", "bf16", "fp32")
-REPORTERS = ("tensorboard", "wandb", "none")
-DEVICES = ("auto", "cpu", "cuda")
-AUX_LOSS_OVER = ("step", "micro-batch")
-OBJECTIVES = ("sft", "dpo", "simpo")  # cross entropy; preference losses on pairs (hf_tp.objectives)
+from hf_tp.train.config_checks import ConfigChecks, parse_profile_steps
+from hf_tp.train.setting import coerce_setting, value_types
+from hf_tp.train.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, Objective
+from hf_tp.train.settings_run import (
+    AUX_LOSS_OVER,
+    DEVICES,
+    DTYPES,
+    REPORTERS,
+    Launch,
+    OutputAndCheckpoints,
+    SizesAndOptimizer,
+    SpeedAndParallelism,
+)
+
+# The groups of settings, in the order of ``hf-tp train --help``; TrainConfig's fields follow it.
+GROUPS = (ModelAndData, HeldOutEval, Objective, SizesAndOptimizer, OutputAndCheckpoints, SpeedAndParallelism, Launch)
 
 
-def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
-    """``"A-B"`` (or ``"A"``) -> (A, B), 1-based and inclusive; A >= 2 leaves a warm-up step."""
-    if spec is None or spec == "":
-        return None
-    first, _, last = str(spec).partition("-")
-    try:
-        a, b = int(first), int(last or first)
-    except ValueError:
-        raise ValueError(f"--profile-steps must look like 10-12 (optimizer steps, inclusive), got {spec!r}") from None
-    if not 2 <= a <= b:
-        raise ValueError(
-            f"--profile-steps {spec}: need 2 <= first <= last (step first-1 is the profiler's warm-up), got {a}-{b}"
-        )
-    return a, b
-
-
+# A dataclass takes its bases' fields in reverse MRO order: the last group listed comes first.
 @dataclass
-class TrainConfig:
+class TrainConfig(
+    ConfigChecks,
+    Launch,
+    SpeedAndParallelism,
+    OutputAndCheckpoints,
+    SizesAndOptimizer,
+    Objective,
+    HeldOutEval,
+    ModelAndData,
+):
     """A training run. ``None`` means "not set": :meth:`resolve` fills it from a profile.
 
     Sizes: ``batch_size`` is sequences per dp rank per micro-step, so the global batch is
     ``batch_size * dp * grad_accum`` sequences; it alone (with the seed) decides the data of a step.
     """
-
-    # model and data
-    model: str | None = None  # Hub id or local dir; None: the embedded tiny Llama
-    trust_remote_code: bool = False  # run the Python code a model repo ships (auto_map); off: such models are refused
-    dataset: str | None = None  # Hub id, local file or dir; None: the embedded generated corpus
-    dataset_config: str | None = None  # the Hub dataset's configuration (load_dataset's name)
-    split: str = "train"  # split of the dataset, slices included ("train[:5%]")
-    text_column: str | None = None  # None: detected ("text", else "messages" chat, else prompt/completion)
-    messages_column: str | None = None  # a column of role/content conversations (chat data)
-    assistant_only_loss: bool = True  # chat / prompt-completion: targets only in assistant turns / completion
-    seq_len: int | None = None
-    pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
-    document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
-    streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
-    skip_bad_rows: bool = False  # drop malformed rows (reported once) instead of stopping before launch
-    train_vision_tower: bool = False  # a multimodal checkpoint's vision tower trains too (default: frozen)
-    # held-out evaluation
-    eval_dataset: str | None = None  # Hub id, local file or dir, read like the training data
-    eval_dataset_split: str = "train"
-    eval_split: float = 0.0  # hold out this fraction of the training documents (seeded) instead
-    eval_every: int = 0  # optimizer steps between evaluations; 0: only at the end
-    eval_batches: int = 0  # global batches per evaluation; 0: the whole eval set
-    # parallelism
-    tp: int | None = None
-    dp: int | None = None
-    ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
-    cp: int = 1  # context parallelism: each row's tokens split over cp ranks (long sequences)
-    dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 group of dp / dp_replicate ranks
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each decoder layer
-    device: str = "auto"
-    dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
-    # LoRA (peft): lora_r > 0 freezes the base and trains LoRA adapters (pip install hf_tp[lora])
-    lora_r: int = 0
-    lora_alpha: float | None = None  # scaling is alpha / r; None: 2 x r
-    lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"  # "all-linear" or comma-separated module names
-    # optimisation
-    batch_size: int | None = None
-    grad_accum: int = 1
-    max_steps: int | None = None
-    lr: float | None = None
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    # the objective: next-token cross entropy (sft) or a preference loss on prompt/chosen/rejected pairs
-    objective: str = "sft"  # sft, dpo (against a reference model) or simpo (reference-free)
-    beta: float = 0.1  # DPO / SimPO temperature (TRL's beta)
-    label_smoothing: float = 0.0  # DPO / SimPO: the probability that a pair's preference is flipped (cDPO)
-    simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
-    precompute_ref: bool = False  # dpo: reference log-probs in one pass before training, the reference freed
-    aux_loss_over: str = "step"  # MoE aux loss with --grad-accum: "step" (exact, one extra forward) or "micro-batch"
-    seed: int = 0
-    # checkpoints
-    save_every: int = 0  # optimizer steps between checkpoints; 0: only a final one if exporting
-    keep_checkpoints: int = 0  # keep the newest K complete checkpoints; 0: keep all
-    resume: bool = False  # continue from the newest complete checkpoint in output_dir
-    export_on_finish: bool = False  # write OUTPUT_DIR/export (HF safetensors folder) at the end
-    collective_timeout: float = 600.0  # seconds a rank waits in a collective for the others (after set-up)
-    # output
-    output_dir: str = "outputs/run"
-    overwrite: bool = False
-    log_every: int = 1
-    report_to: str = "tensorboard"  # tensorboard, wandb, both comma-separated, or none
-    profile_steps: str | None = None  # "A-B": torch.profiler trace of optimizer steps A..B in output_dir/profile
-    # launch (multi-node flags pass through to accelerate's launcher)
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -124,16 +58,7 @@ class TrainConfig:
     def field_types(cls) -> dict[str, tuple[type, ...]]:
         """Each field's value types (``None`` left out): ``int | None`` -> ``(int,)``."""
         hints = typing.get_type_hints(cls)
-        out = {}
-        for f in fields(cls):
-            hint = hints[f.name]
-            args = (
-                typing.get_args(hint)
-                if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-                else (hint,)
-            )
-            out[f.name] = tuple(a for a in args if a is not type(None))
-        return out
+        return {f.name: value_types(hints[f.name]) for f in fields(cls)}
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> dict[str, Any]:
@@ -167,152 +92,11 @@ class TrainConfig:
             values["device"] = "cpu"  # the tiny default gains nothing from a GPU
         return dataclasses.replace(self, **values)
 
-    def validate(self) -> None:
-        """Checks that need nothing but the numbers (the model's are checked on load)."""
-        self._validate_types()
-        for name in (
-            "tp",
-            "dp",
-            "ep",
-            "cp",
-            "dp_replicate",
-            "seq_len",
-            "batch_size",
-            "grad_accum",
-            "max_steps",
-            "log_every",
-            "nnodes",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.dp is not None and self.ep > 1 and (self.dp * self.cp) % self.ep:
-            if self.cp == 1:
-                raise ValueError(
-                    f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
-                )
-            raise ValueError(
-                f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
-                f"dp x cp, got {self.ep}"
-            )
-        self._validate_hsdp()
-        self._validate_objective()
-        if self.aux_loss_over not in AUX_LOSS_OVER:
-            raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        for name in ("save_every", "keep_checkpoints"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not self.collective_timeout > 0:
-            raise ValueError(
-                f"--collective-timeout must be a positive number of seconds, got {self.collective_timeout}"
-            )
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
-        self._validate_data()
-        self._validate_lora()
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        profiled = parse_profile_steps(self.profile_steps)
-        if profiled and self.max_steps is not None and profiled[1] > self.max_steps:
-            raise ValueError(f"--profile-steps {self.profile_steps} goes past --max-steps {self.max_steps}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
-        if self.tp is not None and self.dp is not None and self.world_size % self.nnodes:
-            raise ValueError(
-                f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
-            )
-
-    def _validate_hsdp(self) -> None:
-        """``--dp-replicate`` splits dp into replicas x a shard group: it must divide dp, and it
-        does not compose with cp or ep (both fold their ranks into the one FSDP2 dp mesh)."""
-        if self.dp_replicate == 1:
-            return
-        if self.dp is not None and self.dp % self.dp_replicate:
-            raise ValueError(
-                f"--dp-replicate must divide --dp ({self.dp}): dp = replicas x the FSDP shard group, "
-                f"got {self.dp_replicate}"
-            )
-        if self.cp > 1 or self.ep > 1:
-            other = "--cp" if self.cp > 1 else "--ep"
-            raise ValueError(f"--dp-replicate does not combine with {other} yet: drop one of them")
-
-    def _validate_types(self) -> None:
-        """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),
-        and every number is finite: ``--lr inf`` would train to NaN, ``nan`` compares false."""
-        for name, allowed in self.field_types().items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not _is_a(value, allowed):
-                want = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in allowed)
-                raise ValueError(f"{_flag(name)} must be {want}, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
-
-    def _validate_objective(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if not self.beta > 0:
-            raise ValueError(f"--beta must be positive, got {self.beta}")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.precompute_ref and self.objective != "dpo":
-            raise ValueError(f"--precompute-ref is for --objective dpo (its reference model), not {self.objective}")
-        if self.precompute_ref and self.has_eval:
-            raise ValueError("--precompute-ref scores the training pairs only; drop --eval-dataset / --eval-split")
-        if self.objective == "sft":
-            return
-        if self.streaming:
-            raise ValueError(f"--objective {self.objective} reads whole pairs: drop --streaming")
-
-    def _validate_lora(self) -> None:
-        if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 0:
-            raise ValueError(f"--lora-r must be a non-negative integer (0: train every weight), got {self.lora_r!r}")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise ValueError(f"--lora-alpha must be positive, got {self.lora_alpha}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        if not self.lora_targets():
-            raise ValueError("--lora-target-modules is empty; use all-linear or names such as q_proj,v_proj")
-        if not self.lora_r and (self.lora_alpha is not None or self.lora_dropout):
-            raise ValueError("--lora-alpha/--lora-dropout need --lora-r R (the LoRA rank)")
-
     def lora_targets(self) -> str | list[str]:
         """peft's ``target_modules``: ``"all-linear"`` or the list of names."""
         if self.lora_target_modules.strip() == "all-linear":
             return "all-linear"
         return [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
-
-    def _validate_data(self) -> None:
-        if not 0 <= self.eval_split < 1:
-            raise ValueError(
-                f"--eval-split must be a fraction in [0, 1) of the training documents, got {self.eval_split}"
-            )
-        if self.eval_split and self.eval_dataset:
-            raise ValueError("pass either --eval-dataset or --eval-split (a held-out fraction), not both")
-        for name in ("eval_every", "eval_batches"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if (self.eval_every or self.eval_batches) and not self.has_eval:
-            raise ValueError("--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split")
-        if self.streaming and (self.eval_split or not self.pack):
-            raise ValueError(
-                "--streaming packs documents as it reads them: it takes neither --no-pack nor --eval-split "
-                "(use --eval-dataset)"
-            )
-        if self.text_column and self.messages_column:
-            raise ValueError("pass either --text-column or --messages-column, not both")
-        names = [n.strip() for n in str(self.report_to).split(",")]
-        if set(names) - set(REPORTERS) or ("none" in names and len(names) > 1):
-            raise ValueError(f"--report-to takes {', '.join(REPORTERS)} (or tensorboard,wandb), got {self.report_to!r}")
 
     @property
     def has_eval(self) -> bool:
@@ -367,49 +151,21 @@ GENERAL_PROFILE: dict[str, Any] = dict(
 )
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def _is_a(value: object, allowed: tuple[type, ...]) -> bool:
-    """``isinstance`` where a bool is no integer and an integer is a float."""
-    if isinstance(value, bool):
-        return bool in allowed
-    return any(isinstance(value, t) or (t is float and isinstance(value, int)) for t in allowed)
-
-
-def coerce_setting(name: str, value: Any, allowed: tuple[type, ...], where: str) -> Any:
-    """A YAML value converted to a field's type, or one line naming the key.
-
-    PyYAML follows YAML 1.1, where ``1e-3`` and ``3e4`` (no dot) are strings, not numbers;
-    numbers, and strings that spell one, become the field's int or float (an int only when whole:
-    ``3e4`` -> 30000, ``2.5`` is refused for an integer). ``yes``/``true`` are already booleans;
-    a list of names is the comma-separated string the flag takes (``report_to``, LoRA targets)."""
-    if value is None or (isinstance(value, bool) and bool in allowed):
-        return value
-    if str in allowed:
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return ",".join(value)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)  # e.g. profile_steps: 10
-    elif isinstance(value, int) and not isinstance(value, bool):
-        return value if int in allowed else float(value)
-    elif isinstance(value, (str, float)):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None and int in allowed and number.is_integer():
-            return int(number)
-        if number is not None and float in allowed:
-            return number
-    want = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in allowed)
-    raise ValueError(f"{where}: {name} must be {want}, got {value!r}")
-
-
 def merge(base: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """``base`` with ``overrides`` (only keys whose value is not None) applied."""
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+__all__ = [
+    "AUX_LOSS_OVER",
+    "DEVICES",
+    "DTYPES",
+    "EMBEDDED_PROFILE",
+    "GENERAL_PROFILE",
+    "GROUPS",
+    "OBJECTIVES",
+    "REPORTERS",
+    "TrainConfig",
+    "merge",
+    "parse_profile_steps",
+]
