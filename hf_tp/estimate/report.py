@@ -68,11 +68,11 @@ def format_images(est: Estimate) -> list[str]:
         *lines,
         f"Images, counted from the config: {im.images_per_row} per row at {im.image_size}x{im.image_size}, "
         f"{im.tower_tokens} tower tokens and {im.merged_tokens} merged tokens each",
-        f"  frozen tower's working set (transient)  {_mib(im.tower_working_set):>12} MiB",
         f"  projector's saved activations           {_mib(im.projector_saved):>12} MiB",
-        f"  merged sequence whole on each tp rank   {_mib(im.merged_sequence):>12} MiB",
-        f"  peak with images (about)                {_mib(est.peak.total + im.peak_extra):>12} MiB",
-        f"  dp all-gather of the tower per step     {_mib(gather if est.dp > 1 else 0):>12} MiB",
+        f"  merged sequence (its copy; whole on tp) {_mib(im.merged_sequence):>12} MiB",
+        f"  peak with images (the two above added)  {_mib(est.peak.total + im.peak_extra):>12} MiB",
+        f"  frozen tower's working set (transient, at the forward's start) {_mib(im.tower_working_set):>10} MiB",
+        f"  tower gathered whole over dp (transient, at the forward's start) {_mib(gather if est.dp > 1 else 0):>9} MiB",
     ]
 
 

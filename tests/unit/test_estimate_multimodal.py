@@ -68,11 +68,12 @@ def test_images_of_a_qwen2_5_vl_7b_like_checkpoint() -> None:
     load = image_load(config, images_per_row=2, image_size=448, seq_len=4096, batch_size=1, tp=4, dtype="bf16")
     # 448 pixels: 32 x 32 patches of 14 in the tower, merged 2 x 2 into 256 tokens (Qwen's processor's count)
     assert (load.tower_tokens, load.merged_tokens) == (1024, 256)
-    # per image, bf16: 1024 tokens x (5 x 1280 + 3420) values = 19.2 MiB; the projector keeps its
-    # input (1024 x 1280) and output (256 x 3584) = 4.25 MiB
-    assert load.tower_working_set == 2 * 1024 * 9820 * 2 and load.projector_saved == 2 * 4_456_448
-    # the merged sequence (4096 x 3584 bf16 = 28 MiB) and its gradient whole, instead of a quarter each
-    assert load.merged_sequence == 2 * (4096 * 3584 * 2) * 3 // 4
+    # per image, bf16: the tower's working set 1024 tokens x (5 x 1280 + 3420) values = 19.2 MiB; the
+    # projector keeps its input (1024 x 1280) and two activations (256 x 3584 each, LLaVA-style) = 6 MiB
+    assert load.tower_working_set == 2 * 1024 * 9820 * 2 and load.projector_saved == 2 * 6 * 2**20
+    # the merged sequence's copy (4096 x 3584 bf16 = 28 MiB), and it and its gradient whole instead of a quarter
+    assert load.merged_sequence == 28 * 2**20 + 2 * 21 * 2**20
+    assert load.peak_extra == load.projector_saved + load.merged_sequence  # the tower's is transient
     with pytest.raises(ValueError, match=r"any size: give --image-size"):
         image_load(config, 2, 0, 4096, 1, 4, "bf16")
     with pytest.raises(ValueError, match=r"take 4096 tokens of the merged sequence, more than --seq-len 2048"):
