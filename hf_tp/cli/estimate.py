@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.gpu_memory is None and args.world_size is None:
             shape = (args.images_per_row, args.image_size, args.seq_len, args.batch_size, args.tp, args.dtype)
-            images = image_load(config, *shape) if args.images_per_row else None
+            images = image_load(config, *shape, projector_trains=not args.lora_r) if args.images_per_row else None
             one = replace(estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), images=images)
             return print_single(one, cluster, args.json)
         if args.images_per_row:

@@ -55,8 +55,10 @@ def image_load(
     batch_size: int,
     tp: int,
     dtype: str,
+    projector_trains: bool = True,
 ) -> ImageLoad:
-    """What ``images_per_row`` images of ``image_size`` pixels a side add to a step of ``config``."""
+    """What ``images_per_row`` images of ``image_size`` pixels a side add to a step of ``config``
+    (``projector_trains`` False: a LoRA run, whose frozen projector keeps nothing for backward)."""
     vision, text = getattr(config, "vision_config", None), getattr(config, "text_config", None)
     if vision is None or text is None:
         raise ValueError(
@@ -75,7 +77,7 @@ def image_load(
     width = _width(vision)
     inner = getattr(vision, "intermediate_size", 4 * width)
     working = images * tower_tokens * (5 * width + inner) * b  # in, out, q, k, v; the MLP's intermediate
-    projector = images * (tower_tokens * width + 2 * merged * text.hidden_size) * b
+    projector = images * (tower_tokens * width + 2 * merged * text.hidden_size) * b if projector_trains else 0
     whole = batch_size * seq_len * text.hidden_size * b
     merged_sequence = whole + 2 * (whole - whole // tp)  # the copy; under tp, it and its gradient whole
     return ImageLoad(images_per_row, size, tower_tokens, merged, working, projector, merged_sequence)

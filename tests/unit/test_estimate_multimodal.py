@@ -74,6 +74,8 @@ def test_images_of_a_qwen2_5_vl_7b_like_checkpoint() -> None:
     # the merged sequence's copy (4096 x 3584 bf16 = 28 MiB), and it and its gradient whole instead of a quarter
     assert load.merged_sequence == 28 * 2**20 + 2 * 21 * 2**20
     assert load.peak_extra == load.projector_saved + load.merged_sequence  # the tower's is transient
+    lora = image_load(config, 2, 448, 4096, 1, 4, "bf16", projector_trains=False)  # frozen: nothing kept
+    assert lora.projector_saved == 0 and lora.merged_sequence == load.merged_sequence
     with pytest.raises(ValueError, match=r"any size: give --image-size"):
         image_load(config, 2, 0, 4096, 1, 4, "bf16")
     with pytest.raises(ValueError, match=r"take 4096 tokens of the merged sequence, more than --seq-len 2048"):
