@@ -2,7 +2,10 @@
 tp2 x dp2 against plain transformers on the same tiny wrapper (logits, loss, every trainable
 gradient, an AdamW step; greedy generate with images at tp=2). Prints a markdown table:
 
-    OMP_NUM_THREADS=1 python scripts/image_grid.py [MODEL_TYPE ...]
+    OMP_NUM_THREADS=1 python scripts/image_grid.py [--ac] [--compile] [MODEL_TYPE ...]
+
+``--ac``: activation checkpointing; ``--compile``: torch.compile on each of the language model's
+decoder layers (inductor on CPU, about a minute a case; no generate: decoding would recompile).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from tests.image_grid import FAMILIES, ImageCase, run_image_cases  # noqa: E402
@@ -23,14 +27,17 @@ from tests.image_grid import FAMILIES, ImageCase, run_image_cases  # noqa: E402
 def main() -> None:
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
-    names = sys.argv[1:] or list(FAMILIES)
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    opts = dict(ac="--ac" in flags, compile="--compile" in flags)
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or list(FAMILIES)
     print("| wrapper | mesh | vision tower | logits | loss | loss after AdamW | grads | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for mt in names:
         for dp, tower in ((1, False), (2, False), (2, True)):
             start = time.time()
+            torch._dynamo.reset()  # compiled frames of an earlier case's threads and process groups
             try:
-                diffs = run_image_cases([ImageCase(mt, dp=dp, train_vision_tower=tower)])[(mt, dp)]
+                diffs = run_image_cases([ImageCase(mt, dp=dp, train_vision_tower=tower, **opts)])[(mt, dp)]
             except AssertionError as exc:
                 print(f"| {mt} | tp2 x dp{dp} | FAILS: {str(exc).splitlines()[-1][:150]} |||||||")
                 continue

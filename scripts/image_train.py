@@ -5,7 +5,7 @@ and a TRL-style ``images.jsonl``; runs ``hf-tp train --tp 2 --dp 2`` on it and a
 plain transformers loop on the same global batches (vision tower frozen in both, AdamW, hf-tp's
 schedule and clipping), and prints both loss curves and their largest relative difference:
 
-    OMP_NUM_THREADS=1 python scripts/image_train.py [--tp 2 --dp 2 --steps 4] [--train-vision-tower]
+    OMP_NUM_THREADS=1 python scripts/image_train.py [--tp 2 --cp 1 --dp 2 --steps 4] [--train-vision-tower]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def reference(model_dir: Path, data: Path, steps: int, global_batch: int, tower:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--train-vision-tower", action="store_true")
@@ -81,7 +82,18 @@ def main() -> None:
         data = write_jsonl(folder / "images.jsonl", image_rows(write_images(folder, 3)))
         out = folder / "run"
         cmd = [sys.executable, "-m", "hf_tp.cli.main", "train", "--model", str(model_dir), "--dataset", str(data)]
-        cmd += ["--output-dir", str(out), "--tp", str(args.tp), "--dp", str(args.dp), "--batch-size", "2"]
+        cmd += [
+            "--output-dir",
+            str(out),
+            "--tp",
+            str(args.tp),
+            "--cp",
+            str(args.cp),
+            "--dp",
+            str(args.dp),
+            "--batch-size",
+            "2",
+        ]
         cmd += ["--seq-len", str(SEQ), "--max-steps", str(args.steps), "--lr", str(LR), "--warmup-steps", str(WARMUP)]
         cmd += ["--no-tensorboard"] + (["--train-vision-tower"] if args.train_vision_tower else [])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -92,7 +104,9 @@ def main() -> None:
         got = [r["loss"] for r in rows if r.get("split") != "eval"]
         want = reference(model_dir, data, args.steps, 2 * args.dp, args.train_vision_tower)
     diff = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-    print(f"hf-tp train tp={args.tp} dp={args.dp}: {got}\nplain HF:            {want}\nmax relative diff {diff:.1e}")
+    print(
+        f"hf-tp train tp={args.tp} cp={args.cp} dp={args.dp}: {got}\nplain HF:            {want}\nmax relative diff {diff:.1e}"
+    )
     if diff > 1e-5:
         raise SystemExit(1)
 

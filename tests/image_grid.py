@@ -167,7 +167,15 @@ class ImageCase:
     train_vision_tower: bool = False
     ep: int = 1  # expert parallelism over the dp ranks (a MoE language model)
     cp: int = 1  # context parallelism: every cp rank gets the same rows, keeps its share of the tokens
+    ac: bool = False  # activation checkpointing (the language model's decoder layers recomputed in backward)
+    compile: bool = False  # torch.compile on each of the language model's decoder layers
     diffs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decodes(self) -> bool:
+        """Greedy generate with images is checked at tp2 (not compiled: decoding's growing cache
+        would recompile each layer per length)."""
+        return self.dp == self.cp == 1 and not self.compile
 
     def prepare(self) -> None:
         self.config = image_config(self.model_type)
@@ -177,7 +185,7 @@ class ImageCase:
         self.adapter = hf_tp.get_adapter(self.config)
         for name, p in ref.named_parameters():  # plain HF trains what hf_tp trains
             p.requires_grad_(self.train_vision_tower or not in_tower(self.adapter, name))
-        if self.dp == self.cp == 1:  # greedy decoding from the first row (two images), before any training
+        if self.decodes:  # greedy decoding from the first row (two images), before any training
             self.prompt = {k: v for k, v in collate(self.model_type, self.rows[:1]).items() if k != "labels"}
             self.greedy = ref.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
         self.want = two_steps(ref, collate(self.model_type, self.rows))
@@ -185,8 +193,15 @@ class ImageCase:
     def check(self, rank: int) -> None:
         model = self.candidates[rank]
         mesh = hf_tp.build_mesh(tp=2, dp=self.dp, cp=self.cp, device_type="cpu")
-        hf_tp.parallelize(model, mesh, train_vision_tower=self.train_vision_tower, ep=self.ep)
-        if self.dp == self.cp == 1:
+        hf_tp.parallelize(
+            model,
+            mesh,
+            train_vision_tower=self.train_vision_tower,
+            ep=self.ep,
+            activation_checkpointing=self.ac,
+            compile=self.compile,
+        )
+        if self.decodes:
             tokens = model.generate(**self.prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
             assert torch.equal(tokens, self.greedy), f"model.generate with images: {tokens} vs plain HF {self.greedy}"
         d = mesh.get_local_rank("dp") if self.dp > 1 else 0
@@ -194,7 +209,9 @@ class ImageCase:
         rows = slice(d * per, (d + 1) * per)
         batch = collate(self.model_type, self.rows[rows])
         group = mesh["dp"].get_group() if self.dp > 1 else None
+        calls = _count_calls(model.get_submodule(self.adapter.layers_path)[0])
         got = two_steps(model, batch, ctx=hf_tp.loss_parallel, dp_group=group)
+        assert calls == [3 if self.ac else 2], f"first decoder layer ran {calls} times in two forwards"
         assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         towers = {n for n, _ in model.named_parameters() if in_tower(self.adapter, n)}
@@ -227,6 +244,14 @@ class ImageCase:
         assert not worst, f"{self.model_type} dp={self.dp}: {worst}"
         if rank == 0:
             self.diffs = diffs
+
+
+def _count_calls(layer: torch.nn.Module) -> list[int]:
+    """Calls of the layer's first submodule: one per forward, one more per recompute (HF
+    checkpoints a layer's ``forward``, so hooks on the layer itself run once)."""
+    calls = [0]
+    next(layer.children()).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
 
 
 def run_image_cases(cases: list[ImageCase]) -> dict[tuple[str, int], dict[str, float]]:

@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: FSDP2 mixed precision, fp32 master weights"
     )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer")
+    p.add_argument(
+        "--images-per-row", type=int, default=0, help="a multimodal wrapper on image + text rows: images in each row"
+    )
+    p.add_argument("--image-size", type=int, default=0, help="pixels of an image's side (towers of any size)")
     p.add_argument("--lora-r", type=int, default=0, help="a LoRA run of rank R (frozen base in --dtype)")
     p.add_argument(
         "--lora-target-modules", default="all-linear", help="with --lora-r: all-linear or names such as q_proj,v_proj"
@@ -83,8 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from hf_tp.estimate.api import estimate
     from hf_tp.estimate.configs import resolve_model_config
+    from hf_tp.estimate.images import image_load
     from hf_tp.estimate.report import format_sweep
     from hf_tp.estimate.report_speed import format_ranking
     from hf_tp.estimate.sweep import parse_memory, sweep
@@ -104,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
             lora_target_modules=args.lora_target_modules,
         )
         if args.gpu_memory is None and args.world_size is None:
-            return print_single(
-                estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), cluster, args.json
+            shape = (args.images_per_row, args.image_size, args.seq_len, args.batch_size, args.tp, args.dtype)
+            images = image_load(config, *shape, projector_trains=not args.lora_r) if args.images_per_row else None
+            one = replace(estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), images=images)
+            return print_single(one, cluster, args.json)
+        if args.images_per_row:
+            raise ValueError(
+                "--images-per-row sizes one layout; the --gpu-memory/--world-size sweep does not count images"
             )
         if args.dp_replicate != 1:
             raise ValueError(

@@ -20,6 +20,7 @@ from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate.comm import CommCounter, CommStat
 from hf_tp.estimate.groups import expert_groups, functional_groups, mesh_and_groups
+from hf_tp.estimate.images import ImageLoad
 from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
 from hf_tp.estimate.moe import MoEStats, RoutedRows, find_experts, moe_stats
 from hf_tp.estimate.simulate import simulation
@@ -79,6 +80,8 @@ class Estimate:
     tower_params: int = 0
     projector_params: int = 0
     dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 shard group of dp / dp_replicate
+    # image + text rows of a wrapper: what their images add, counted from the config (hf_tp.estimate.images)
+    images: ImageLoad | None = None
 
     @property
     def world_size(self) -> int:

@@ -53,6 +53,29 @@ def describe(est: Estimate) -> str:
     )
 
 
+def format_images(est: Estimate) -> list[str]:
+    """A wrapper's paragraph: its weights as counted, and what ``--images-per-row`` images add."""
+    lines = [
+        "",
+        "Multimodal wrapper: the vision tower's and projector's weights are counted (replicated over tp,",
+        "sharded over dp; the frozen tower without gradients or optimizer state); the simulated step is text-only.",
+    ]
+    im = est.images
+    if im is None:
+        return [*lines, "Image activations: give --images-per-row (and --image-size) to count them."]
+    gather = est.tower_params * (2 if est.dtype == "bf16" else 4)
+    return [
+        *lines,
+        f"Images, counted from the config: {im.images_per_row} per row at {im.image_size}x{im.image_size}, "
+        f"{im.tower_tokens} tower tokens and {im.merged_tokens} merged tokens each",
+        f"  projector's saved activations           {_mib(im.projector_saved):>12} MiB",
+        f"  merged sequence (its copy; whole on tp) {_mib(im.merged_sequence):>12} MiB",
+        f"  peak with images (the two above added)  {_mib(est.peak.total + im.peak_extra):>12} MiB",
+        f"  frozen tower's working set (transient, at the forward's start) {_mib(im.tower_working_set):>10} MiB",
+        f"  tower gathered whole over dp (transient, at the forward's start) {_mib(gather if est.dp > 1 else 0):>9} MiB",
+    ]
+
+
 def format_estimate(est: Estimate) -> str:
     """The memory table (peak and between steps) and the collectives table of one estimate."""
     lines = [f"hf-tp estimate: {describe(est)}", ""]
@@ -73,12 +96,7 @@ def format_estimate(est: Estimate) -> str:
         lines.append("collectives per step: none (a single rank)")
     lines += format_moe(est)
     if est.tower_params or est.projector_params:
-        lines += [
-            "",
-            "Multimodal wrapper: the vision tower's and projector's weights are counted (replicated over tp,",
-            "sharded over dp; the frozen tower without gradients or optimizer state), but the step is text-only:",
-            "image activations and the merged image + text sequence are not simulated.",
-        ]
+        lines += format_images(est)
     lines += [
         "",
         "Peak: the largest sum of live tensors on one rank during a step (forward, backward, clipping, AdamW),",

@@ -55,10 +55,9 @@ def parallelize(
     or a peft LoRA model (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
     and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and depends only on
     the config and the mesh shape: a bad input raises the same ``ValueError`` on every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
-    :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism.
-
-    ``activation_checkpointing``: HF's per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after
-    TP, before FSDP2; ``fuse_partial_grads``: one all-reduce per backward for the ``Partial`` gradients of weights
+    :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism. ``activation_checkpointing``: HF's
+    per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after TP, before FSDP2 (not both under
+    tp: :func:`check_compile`); ``fuse_partial_grads``: one all-reduce per backward for the ``Partial`` gradients of weights
     replicated over tp (:mod:`hf_tp.parallel.partial_grads`). ``ep`` > 1 (MoE): whole experts on ranks borrowed from
     dp (dp x cp), tokens moved by all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the
     experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a cp x tp group
@@ -66,6 +65,7 @@ def parallelize(
     says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
     """
     outer, vision = model, train_vision_tower
+    check_compile(compile, activation_checkpointing, split_mesh(mesh)[1].size())
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -175,6 +175,16 @@ def _generate(model: nn.Module, inputs=None, **kwargs):
             "hf_tp.generate(model, input_ids, ...) documents what it takes"
         )
     return parallel_generate(model, input_ids, **kwargs)
+
+
+def check_compile(compile: bool, activation_checkpointing: bool, tp: int) -> None:
+    """torch.compile of a decoder layer that HF checkpoints, under tp, fails in torch's compiler
+    (its AOT autograd saves the DTensors' DeviceMesh for backward): one line before anything runs."""
+    if compile and activation_checkpointing and tp > 1:
+        raise ValueError(
+            "compile with activation checkpointing fails under tensor parallelism in this torch (its compiler "
+            "saves a DeviceMesh for the checkpointed layer's backward): drop --compile or --activation-checkpointing"
+        )
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -1,5 +1,6 @@
 """Image + text end to end: ``hf-tp train`` on a tiny saved LLaVA (its processor built offline)
-and a TRL-style ``images.jsonl``, preempted at tp2 x dp2, resumed at tp1 x dp2, exported; against a
+and a TRL-style ``images.jsonl``, preempted at tp2 x dp2, resumed at tp1 x cp2 x dp2 (context
+parallelism with images: each cp rank runs the tower, keeps its share of the merged tokens), exported; against a
 plain single-process transformers loop on the same global batches (tests/reference_loop.py)."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _frozen_tower(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _train(model_dir: Path, data: Path, run: Path) -> None:
-    """tp2 x dp2, preempted after step 3 (SIGUSR1 to rank 0); resumed at tp1 x dp2 to the end, exported."""
+    """tp2 x dp2, preempted after step 3 (SIGUSR1 to rank 0); resumed at tp1 x cp2 x dp2 to the end, exported."""
     flags = ["--model", str(model_dir), "--dataset", str(data), *RUN, "--output-dir", str(run), "--no-tensorboard"]
     os.environ["HF_TP_CRASH"] = "train:3:0:USR1"
     try:
@@ -38,9 +39,10 @@ def _train(model_dir: Path, data: Path, run: Path) -> None:
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert "llava is a multimodal checkpoint" in proc.stderr and "vision_tower" in proc.stderr
     assert "preempted at step 3" in proc.stdout
-    proc = hf_tp_train(*flags, "--tp", "1", "--dp", "2", "--batch-size", "2", "--resume", "--export-on-finish")
+    resume = ["--tp", "1", "--cp", "2", "--dp", "2", "--batch-size", "2", "--resume", "--export-on-finish"]
+    proc = hf_tp_train(*flags, *resume)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "(step 3)" in proc.stdout
+    assert "resumed from" in proc.stdout and "(step 3)" in proc.stdout and "cp 2" in proc.stdout
 
 
 def _greedy(model: torch.nn.Module, prompt: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,7 @@ def test_image_train_resume_on_another_mesh_export_and_generate(tmp_path: Path) 
     from transformers import AutoModelForImageTextToText, AutoProcessor, LlavaForConditionalGeneration
 
     model_dir = save_tiny_llava(tmp_path / "llava", llava_processor())
-    # Rows 3 and 7 hold no image: steps 1 (tp2 x dp2) and 4 (tp1 x dp2) give one dp rank only
+    # Rows 3 and 7 hold no image: steps 1 (tp2 x dp2) and 4 (tp1 x cp2 x dp2) give one dp rank only
     # rows without images (hf_tp.data.image_steps adds its ghost row there).
     rows = image_rows(write_images(tmp_path, 3), counts=(1, 2, 1, 0, 1, 2, 1, 0))
     data = write_jsonl(tmp_path / "images.jsonl", rows)
