@@ -38,8 +38,6 @@ FAMILY_RELEASES: dict[str, tuple[str, str]] = {
     # Held to parity at 5.24 and refused at the floor (5.17: mimo's sinks take another shape, and
     # Mistral4ForCausalLM is not found from its config); the releases between were not run.
     "mimo_v2_flash": ("5.24.0", "a tensor-parallel plan of its attention sinks"),
-    # Llama 4's text model: at 5.17 its embedding's gradient differs from plain HF's under tp (held to parity at 5.24)
-    "llama4_text": ("5.24.0", "a tensor-parallel plan of its MoE layers"),
     "mistral4": ("5.24.0", "a tensor-parallel plan built from its config (Mistral4ForCausalLM)"),
     # Hyper-connection families, held to parity at 5.24 (the releases between were not run). At 5.17
     # DeepSeek-V4's config has no plan, Qwen4-Exp's layer types differ, and HY-V4's first mixer

@@ -19,6 +19,7 @@ from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.compat import UnsupportedRelease, family_refusal
 from hf_tp.verify.compare import stream_mixer_params
+from hf_tp.verify.model import draw_index_tables
 from tests.helpers import batch, clone, run_threaded
 from tests.parity import assert_parity, train_steps
 
@@ -190,13 +191,7 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64, **extra)
     assert torch.get_default_dtype() == default
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("tid2eid"):
-                # DeepSeek-V4's hash routing table (token -> its experts) is zeros until a checkpoint
-                # loads it: every token would go twice to expert 0, the gate's gradient exactly 0
-                # (round-off); here each token gets distinct experts, as a trained table gives it
-                experts = torch.rand(buf.shape[0], num_experts(config)).argsort(-1)
-                buf.copy_(experts[:, : buf.shape[1]])
+        draw_index_tables(model, config)  # DeepSeek-V4's hash routing table, zeros until a checkpoint loads it
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)

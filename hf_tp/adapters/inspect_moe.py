@@ -69,7 +69,14 @@ def region_roles(
     dense_leaf = {**SHARED_EXPERT_STYLES, **dense_leaf}
     experts_count = num_experts(config)
     roles: dict[str, Role] = {}
-    routers = [path for path, sub in module.named_modules() if isinstance(sub, router_classes)]
+    # a router is a part of the block holding none of its experts: a release that records the MoE
+    # block's own output as router_logits (Llama 4 at 5.17: its first output is the hidden states)
+    # names no router, whose first output the region would scale
+    routers = [
+        path
+        for path, sub in module.named_modules()
+        if isinstance(sub, router_classes) and path and not any(e.startswith(path + ".") for e in experts)
+    ]
     widths = []
     norm = output_norm(module, config.hidden_size)
     for path, sub in module.named_modules():

@@ -18,6 +18,7 @@ from hf_tp.adapters import get_adapter
 from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
+from hf_tp.estimate.bounds import DataDependentBounds
 from hf_tp.estimate.comm import CommCounter, CommStat
 from hf_tp.estimate.groups import expert_groups, functional_groups, mesh_and_groups
 from hf_tp.estimate.images import ImageLoad
@@ -256,7 +257,7 @@ def _tracked_step(
     routed = RoutedRows(experts)
     work = WorkCounter()
     after: list[dict] = []
-    with fake, tracker, counter, work:
+    with fake, DataDependentBounds(), tracker, counter, work:  # (bounds: innermost above the fake mode)
         after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
         train_step(model, optimizer, batch, dp, after_optimizer_step=after_step)
     routed.remove()

@@ -48,7 +48,7 @@ def check_context_parallel(model: nn.Module, layers_path: str, cp: int) -> None:
         )
     if getattr(config, "attention_chunk_size", None):
         raise ValueError(
-            f"cp={cp}: {kind} uses chunked attention (attention_chunk_size), which hf_tp's cp does not mask"
+            f"cp={cp}: {kind} uses chunked attention (attention_chunk_size), which hf_tp's cp does not mask; use --cp 1"
         )
     for name, module in model.get_submodule(layers_path).named_modules():
         cls = type(module).__name__

@@ -26,7 +26,7 @@ from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.record import ModelPlan
 from hf_tp.plan.top import describe_top
 
-TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k", "top_k_experts")
 
 
 def plan_for(

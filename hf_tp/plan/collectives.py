@@ -13,6 +13,7 @@ and hands back a slice (backward: all-gathers the output gradient). Sizes as
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,35 +45,56 @@ def _c(op: str, dim: str, where: str, elements: int, itemsize: int) -> Collectiv
 
 
 def block_collectives(
-    block: str, own: list[Part], inside: list[tuple[str, nn.Module, list[Part]]], s: Sizes, kv: tuple[int, int] | None
+    block: nn.Module,
+    name: str,
+    own: list[Part],
+    inside: list[tuple[str, nn.Module, list[Part]]],
+    s: Sizes,
+    kv: tuple[int, int] | None,
 ) -> list[Item]:
-    """The steps of one block (a decoder layer's child) in forward order: gathering its input,
-    its modules' own collectives, cp's K/V gathers (``kv``: the K and V widths one rank gathers),
-    and the way back to sequence shards (a row-parallel projection's or the block's own)."""
+    """The steps of one block (a decoder layer's child ``block`` at ``name``) in forward order:
+    gathering its input, its modules' own collectives, cp's K/V gathers (``kv``: the K and V widths
+    one rank gathers), and the way back to sequence shards (a row-parallel projection's or the
+    block's own). A module inside a key selector (a sparse-attention indexer: its output is a
+    choice of keys, through which no gradient flows) has no backward collective."""
     kinds = {p.kind for p in own}
     whole = "whole_block" in kinds
-    head, tail = _block_ends(block, kinds, s)
+    head, tail = _block_ends(name, kinds, s, routed=takes_routing(block))
     mid: list[Item] = []
+    selectors = [f"{name}.{path}." for path, m in block.named_modules() if "Indexer" in type(m).__name__]
     for path, module, ps in inside:
         for p in ps:
             if p.kind.startswith("rowwise") and p.kind != "rowwise_plain":
                 tail.insert(0, _rowwise(path, module, p.kind == "rowwise_gathered", s))
             elif (item := _inside(path, module, p.kind, whole, s)) is not None:
-                mid.append(item)
+                mid.append((item[0], []) if any(path.startswith(sel) for sel in selectors) else item)
     if kv is not None and s.cp > 1:
         mid.append(_context_parallel(block, kv, s))
     return head + mid + tail
 
 
-def _block_ends(block: str, kinds: set[str], s: Sizes) -> tuple[list[Item], list[Item]]:
-    """A block's entry and exit: the all-gather of its input and, for a MoE region, the
-    reduce-scatter of its output (a block run whole hands back a slice: its backward all-gathers)."""
+def takes_routing(block: nn.Module) -> bool:
+    """Whether ``block`` is an experts module its layer hands the routing (Gemma 4's
+    ``experts(hidden_states, top_k_index, top_k_weights)``): as a MoE region, it gathers them too."""
+    names = list(inspect.signature(block.forward).parameters)[1:]
+    return any("index" in n for n in names) and any("weight" in n for n in names)
+
+
+def _block_ends(block: str, kinds: set[str], s: Sizes, routed: bool = False) -> tuple[list[Item], list[Item]]:
+    """A block's entry and exit: the all-gather of its input (and of the routing a layer hands
+    its experts: ``routed``) and, for a MoE region, the reduce-scatter of its output (a block run
+    whole hands back a slice: its backward all-gathers)."""
     t, h, b = s.tokens, s.hidden, s.itemsize
     gather = _c("all_gather", "tp", f"{block}: hidden states in", t * h, b)
     head: list[Item] = []
     tail: list[Item] = []
     if "gather_in" in kinds or "moe" in kinds:
         head.append(([gather], [_c("reduce_scatter", "tp", f"{block}: input gradient", t * h, b)]))
+    if "moe" in kinds and routed:  # int64 expert indices; weights in fp32 (routers' softmax)
+        rows = t * s.top_k
+        fwd = [_c("all_gather", "tp", f"{block}: routing indices in", rows, 8)]
+        fwd.append(_c("all_gather", "tp", f"{block}: routing weights in", rows, FP32))
+        head.append((fwd, [_c("reduce_scatter", "tp", f"{block}: routing weights' gradient", rows, FP32)]))
     if "whole_block" in kinds:
         head.append(([gather], []))
         tail.append(([], [_c("all_gather", "tp", f"{block}: output gradient", t * h, b)]))

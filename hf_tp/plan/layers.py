@@ -66,7 +66,9 @@ def describe_layer(layer: nn.Module, plan: dict, ctx: Context) -> Described:
     for block in dict.fromkeys(path.split(".", 1)[0] for path, _ in modules if path):
         inside = [(p, m, resolved[p]) for p, m in modules if p.startswith(block + ".") and p in resolved]
         kv = _kv_widths(layer.get_submodule(block), resolved, block, ctx)
-        blocks.append(block_collectives(block, resolved.get(block, []), inside, ctx.sizes, kv))
+        blocks.append(
+            block_collectives(layer.get_submodule(block), block, resolved.get(block, []), inside, ctx.sizes, kv)
+        )
     forward, backward = in_order(blocks)
     return Described(
         rows=tuple(rows),

@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hf_tp.styles.linear import PerTokenOnShards, TokenLayout, sequence_shards
 
+_FULL = "_hf_tp_stream_shape"  # the global shape of a layer's residual, on its local shard
+
 
 class StreamShape:
     """The shape of the residual a hyper-connection layer took in (shared by its styles)."""
@@ -46,6 +48,10 @@ class HyperConnectionOnShards(PerTokenOnShards):
         self.stream = stream
 
     def _layout(self, mod: nn.Module, x) -> tuple[torch.Size, tuple]:
+        if self.stream is not None and getattr(x, _FULL, None) is not None:
+            # the layer's own input: a recompute of the layer under activation checkpointing (which
+            # replays its forward, not its hooks) learns the streams' shape from it
+            self.stream.full = getattr(x, _FULL)
         if isinstance(x, DTensor) or self.stream is None or self.stream.full is None:
             return super()._layout(mod, x)
         return self.stream.full, (Shard(1),)
@@ -75,9 +81,11 @@ class HyperConnectionLayer(ParallelStyle):
             if not isinstance(x, DTensor) or x.placements != (Shard(1),):
                 raise ValueError(f"{type(mod).__name__}'s residual streams must be sequence shards; got {type(x)}")
             stream.full = x.shape
+            local = x.to_local()
+            setattr(local, _FULL, x.shape)  # kept with the input activation checkpointing saves
             if args:
-                return (x.to_local(), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x.to_local()}
+                return (local, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": local}
 
         def leave(mod: nn.Module, args: tuple, kwargs: dict, output):
             first = output[0] if isinstance(output, tuple) else output

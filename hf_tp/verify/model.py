@@ -21,6 +21,7 @@ def random_model(config: PretrainedConfig, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = model_from_config(config, dtype=torch.float32)
     with torch.no_grad():
+        draw_index_tables(model, config)
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
@@ -29,6 +30,22 @@ def random_model(config: PretrainedConfig, seed: int) -> nn.Module:
             elif name.endswith("gate.weight") and not p.any():  # a router left at zeros: every expert ties
                 p.normal_(0.0, config.initializer_range)
     return model.train()
+
+
+def draw_index_tables(model: nn.Module, config: PretrainedConfig) -> None:
+    """A token -> experts table (DeepSeek-V4's hash routing ``tid2eid``: an integer buffer of
+    ``[vocab, k]``) that the config's init leaves at zeros until a checkpoint loads it: drawn as a
+    trained table is, ``k`` distinct experts per token. (At zeros every token goes ``k`` times to
+    expert 0, its routing weights are constant and the gate's gradient is round-off.) Other
+    integer buffers are left as the init makes them. Draws from the CPU RNG."""
+    from hf_tp.adapters.modules import num_experts
+
+    text = config.get_text_config()
+    experts = num_experts(text)
+    for buf in model.buffers():
+        table = buf.dim() == 2 and not buf.dtype.is_floating_point and buf.dtype != torch.bool
+        if experts and table and buf.shape[0] == text.vocab_size and buf.shape[1] <= experts and not buf.any():
+            buf.copy_(torch.rand(buf.shape[0], experts).argsort(-1)[:, : buf.shape[1]])
 
 
 def save_model(model: nn.Module, folder: Path) -> Path:

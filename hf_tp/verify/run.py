@@ -62,10 +62,11 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str
         )
     ]
     got = candidate.train(model, opt, batch, rank, s, s.steps)
-    checks += _training_checks(got, want, stream_mixer_params(ref))
+    mixers = stream_mixer_params(ref)
+    checks += _training_checks(got, want, mixers)
     ckpt = roundtrip.save(cfg, work, model, opt)
     more = candidate.train(model, opt, batch, rank, s, 1)  # what a resumed run's next step must give
-    checks.append(_resume(cfg, ckpt, device, lora_state, batch, s, got, more))
+    checks.append(_resume(cfg, ckpt, device, lora_state, batch, s, got, more, mixers))
     ref.load_state_dict(got.params, strict=False)  # the export must hold the layout's own weights
     error = roundtrip.on_rank0(lambda: roundtrip.export_error(ckpt, work / "export", peft or ref, bool(peft)))
     checks.append(Check.of("export round trip", error, EXACT))
@@ -106,10 +107,10 @@ def _training_checks(got, want, mixers: tuple[str, ...]) -> list[Check]:
     ]
 
 
-def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more) -> Check:
+def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more, mixers: tuple[str, ...]) -> Check:
     """Load the checkpoint on another mesh: the weights must be the ``saved`` ones, and one more
     step must take them where the layout's own next step took them (``more``): weights, AdamW
-    moments and step count all carried over."""
+    moments and step count all carried over (``mixers``: as in :func:`_training_checks`)."""
     try:
         other, model, opt, rank = roundtrip.resume_model(cfg, device, lora_state, candidate.run)
     except ValueError as exc:
@@ -125,7 +126,8 @@ def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more
     if loaded.rel > EXACT or loaded.missing:
         return Check.of(name + ": loaded weights", loaded, EXACT)
     step = candidate.train(model, opt, batch, rank, s, 1)
-    return Check.of(name, adam_error(step.params, more.params, more.start, more.grads, step.grads, UNRESOLVED), ADAM)
+    error = adam_error(step.params, more.params, more.start, more.grads, step.grads, UNRESOLVED, mixers)
+    return Check.of(name, error, ADAM)
 
 
 def _with_lora(model, cfg: TrainConfig):

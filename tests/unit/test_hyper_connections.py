@@ -55,3 +55,18 @@ def test_hyper_connections_under_tp2_dp2() -> None:
     # FSDP2 over dp=2 around the layer's hooks; the fp32 mixers of this float64 model (and the fp32
     # final mix in the root unit) stay whole on every dp rank, their gradients averaged over dp
     run_family_ep("hy_v4", ep=1, tp=2, dp=2)
+
+
+def test_verify_draws_a_valid_hash_routing_table() -> None:
+    # DeepSeek-V4's tid2eid (token -> its experts) is zeros until a checkpoint loads it: every token
+    # twice to expert 0, the gate's gradient round-off (hf-tp verify failed on it); drawn as a trained
+    # table is, distinct experts per token, while the other buffers stay as the init makes them
+    from hf_tp.verify.model import random_model
+
+    config = grid_config("deepseek_v4")
+    model = random_model(config, seed=0)
+    tables = {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
+    assert tables
+    for table in tables.values():
+        assert table.min() >= 0 and table.max() < config.n_routed_experts
+        assert all(len(set(row.tolist())) == table.shape[1] for row in table)

@@ -123,3 +123,18 @@ def test_gemma4_estimate_builds_outside_fake_tensors() -> None:
 def _meta_model(model_type: str) -> torch.nn.Module:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(grid_config(model_type))
+
+
+@pytest.mark.skipif("qwen4_exp_text" not in CONFIG_MAPPING, reason="needs transformers 5.24's qwen4_exp_text")
+def test_qwen4_estimate_takes_the_indexers_nonzero_at_its_bound() -> None:
+    # its sparse-attention indexer lists each query's visible keys with nonzero, whose size fake
+    # tensors cannot know: the estimate takes every key as visible (the largest tensors it can make)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.bounds import DataDependentBounds
+
+    with FakeTensorMode(), DataDependentBounds():
+        assert torch.nonzero(torch.zeros(3, 5)).shape == (15, 2)
+    est = estimate(grid_config("qwen4_exp_text"), tp=2, dp=1, seq_len=16, batch_size=1)
+    assert est.num_params == sum(p.numel() for p in _meta_model("qwen4_exp_text").parameters())

@@ -106,6 +106,12 @@ FAMILIES += [
     pytest.param(mt, marks=pytest.mark.skipif(bool(family_refusal(mt)), reason=str(family_refusal(mt))))
     for mt in ("nemotron_h", "minimax", "hy_v4", "deepseek_v4")
 ]
+# an indexer (no gradient flows back through a choice of keys) and experts a layer hands its routing
+FAMILIES += [
+    pytest.param(mt, marks=pytest.mark.skipif(bool(family_refusal(base)), reason=str(family_refusal(base))))
+    for mt, base in (("qwen4_exp_text", "qwen4_exp_text"), ("gemma4_text+moe", "gemma4_text"))
+]
+VARIANTS = {"gemma4_text+moe": dict(enable_moe_block=True, top_k_experts=2)}
 
 
 @pytest.fixture
@@ -117,9 +123,10 @@ def fake_world():
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_collectives_are_what_a_parallelized_model_issues(model_type: str, fake_world) -> None:
+    model_type, variant = model_type.split("+")[0], VARIANTS.get(model_type, {})
     if model_type not in CONFIG_MAPPING or family_refusal(model_type):
         pytest.skip(f"this transformers has no {model_type} (or hf_tp refuses it at this release)")
-    config = tiny_config(model_type) if model_type in FAMILY_SETTINGS else grid_config(model_type)
+    config = tiny_config(model_type) if model_type in FAMILY_SETTINGS else grid_config(model_type, **variant)
     want = whole_model(plan_for(config, tp=2, seq_len=S))
     torch.manual_seed(0)
     extra = {"experts_implementation": "eager"} if is_moe(config) else {}
