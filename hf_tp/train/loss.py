@@ -12,7 +12,7 @@ from torch import nn
 from hf_tp.adapters.modules import num_experts
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
-from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
+from hf_tp.parallel.aux_loss import router_aux_term, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
@@ -51,10 +51,7 @@ def training_loss(
         labels = batch["labels"]
         local = {"shift_labels": local_tokens(model, shift_labels(labels))} if state_of(model) else {}
         lm = model.loss_function(out.logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch, **local)
-        experts = num_experts(config)
-        mask = local_tokens(model, mask) if mask is not None else None
-        aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group, routing)
-        aux = sum_over_cp(model, aux)
+        aux = router_aux_term(model, out.router_logits, mask, dp_group, routing)
         return sum_over_cp(model, lm) + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
@@ -120,9 +117,9 @@ def step_routing(
 
 
 def _aux_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The model inputs (no labels, no ``row_lengths``) and the mask of real (non-padding) rows."""
+    """The model inputs (no labels, no ``row_lengths``, no stored reference log-probs) and the mask of real (non-padding) rows."""
     lengths = batch.get("row_lengths")
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths", "ref_logps")}
     mask = batch.get("attention_mask")
     if mask is None and lengths is not None:
         width = batch["input_ids"].shape[1]

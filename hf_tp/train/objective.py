@@ -15,6 +15,7 @@ from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.logps import log_probs_refusal
 from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import CrossEntropy
@@ -27,17 +28,15 @@ def build_objective(
     else a frozen copy of the checkpoint built and sharded exactly like the policy. With
     ``--precompute-ref`` the reference scores every pair of ``batches`` (a
     :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed."""
-    fused = fusable(model)
     if cfg.objective == "sft":
-        return CrossEntropy(fused, route_group)
-    if not fused:
+        return CrossEntropy(fusable(model), route_group)
+    why = log_probs_refusal(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if why:
         raise ValueError(
-            f"--objective {cfg.objective} needs the lm_head fused with the log-probs, which this "
-            f"{model.config.model_type} model does not allow (a biased or soft-capped lm_head, or a MoE router aux "
-            "loss from HF's forward: set output_router_logits=False); use --objective sft"
+            f"--objective {cfg.objective} needs the lm_head fused with the log-probs: {why}; use --objective sft"
         )
     if cfg.objective == "simpo":
-        return SimPO(beta=cfg.beta, gamma=cfg.simpo_gamma, label_smoothing=cfg.label_smoothing)
+        return SimPO(cfg.beta, cfg.simpo_gamma, cfg.label_smoothing, route_group)
     if cfg.lora_r:
         reference = AdaptersOff(model)
     else:
@@ -56,4 +55,4 @@ def build_objective(
             print(
                 f"hf-tp: --precompute-ref: reference log-probs of {len(batches.data)} pairs computed", file=sys.stderr
             )
-    return DPO(reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+    return DPO(reference, cfg.beta, cfg.label_smoothing, route_group)

@@ -18,7 +18,7 @@ from hf_tp.data.pairs import PairCollator
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.tokenize import tokenize_dataset
 from hf_tp.objectives.preference import DPO, SimPO
-from hf_tp.objectives.reference import FrozenCopy
+from hf_tp.objectives.reference import FrozenCopy, model_inputs
 from hf_tp.parallel.logps import linear_log_probs
 from tests.chat_data import chat_tokenizer
 from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, run_threaded, tiny_config, tiny_model
@@ -287,34 +287,90 @@ def test_held_out_pairs_evaluate_to_one_process_numbers() -> None:
         assert records[0][f"eval_{name}"] == pytest.approx(value.item() / 5, rel=1e-5, abs=1e-7), name
 
 
-@pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
-def test_dpo_on_a_moe_at_tp2_equals_one_process() -> None:
-    """Qwen3-MoE (experts split over tp, no router aux loss in the objective): DPO's loss and every
-    gradient at tp2 equal one process's."""
-    import hf_tp
+def _moe_case(aux: bool):
+    """A float64 Qwen3-MoE policy moved away from its reference, and 4 pairs (one pair's rows end in
+    padding, which the router aux loss leaves out) as the whole batch's rows, chosen then rejected."""
     from tests.family_grid import grid_config, grid_model
 
-    config = grid_config("qwen3_moe", output_router_logits=False)
+    config = grid_config("qwen3_moe", output_router_logits=aux, router_aux_loss_coef=0.5)
     ref = grid_model(config)
     policy = copy.deepcopy(ref)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
-    ids = torch.randint(3, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
-    labels = torch.where(torch.arange(12) < 5, -100, ids)  # the first 5 tokens: the prompt
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    step = StepBatches(0, 0, [], num_examples=2)
-    policies, refs = [copy.deepcopy(policy) for _ in range(2)], [copy.deepcopy(ref) for _ in range(2)]
+    ids = torch.randint(3, config.vocab_size, (8, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[[1, 5], 9:] = 0  # pair 1: both sides padded
+    labels = torch.where((torch.arange(12) < 5) | (mask == 0), -100, ids)  # the first 5 tokens: the prompt
+    return policy, ref, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _pairs_of(batch: dict[str, torch.Tensor], pairs: list[int]) -> dict[str, torch.Tensor]:
+    rows = pairs + [p + 4 for p in pairs]  # their chosen rows, then their rejected rows
+    return {k: v[rows] for k, v in batch.items()}
+
+
+@pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
+@pytest.mark.parametrize(
+    ("tp", "dp", "ep", "aux"),
+    [(2, 1, 1, False), (2, 2, 1, True), (1, 2, 2, True)],
+    ids=["tp2", "tp2-dp2-aux", "ep2-aux"],
+)
+def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, aux: bool) -> None:
+    """Qwen3-MoE (experts split over tp, or whole over ep), DPO's loss and every gradient equal
+    one process's; with output_router_logits the loss is DPO's plus router_aux_loss_coef times
+    HF's own load_balancing_loss_func over the policy forward's rows (the reference adds none).
+    At dp2 each rank takes two pairs in two micro-batches, the aux loss over the whole step's rows
+    (the loop's step_routing), so the sum of the micro-steps' losses is the step's loss."""
+    import hf_tp
+    from hf_tp.train.loss import step_routing
+
+    policy, ref, batch = _moe_case(aux)
+    step = StepBatches(0, 0, [], num_examples=4)
+    policies, refs = [copy.deepcopy(policy) for _ in range(tp * dp)], [copy.deepcopy(ref) for _ in range(tp * dp)]
+    policy.config.output_router_logits = False  # the DPO term alone, then HF's aux loss from its own forward
     want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, batch, step).loss
-    want.backward()
+    want_aux = policy(**model_inputs(batch), output_router_logits=True).aux_loss if aux else torch.zeros(())
+    (want + 0.5 * want_aux).backward()
     want_grads = full_grads(policy)
+    got = {}
 
     def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
-        model = hf_tp.parallelize(policies[rank], mesh)
-        loss = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh))).micro_loss(model, batch, step).loss
-        loss.backward()
-        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=0)
-        assert_close_dict(full_grads(model), want_grads, "DPO grad on a MoE at tp2")
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        model = hf_tp.parallelize(policies[rank], mesh, ep=ep)
+        group = mesh["dp"].get_group()
+        objective = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh, ep=ep)), route_group=group)
+        d = mesh.get_local_rank("dp")
+        micro = [_pairs_of(batch, [p]) for p in range(d * 4 // dp, (d + 1) * 4 // dp)]
+        routing = step_routing(model, micro, group) if len(micro) > 1 else None
+        loss, aux_sum = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for m in micro:
+            out = objective.micro_loss(model, m, step, routing=routing)
+            (out.loss * dp).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
+            loss, aux_sum = loss + out.loss.detach(), aux_sum + (out.aux if out.aux is not None else 0)
+        torch.distributed.all_reduce(loss, group=group)
+        torch.distributed.all_reduce(aux_sum, group=group)
+        got[rank] = (loss.double(), aux_sum.double())
+        assert_close_dict(full_grads(model), want_grads, f"DPO grad on a MoE at tp{tp} x dp{dp} x ep{ep}")
 
-    run_threaded(2, rank_fn)
+    run_threaded(tp * dp, rank_fn)
+    for loss, aux_sum in got.values():
+        torch.testing.assert_close(loss, (want + 0.5 * want_aux).detach().double(), rtol=RTOL, atol=0)
+        torch.testing.assert_close(aux_sum, want_aux.detach().double(), rtol=RTOL, atol=0)
+    assert aux == (want_aux.item() > 0)
+
+
+def test_a_router_aux_loss_hf_tp_cannot_add_is_refused() -> None:
+    """A model asking for a router aux loss that is not transformers' load_balancing_loss_func
+    (here a Llama told output_router_logits): refused in one line naming the fix, not dropped."""
+    from hf_tp.parallel.logps import log_probs_refusal, sequence_log_probs
+
+    model = tiny_model(tiny_config("llama", output_router_logits=True, router_aux_loss_coef=0.1))
+    assert "set output_router_logits=False" in log_probs_refusal(model)
+    assert log_probs_refusal(model, router_logits=False) is None  # a reference forward adds no aux loss
+    with pytest.raises(ValueError, match="not transformers' load_balancing_loss_func"):
+        sequence_log_probs(
+            model,
+            {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long)},
+            router_logits=True,
+        )
