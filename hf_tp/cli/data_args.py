@@ -43,14 +43,7 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         help="train on every token of the rendered conversation or pair",
     )
     p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per sequence ({d('seq_len')})")
-    p.add_argument(
-        "--no-pack",
-        dest="pack",
-        action="store_const",
-        const=False,
-        help="one padded document per row (truncated to --seq-len) instead of documents packed into "
-        "--seq-len blocks with EOS between them (default: pack)",
-    )
+    _packing_arguments(p)
     p.add_argument(
         "--streaming",
         action="store_const",
@@ -66,6 +59,25 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         help="drop malformed rows (wrong type, missing or empty fields, a conversation the chat template "
         "rejects) and report how many and which, instead of stopping before launch at the first one "
         "(default: stop)",
+    )
+
+
+def _packing_arguments(p) -> None:
+    """Whether documents are packed into --seq-len rows, and masked from each other there."""
+    p.add_argument(
+        "--pack",
+        action="store_const",
+        const=True,
+        help="pack documents into --seq-len blocks (default for text, chat and prompt-completion data; "
+        "preference pairs are never packed)",
+    )
+    p.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_const",
+        const=False,
+        help="one padded document per row (truncated to --seq-len) instead of documents packed into "
+        "--seq-len blocks with EOS between them (default: pack)",
     )
     p.add_argument(
         "--no-document-masking",

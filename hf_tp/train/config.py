@@ -53,7 +53,7 @@ class TrainConfig:
     messages_column: str | None = None  # a column of role/content conversations (chat data)
     assistant_only_loss: bool = True  # chat / prompt-completion: targets only in assistant turns / completion
     seq_len: int | None = None
-    pack: bool = True  # pack documents into seq_len blocks (pretraining) or pad each one
+    pack: bool | None = None  # pack documents into seq_len blocks or pad each one (None: pack, pairs padded)
     document_masking: bool = True  # packed documents attend only to themselves (position_ids restart)
     streaming: bool = False  # read the dataset as an IterableDataset, tokenize and pack on the fly
     skip_bad_rows: bool = False  # drop malformed rows (reported once) instead of stopping before launch
@@ -270,6 +270,11 @@ class TrainConfig:
             raise ValueError("--precompute-ref scores the training pairs only; drop --eval-dataset / --eval-split")
         if self.objective == "sft":
             return
+        if self.pack:
+            raise ValueError(
+                f"--objective {self.objective} does not pack pairs (each side is one padded row, so a pair stays in "
+                "one micro-batch and sees no other document): drop --pack / pack: true"
+            )
         if self.streaming:
             raise ValueError(f"--objective {self.objective} reads whole pairs: drop --streaming")
 
@@ -303,7 +308,7 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.eval_every or self.eval_batches) and not self.has_eval:
             raise ValueError("--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split")
-        if self.streaming and (self.eval_split or not self.pack):
+        if self.streaming and (self.eval_split or self.pack is False):
             raise ValueError(
                 "--streaming packs documents as it reads them: it takes neither --no-pack nor --eval-split "
                 "(use --eval-dataset)"
@@ -313,6 +318,12 @@ class TrainConfig:
         names = [n.strip() for n in str(self.report_to).split(",")]
         if set(names) - set(REPORTERS) or ("none" in names and len(names) > 1):
             raise ValueError(f"--report-to takes {', '.join(REPORTERS)} (or tensorboard,wandb), got {self.report_to!r}")
+
+    @property
+    def packs(self) -> bool:
+        """Whether documents are packed: ``pack`` as given, else yes for cross entropy and no for
+        preference pairs (which are padded, a pair side a row)."""
+        return self.pack if self.pack is not None else self.objective == "sft"
 
     @property
     def has_eval(self) -> bool:

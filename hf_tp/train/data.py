@@ -77,7 +77,7 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
         report_on_rank0(skipped_summary(dropped, label))
     if len(train) == 0:
         raise ValueError(f"dataset {label}: every row is bad (--skip-bad-rows dropped all {len(dropped)})")
-    if cfg.pack and dist.get_rank() == 0:
+    if cfg.packs and dist.get_rank() == 0:
         print("hf-tp: image + text rows are not packed: each row is one conversation, padded", file=sys.stderr)
     collate = ImageBatchCollator(processor, multiple_of=cfg.row_multiple, base_dir=base)
     return batch_source(cfg, train, collate, dp_rank, device)
@@ -103,7 +103,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             ds,
             tokenizer,
             seq_len=cfg.seq_len,
-            pack=cfg.pack,
+            pack=cfg.packs,
             fmt=fmt,
             document_masking=cfg.document_masking,
             keep_tail=keep_tail,
@@ -166,7 +166,7 @@ def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> T
     """``cfg``, with document masking turned off (and said so) for a model whose attention mask
     does not come from transformers' ``masking_utils`` (the code that turns restarting
     ``position_ids`` into per-document masks): there packed documents would see each other."""
-    if not (cfg.pack and cfg.document_masking):
+    if not (cfg.packs and cfg.document_masking):
         return cfg
     # The MRO: FSDP2 subclasses the model's class (FSDPLlamaModel) in a module of its own.
     modules = [inspect.getmodule(cls) for cls in type(model.get_decoder()).__mro__]

@@ -264,7 +264,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         messages_column=cfg.messages_column,
         assistant_only_loss=cfg.assistant_only_loss,
         eval_split=cfg.eval_split,
-        pack=cfg.pack,
+        pack=cfg.packs,
         document_masking=cfg.document_masking,
         streaming=cfg.streaming,
         seq_len=cfg.seq_len,

@@ -75,6 +75,10 @@ def test_objective_and_data_must_fit(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["train", "--dataset", str(path), "--objective", "dpo", "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "--objective dpo trains on preference pairs" in err and "\n" not in err, err
+    pairs = write_rows(tmp_path / "pairs.jsonl", [_pair()])
+    assert main(["train", "--dataset", str(pairs), "--objective", "dpo", "--pack", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--objective dpo does not pack pairs" in err and "\n" not in err, err
 
 
 def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
@@ -82,12 +86,14 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
     yaml.write_text("objective: dpo\nbeta: 0.2\nlabel-smoothing: 0.1\n")
     cfg = TrainConfig(**TrainConfig.from_yaml(yaml))
     assert (cfg.objective, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma) == ("dpo", 0.2, 0.1, 0.5)
+    assert not cfg.packs and TrainConfig().packs and not TrainConfig(pack=False).packs  # pairs: padded rows
     cfg.validate()
     for bad, says in (
         (dict(objective="orpo"), "--objective must be one of sft, dpo, simpo"),
         (dict(objective="dpo", label_smoothing=0.5), r"--label-smoothing must be in \[0, 0.5\)"),
         (dict(objective="simpo", beta=0.0), "--beta must be positive"),
         (dict(objective="dpo", streaming=True), "--objective dpo reads whole pairs: drop --streaming"),
+        (dict(objective="simpo", pack=True), r"--objective simpo does not pack pairs .*: drop --pack / pack: true"),
         (dict(objective="simpo", precompute_ref=True), "--precompute-ref is for --objective dpo"),
         (dict(objective="dpo", precompute_ref=True, eval_split=0.1), "--precompute-ref scores the training pairs only"),
     ):
