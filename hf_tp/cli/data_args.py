@@ -29,6 +29,7 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         help="the column of conversations, lists of {role, content} rendered with the tokenizer's chat template "
         "(default: detected)",
     )
+    _column_arguments(p)
     p.add_argument(
         "--assistant-only-loss",
         action="store_const",
@@ -60,6 +61,17 @@ def add_data_arguments(p, default: Callable[[str], str]) -> None:
         "rejects) and report how many and which, instead of stopping before launch at the first one "
         "(default: stop)",
     )
+
+
+def _column_arguments(p) -> None:
+    """Columns under other names: preference pairs' prompt/chosen/rejected, tool-calling chat's tools."""
+    for name, what in (
+        ("prompt", "preference pairs: the column of prompts"),
+        ("chosen", "preference pairs: the column of preferred completions"),
+        ("rejected", "preference pairs: the column of rejected completions"),
+        ("tools", "chat data: the column of each row's tool schemas, passed to the chat template"),
+    ):
+        p.add_argument(f"--{name}-column", metavar="NAME", help=f"{what} (default: {name})")
 
 
 def _packing_arguments(p) -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 import yaml
 
+from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
+from hf_tp.data.columns import column_renames
+
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -51,6 +54,10 @@ class TrainConfig:
     split: str = "train"  # split of the dataset, slices included ("train[:5%]")
     text_column: str | None = None  # None: detected ("text", else "messages" chat, else prompt/completion)
     messages_column: str | None = None  # a column of role/content conversations (chat data)
+    prompt_column: str | None = None  # preference pairs: the columns read as prompt, chosen, rejected
+    chosen_column: str | None = None
+    rejected_column: str | None = None
+    tools_column: str | None = None  # tool-calling chat: the column read as tools (each row's tool schemas)
     assistant_only_loss: bool = True  # chat / prompt-completion: targets only in assistant turns / completion
     seq_len: int | None = None
     pack: bool | None = None  # pack documents into seq_len blocks or pad each one (None: pack, pairs padded)
@@ -315,9 +322,22 @@ class TrainConfig:
             )
         if self.text_column and self.messages_column:
             raise ValueError("pass either --text-column or --messages-column, not both")
+        named = [c for c in (getattr(self, f"{n}_column") for n in STANDARD_COLUMNS) if c]
+        if len(set(named)) < len(named):
+            twice = next(c for c in named if named.count(c) > 1)
+            raise ValueError(
+                f"two of --prompt-column, --chosen-column, --rejected-column, --tools-column name column '{twice}'; "
+                "each must name its own"
+            )
         names = [n.strip() for n in str(self.report_to).split(",")]
         if set(names) - set(REPORTERS) or ("none" in names and len(names) > 1):
             raise ValueError(f"--report-to takes {', '.join(REPORTERS)} (or tensorboard,wandb), got {self.report_to!r}")
+
+    @property
+    def column_renames(self) -> dict[str, str]:
+        """The dataset's columns that the ``--{prompt,chosen,rejected,tools}-column`` flags name, and
+        the names the formats read them as (:mod:`hf_tp.data.columns`)."""
+        return column_renames({n: getattr(self, f"{n}_column") for n in STANDARD_COLUMNS})
 
     @property
     def packs(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
+from hf_tp.data.columns import rename_dataset, rename_row
 from hf_tp.data.datasets import load_stream
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
 from hf_tp.data.formats.preference import check_objective_data
@@ -95,6 +96,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
     cache is shared). ``--eval-split`` holds out a seeded fraction of the training documents before
     tokenization, so no document is in both."""
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column)
+    loading = dict(columns, renames=cfg.column_renames)
 
     def tokenize(ds: datasets.Dataset, keep_tail: bool) -> datasets.Dataset:
         fmt = detect_format(ds.column_names, assistant_only=cfg.assistant_only_loss, **columns)
@@ -115,7 +117,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
     if cfg.eval_dataset:
         raw_eval = rank0_first(
             lambda: load_text_dataset(
-                cfg.eval_dataset, split=cfg.eval_dataset_split, config_name=cfg.dataset_config, **columns
+                cfg.eval_dataset, split=cfg.eval_dataset_split, config_name=cfg.dataset_config, **loading
             )
         )
     if cfg.streaming:
@@ -124,12 +126,14 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
         if first is None:
             raise ValueError(f"dataset '{cfg.dataset}' is empty")
         names = list(stream.features) if stream.features is not None else list(first)
+        stream = rename_dataset(stream, cfg.column_renames, f"'{cfg.dataset}'", names)
+        names = list(rename_row(dict.fromkeys(names), cfg.column_renames, f"'{cfg.dataset}'"))
         fmt = detect_format(names, assistant_only=cfg.assistant_only_loss, label=f"'{cfg.dataset}'", **columns)
         skip = dict(skip_bad_rows=cfg.skip_bad_rows, report=report_on_rank0)
         train = PackedStream(stream, fmt, tokenizer, cfg.seq_len, cfg.document_masking, **skip)
     else:
         raw = rank0_first(
-            lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **columns)
+            lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **loading)
         )
         if cfg.eval_split:  # messages about a row name its number in the file, not in the split
             raw = raw.add_column(ROW_COLUMN, np.arange(len(raw)))

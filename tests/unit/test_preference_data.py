@@ -99,3 +99,34 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=says):
             TrainConfig(**bad).validate()
+
+
+def test_columns_under_other_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--prompt-column / --chosen-column / --rejected-column: the same pairs as the standard names,
+    before launch and in the ranks; a column that is not there, or named twice, is one line."""
+    from hf_tp.data import load_text_dataset, tokenize_dataset
+    from hf_tp.data.datasets import check_text_dataset
+    from tests.chat_data import chat_tokenizer
+
+    pairs = [_pair(), _pair(rejected=" i am dee .")]
+    standard = write_rows(tmp_path / "pairs.jsonl", pairs)
+    other = [{"question": p["prompt"], "better": p["chosen"], "worse": p["rejected"], "prompt": "x"} for p in pairs]
+    renamed = write_rows(tmp_path / "renamed.jsonl", other)
+    cfg = TrainConfig(prompt_column="question", chosen_column="better", rejected_column="worse", objective="dpo")
+    renames = cfg.column_renames
+    assert renames == {"question": "prompt", "better": "chosen", "worse": "rejected"}
+    fmt, first = check_text_dataset(str(renamed), every_row=True, renames=renames)
+    assert fmt.kind == PREFERENCE and first == pairs[0]  # the unchosen 'prompt' column dropped
+    tok = chat_tokenizer()
+    got = tokenize_dataset(load_text_dataset(str(renamed), renames=renames), tok, seq_len=32)
+    want = tokenize_dataset(load_text_dataset(str(standard)), tok, seq_len=32)
+    assert got.to_dict() == want.to_dict() and len(got) == 2
+    with pytest.raises(ValueError, match=r"^--chosen-column names column 'nope', which dataset '\S+' does not have"):
+        check_text_dataset(str(renamed), every_row=True, renames={"nope": "chosen"})
+    argv = ["train", "--dataset", str(renamed), "--objective", "dpo", "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--prompt-column", "question", "--chosen-column", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--chosen-column names column 'nope'" in err and "its columns are: question, better, worse" in err, err
+    assert "\n" not in err
+    with pytest.raises(ValueError, match="two of --prompt-column, .* name column 'better'"):
+        TrainConfig(chosen_column="better", rejected_column="better").validate()
