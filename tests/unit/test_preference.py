@@ -374,3 +374,58 @@ def test_a_router_aux_loss_hf_tp_cannot_add_is_refused() -> None:
             {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long)},
             router_logits=True,
         )
+
+
+def test_precomputed_reference_log_probs_are_kept_with_the_dataset_cache(tmp_path) -> None:
+    """--precompute-ref's scores are written under the key of the reference's files, the tokenized
+    pairs, --seq-len and the dtype: a second run reads them (no reference forward, the same
+    numbers), a changed key scores again; the key changes with each of those and nothing else."""
+    import os
+
+    import hf_tp
+    from hf_tp.objectives.precompute import with_reference_logps
+    from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps
+
+    tokenizer = chat_tokenizer()
+    _, ref = _models(tokenizer)
+    ref.save_pretrained(tmp_path / "ref")
+    data = tokenize_dataset(datasets.Dataset.from_dict(_rows("chat")), tokenizer, seq_len=512)
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    key = cache_key(tmp_path / "ref", data, 512, "fp32")
+    assert key == cache_key(tmp_path / "ref", data, 512, "fp32")
+    calls, results = [], []
+
+    def run(path) -> None:
+        refs = [copy.deepcopy(ref) for _ in range(2)]
+
+        def rank_fn(rank: int) -> None:
+            mesh = hf_tp.build_mesh(tp=1, dp=2, device_type="cpu")
+            reference = FrozenCopy(hf_tp.parallelize(refs[rank], mesh))
+            where = dict(dp_rank=rank, dp=2, group=mesh["dp"].get_group(), device=torch.device("cpu"))
+
+            def counted(batch):
+                calls.append(rank)
+                return reference(batch)
+
+            compute = lambda: with_reference_logps(data, counted, collate, batch_size=1, **where)  # noqa: E731
+            scored, computed = cached_reference_logps(data, compute, path, torch.device("cpu"))
+            if rank == 0:
+                results.append((scored["ref_chosen_logps"], scored["ref_rejected_logps"], computed))
+
+        run_threaded(2, rank_fn)
+
+    run(cache_path(key, tmp_path))
+    assert results[0][2] and len(calls) == 4 and cache_path(key, tmp_path).is_file()  # 2 rounds x 2 ranks
+    run(cache_path(key, tmp_path))
+    assert not results[1][2] and len(calls) == 4 and results[1][:2] == results[0][:2]  # read, not scored
+    run(cache_path(cache_key(tmp_path / "ref", data, 256, "fp32"), tmp_path))
+    assert results[2][2] and len(calls) == 8 and results[2][:2] == results[0][:2]
+    changed = {
+        cache_key(tmp_path / "ref", data, 512, "bf16"),
+        cache_key(tmp_path / "ref", data.select([0, 1, 2]), 512, "fp32"),
+        cache_key(tmp_path / "ref", data.select([1, 0, 2, 3]), 512, "fp32"),
+    }
+    weights = tmp_path / "ref" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    changed.add(cache_key(tmp_path / "ref", data, 512, "fp32"))
+    assert len(changed) == 4 and key not in changed
