@@ -155,6 +155,60 @@ def test_simpo_equals_its_formula(tmp_path) -> None:
     assert_close_dict(full_grads(mine), full_grads(policy), "SimPO grad", rtol=RTOL, atol=ATOL)
 
 
+def _trl_cpo_simpo_step(policy, tokenizer, rows, tmp_path, beta: float, gamma: float):
+    """TRL's CPO trainer with loss_type="simpo", cpo_alpha=0 (SimPO): its loss (gradients in
+    ``policy``), logged metrics, and its tokenized pairs as hf_tp pair examples."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    args = CPOConfig(
+        output_dir=str(tmp_path / "cpo"), per_device_train_batch_size=len(rows["chosen"]), report_to=[],
+        use_cpu=True, bf16=False, loss_type="simpo", cpo_alpha=0.0, beta=beta, simpo_gamma=gamma, max_length=512,
+    )  # fmt: skip
+    trainer = CPOTrainer(
+        model=policy, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_dict(rows)
+    )
+    examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+    loss.backward()
+    stored = trainer._stored_metrics["train"]
+    metrics = {k: v[-1] for k, v in stored.items() if k.startswith(("rewards/", "logps/"))}
+    pairs = [
+        {"input_ids": ex["chosen_input_ids"], "labels": ex["chosen_labels"],
+         "rejected_input_ids": ex["rejected_input_ids"], "rejected_labels": ex["rejected_labels"]}
+        for ex in examples
+    ]  # fmt: skip
+    return loss.detach(), metrics, pairs, trainer.model
+
+
+@needs_trl
+def test_simpo_equals_trl_cpo_simpo_loss_rewards_and_gradients(tmp_path) -> None:
+    """SimPO against TRL 1.16's reference implementation (trl.experimental.cpo, loss_type="simpo",
+    cpo_alpha=0) on the same tiny Llama and string pairs: the loss, every logged reward and mean
+    log-prob, every gradient, on CPO's tokens (which it builds its own way: prompt and completion
+    apart, BOS/EOS ids added), equal here to hf_tp's own tokens of the pairs."""
+    tokenizer = chat_tokenizer()
+    policy, _ = _models(tokenizer)
+    mine = copy.deepcopy(policy)
+    beta, gamma = 2.0, 0.7
+    want, want_metrics, pairs, trl_model = _trl_cpo_simpo_step(
+        policy, tokenizer, _rows("string"), tmp_path, beta, gamma
+    )
+    ours = tokenize_dataset(datasets.Dataset.from_dict(_rows("string")), tokenizer, seq_len=512)
+    assert [p["input_ids"] for p in pairs] == ours["input_ids"] and [p["labels"] for p in pairs] == ours["labels"]
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    out = SimPO(beta=beta, gamma=gamma).micro_loss(mine, collate(pairs), StepBatches(0, 0, [], num_examples=len(pairs)))
+    out.loss.backward()
+    assert abs(want.item() - math.log(2)) > 1e-3  # not a trivial step
+    torch.testing.assert_close(out.loss.detach(), want.float(), rtol=RTOL, atol=0)
+    assert set(want_metrics) == {f"rewards/{k}" for k in ("chosen", "rejected", "accuracies", "margins")} | {
+        "logps/chosen",
+        "logps/rejected",
+    }
+    for name, value in want_metrics.items():
+        assert out.sums[name].item() / len(pairs) == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert_close_dict(full_grads(mine), full_grads(trl_model), "SimPO grad", rtol=RTOL, atol=ATOL)
+
+
 def test_log_probs_equal_log_softmax_in_every_chunking() -> None:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(13, 16, generator=g, requires_grad=True)
