@@ -110,10 +110,30 @@ def step_routing(
         for batch in micro_batches:
             inputs, mask = _aux_inputs(batch)
             mask = local_tokens(model, mask) if mask is not None else None
-            out = model(**inputs, output_router_logits=True, use_cache=False)
-            counts, _, rows = routing_totals(out.router_logits, num_experts(config), config.num_experts_per_tok, mask)
+            logits = _router_logits(model, inputs)
+            counts, _, rows = routing_totals(logits, num_experts(config), config.num_experts_per_tok, mask)
             parts.append((counts, rows))
     return step_totals(parts, dp_group)
+
+
+def _router_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The router logits of one forward of the decoder alone, run as the model's own forward (FSDP2's
+    hooks gather its parameters): no vocabulary logits, and none of HF's aux loss, which under
+    context parallelism would pair this rank's tokens with the whole rows' mask."""
+    if hasattr(model, "get_base_model"):  # a peft wrapper: the model inside is what parallelize sharded
+        model = model.get_base_model()
+    decoder = model.get_decoder()
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids=None, **rest):
+        kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **rest)
+        return tuple(decoder(input_ids=input_ids, output_router_logits=True, **kwargs).router_logits)
+
+    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    model.forward = forward  # an instance attribute: nn.Module.__call__ runs the hooks around it
+    try:
+        return model(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), **rest)
+    finally:
+        del model.forward
 
 
 def _aux_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:

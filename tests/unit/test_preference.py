@@ -359,6 +359,13 @@ def _moe_case(aux: bool):
     return policy, ref, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _padded(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """The rows padded on the right to a multiple of ``multiple`` tokens, as the collator pads them."""
+    extra = -batch["input_ids"].shape[1] % multiple
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: F.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
+
+
 def _pairs_of(batch: dict[str, torch.Tensor], pairs: list[int]) -> dict[str, torch.Tensor]:
     rows = pairs + [p + 4 for p in pairs]  # their chosen rows, then their rejected rows
     return {k: v[rows] for k, v in batch.items()}
@@ -366,22 +373,26 @@ def _pairs_of(batch: dict[str, torch.Tensor], pairs: list[int]) -> dict[str, tor
 
 @pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
 @pytest.mark.parametrize(
-    ("tp", "dp", "ep", "aux"),
-    [(2, 1, 1, False), (2, 2, 1, True), (1, 2, 2, True)],
-    ids=["tp2", "tp2-dp2-aux", "ep2-aux"],
+    ("tp", "dp", "ep", "cp", "aux"),
+    [(2, 1, 1, 1, False), (2, 2, 1, 1, True), (1, 2, 2, 1, True), (2, 1, 1, 2, True)],
+    ids=["tp2", "tp2-dp2-aux", "ep2-aux", "tp2-cp2-aux"],
 )
-def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, aux: bool) -> None:
+def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, cp: int, aux: bool) -> None:
     """Qwen3-MoE (experts split over tp, or whole over ep), DPO's loss and every gradient equal
     one process's; with output_router_logits the loss is DPO's plus router_aux_loss_coef times
     HF's own load_balancing_loss_func over the policy forward's rows (the reference adds none).
     At dp2 each rank takes two pairs in two micro-batches, the aux loss over the whole step's rows
-    (the loop's step_routing), so the sum of the micro-steps' losses is the step's loss."""
+    (the loop's step_routing), so the sum of the micro-steps' losses is the step's loss; at cp2
+    each rank routes its own tokens of the rows (padded to a multiple of 2 cp tp, as the collator
+    pads them) and the aux loss is summed over dp x cp."""
     import hf_tp
+    from hf_tp.parallel.mesh import split_mesh
     from hf_tp.train.loss import step_routing
 
     policy, ref, batch = _moe_case(aux)
     step = StepBatches(0, 0, [], num_examples=4)
-    policies, refs = [copy.deepcopy(policy) for _ in range(tp * dp)], [copy.deepcopy(ref) for _ in range(tp * dp)]
+    world = tp * dp * cp
+    policies, refs = [copy.deepcopy(policy) for _ in range(world)], [copy.deepcopy(ref) for _ in range(world)]
     policy.config.output_router_logits = False  # the DPO term alone, then HF's aux loss from its own forward
     want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, batch, step).loss
     want_aux = policy(**model_inputs(batch), output_router_logits=True).aux_loss if aux else torch.zeros(())
@@ -390,24 +401,25 @@ def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, aux: bool) -
     got = {}
 
     def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, cp=cp, device_type="cpu")
         model = hf_tp.parallelize(policies[rank], mesh, ep=ep)
-        group = mesh["dp"].get_group()
+        group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp: the ranks whose tokens differ
         objective = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh, ep=ep)), route_group=group)
         d = mesh.get_local_rank("dp")
-        micro = [_pairs_of(batch, [p]) for p in range(d * 4 // dp, (d + 1) * 4 // dp)]
+        rows = _pairs_of(_padded(batch, 2 * cp * tp) if cp > 1 else batch, list(range(4)))
+        micro = [_pairs_of(rows, [p]) for p in range(d * 4 // dp, (d + 1) * 4 // dp)]
         routing = step_routing(model, micro, group) if len(micro) > 1 else None
         loss, aux_sum = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for m in micro:
             out = objective.micro_loss(model, m, step, routing=routing)
             (out.loss * dp).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
             loss, aux_sum = loss + out.loss.detach(), aux_sum + (out.aux if out.aux is not None else 0)
-        torch.distributed.all_reduce(loss, group=group)
-        torch.distributed.all_reduce(aux_sum, group=group)
+        torch.distributed.all_reduce(loss, group=mesh["dp"].get_group())  # (cp ranks: each the whole rows' loss)
+        torch.distributed.all_reduce(aux_sum, group=mesh["dp"].get_group())
         got[rank] = (loss.double(), aux_sum.double())
-        assert_close_dict(full_grads(model), want_grads, f"DPO grad on a MoE at tp{tp} x dp{dp} x ep{ep}")
+        assert_close_dict(full_grads(model), want_grads, f"DPO grad on a MoE at tp{tp} x cp{cp} x dp{dp} x ep{ep}")
 
-    run_threaded(tp * dp, rank_fn)
+    run_threaded(world, rank_fn)
     for loss, aux_sum in got.values():
         torch.testing.assert_close(loss, (want + 0.5 * want_aux).detach().double(), rtol=RTOL, atol=0)
         torch.testing.assert_close(aux_sum, want_aux.detach().double(), rtol=RTOL, atol=0)
