@@ -267,7 +267,7 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         **{f"{name}_column": getattr(cfg, f"{name}_column") for name in STANDARD_COLUMNS},
         assistant_only_loss=cfg.assistant_only_loss,
         eval_split=cfg.eval_split,
-        pack=cfg.packs,
+        pack=cfg.pack is not False,  # (unset counts as True, as runs recorded it before pack could be unset)
         document_masking=cfg.document_masking,
         streaming=cfg.streaming,
         seq_len=cfg.seq_len,

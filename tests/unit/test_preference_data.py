@@ -87,6 +87,12 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
     cfg = TrainConfig(**TrainConfig.from_yaml(yaml))
     assert (cfg.objective, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma) == ("dpo", 0.2, 0.1, 0.5)
     assert not cfg.packs and TrainConfig().packs and not TrainConfig(pack=False).packs  # pairs: padded rows
+    from transformers import LlamaConfig
+
+    from hf_tp.train.validate import run_fingerprint
+
+    # a run saved before pack could be unset recorded pack=True (the old default): it still resumes
+    assert run_fingerprint(cfg, LlamaConfig())["pack"] is True
     cfg.validate()
     for bad, says in (
         (dict(objective="orpo"), "--objective must be one of sft, dpo, simpo"),
