@@ -450,7 +450,7 @@ def test_precomputed_reference_log_probs_are_kept_with_the_dataset_cache(tmp_pat
 
     import hf_tp
     from hf_tp.objectives.precompute import with_reference_logps
-    from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps
+    from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps, data_fingerprint
 
     tokenizer = chat_tokenizer()
     _, ref = _models(tokenizer)
@@ -459,6 +459,7 @@ def test_precomputed_reference_log_probs_are_kept_with_the_dataset_cache(tmp_pat
     collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
     key = cache_key(tmp_path / "ref", data, 512, "fp32")
     assert key == cache_key(tmp_path / "ref", data, 512, "fp32")
+    assert data_fingerprint(data, rows_per_read=1) == data_fingerprint(data)  # read in slices of any size
     calls, results = [], []
 
     def run(path) -> None:
