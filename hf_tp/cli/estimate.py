@@ -70,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-target-modules", default="all-linear", help="with --lora-r: all-linear or names such as q_proj,v_proj"
     )
+    p.add_argument(
+        "--objective",
+        choices=["sft", "dpo", "simpo"],
+        default="sft",
+        help="dpo / simpo: --batch-size counts preference pairs (two rows each); dpo counts its reference model "
+        "(a frozen copy without --lora-r)",
+    )
+    p.add_argument("--precompute-ref", action="store_true", help="dpo: the reference scored once before training")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB: sweep (tp, dp) and recommend one")
     p.add_argument(
         "--world-size",
@@ -110,14 +118,21 @@ def run(args: argparse.Namespace) -> int:
             lora_r=args.lora_r,
             lora_target_modules=args.lora_target_modules,
         )
+        if args.objective != "sft":  # a micro-batch of B pairs is 2B rows (chosen, then rejected)
+            common["batch_size"] = 2 * args.batch_size
         if args.gpu_memory is None and args.world_size is None:
             shape = (args.images_per_row, args.image_size, args.seq_len, args.batch_size, args.tp, args.dtype)
             images = image_load(config, *shape, projector_trains=not args.lora_r) if args.images_per_row else None
             one = replace(estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), images=images)
-            return print_single(one, cluster, args.json)
+            return print_single(one, cluster, args.json, _reference(args, one, config))
         if args.images_per_row:
             raise ValueError(
                 "--images-per-row sizes one layout; the --gpu-memory/--world-size sweep does not count images"
+            )
+        if args.objective == "dpo" and not (args.lora_r or args.precompute_ref):
+            raise ValueError(
+                "--objective dpo's frozen reference copy is counted for one layout (--tp/--dp), not in the "
+                "--gpu-memory/--world-size sweep yet; give one layout, or --lora-r / --precompute-ref (no copy)"
             )
         if args.dp_replicate != 1:
             raise ValueError(
@@ -158,8 +173,18 @@ def make_cluster(args: argparse.Namespace):
     return cluster
 
 
-def print_single(result, cluster, as_json: bool) -> int:
-    """One layout's memory and comms, and its predicted speed where a GPU is named."""
+def _reference(args: argparse.Namespace, est, config):
+    """What a preference objective's reference adds (:mod:`hf_tp.estimate.reference`), or None."""
+    if args.objective == "sft":
+        return None
+    from hf_tp.estimate.reference import reference_cost
+
+    return reference_cost(est, config, args.objective, args.precompute_ref)
+
+
+def print_single(result, cluster, as_json: bool, reference=None) -> int:
+    """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
+    objective's reference model (``reference``, a :class:`hf_tp.estimate.reference.ReferenceCost`)."""
     from hf_tp.estimate.report import format_estimate
     from hf_tp.estimate.report_speed import format_speed
     from hf_tp.estimate.speed import predict
@@ -169,9 +194,15 @@ def print_single(result, cluster, as_json: bool) -> int:
         out = result.to_dict()
         if speed is not None:
             out.update(gpu=cluster.gpu.to_dict(), inter_node_gbps=cluster.inter_node_gbps, speed=speed.to_dict())
+        if reference is not None:
+            out.update(reference=reference.to_dict())
         print(json.dumps(out, indent=2))
     else:
         print(format_estimate(result))
+        if reference is not None:
+            pairs = result.batch_size // 2
+            rows = f"{pairs} pair{'s' if pairs > 1 else ''} = {result.batch_size} rows per dp rank (the step above)"
+            print("\n" + "\n".join([f"--objective {reference.objective}: {rows}", *reference.lines()]))
         if speed is not None:
             print("\n" + format_speed(result, speed, cluster))
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import datasets
 from datasets.exceptions import DatasetGenerationError, DatasetsError
 
+from hf_tp.data.columns import rename_dataset, rename_row
 from hf_tp.data.files import SUPPORTED_EXTENSIONS, data_files, has_no_rows
 from hf_tp.data.formats import TEXT, DataFormat, detect_format
 from hf_tp.data.formats.rows import row_problem
@@ -32,6 +33,7 @@ def load_text_dataset(
     messages_column: str | None = None,
     split: str = "train",
     config_name: str | None = None,
+    renames: dict[str, str] | None = None,
 ) -> datasets.Dataset:
     """Load ``source``: a local file, a local directory of files of one type, or a Hub dataset id
     (with its configuration ``config_name``, ``--dataset-config``).
@@ -40,7 +42,7 @@ def load_text_dataset(
     row per line, column "text") and form the "train" split; ``split`` names the Hub split (both
     take slices such as ``"train[:5%]"``, passed to ``datasets`` as is). The columns must fit a
     data format (:func:`hf_tp.data.formats.detect_format`). The dataset's name in later messages
-    is ``source``.
+    is ``source``. ``renames``: columns under other names (:mod:`hf_tp.data.columns`).
     """
     path = Path(source).expanduser()
     if path.exists():
@@ -50,6 +52,7 @@ def load_text_dataset(
         ds = _load_hub(source, split, config_name)
     if len(ds) == 0:
         raise ValueError(f"dataset '{source}' is empty")
+    ds = rename_dataset(ds, renames or {}, f"'{source}'")
     # Its rows are checked one by one where they are tokenized (a bad one named, or skipped).
     check_format(
         ds.column_names, ds.features, _first_row(ds, source), source, text_column, messages_column, check_row=False
@@ -87,6 +90,7 @@ def check_text_dataset(
     config_name: str | None = None,
     every_row: bool = False,
     skip_bad_rows: bool = False,
+    renames: dict[str, str] | None = None,
 ) -> tuple[DataFormat, dict] | None:
     """Before any rank starts: what :func:`load_text_dataset` would reject, decided from as little
     as possible; returns the data format and the first row (None where a Hub dataset does not
@@ -98,11 +102,13 @@ def check_text_dataset(
     ``every_row`` (the ranks reuse its cache) and each row is checked (:func:`check_all_rows`,
     unless ``skip_bad_rows``: the ranks drop them); without it (``--streaming``) its first row is
     read and its bytes checked. What the rows alone cannot decide (a conversation the chat template
-    rejects, too few tokens for one block) is left to the ranks.
+    rejects, too few tokens for one block) is left to the ranks. ``renames``: columns under
+    other names (:mod:`hf_tp.data.columns`).
     """
     path = Path(source).expanduser()
+    renames = renames or {}
     if not path.exists():
-        return _check_hub_first_row(source, text_column, messages_column, split, config_name)
+        return _check_hub_first_row(source, text_column, messages_column, split, config_name, renames)
     _no_config_for_local(source, config_name, split)
     columns = dict(text_column=text_column, messages_column=messages_column, check_row=not skip_bad_rows)
     builder, files = data_files(source, path)
@@ -112,6 +118,7 @@ def check_text_dataset(
             ds = _load_local(source, path, split)
         if len(ds) == 0:
             raise ValueError(f"dataset '{source}' is empty")
+        ds = rename_dataset(ds, renames, f"'{source}'")
         places = RowPlaces(f"'{source}'", str(ds.split) if ds.split else split, split_total(ds))
         fmt = check_format(ds.column_names, ds.features, ds[0], source, **columns, places=places)
         if not skip_bad_rows:
@@ -131,9 +138,7 @@ def check_text_dataset(
         raise ValueError(f"cannot read dataset '{source}' as {builder} files ({_reason(exc)})") from None
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
-    features = stream.features
-    names = list(features) if features is not None else list(first)
-    return check_format(names, features, first, source, **columns), first
+    return _check_first_row(stream, first, source, text_column, messages_column, renames, check_row=not skip_bad_rows)
 
 
 def _no_config_for_local(source: str, config_name: str | None, split: str = "train") -> None:
@@ -176,7 +181,12 @@ def check_format(
 
 
 def _check_hub_first_row(
-    source: str, text_column: str | None, messages_column: str | None, split: str, config_name: str | None
+    source: str,
+    text_column: str | None,
+    messages_column: str | None,
+    split: str,
+    config_name: str | None,
+    renames: dict[str, str],
 ) -> tuple[DataFormat, dict] | None:
     from hf_tp.checkpoint.hub import hub_unreachable
 
@@ -187,7 +197,7 @@ def _check_hub_first_row(
     if unreachable is not None:
         if datasets.config.HF_HUB_OFFLINE:  # from the cache: memory-mapped, so reading it costs little
             ds = _load_hub(source, split, config_name)
-            return _check_first_row(ds, ds[0] if len(ds) else None, source, text_column, messages_column)
+            return _check_first_row(ds, ds[0] if len(ds) else None, source, text_column, messages_column, renames)
         raise ValueError(
             f"the Hub cannot be reached ({unreachable}) to load dataset '{source}'; if it is in the "
             "cache, set HF_HUB_OFFLINE=1"
@@ -199,7 +209,7 @@ def _check_hub_first_row(
         raise ValueError(f"{not_found} ({_reason(exc)})") from None
     except Exception:  # noqa: BLE001 - a dataset that does not stream: the ranks load it in full
         return None
-    return _check_first_row(stream, first, source, text_column, messages_column)
+    return _check_first_row(stream, first, source, text_column, messages_column, renames)
 
 
 @contextlib.contextmanager
@@ -221,12 +231,20 @@ def _check_first_row(
     source: str,
     text_column: str | None,
     messages_column: str | None,
+    renames: dict[str, str],
+    check_row: bool = True,
 ) -> tuple[DataFormat, dict]:
     if first is None:
         raise ValueError(f"dataset '{source}' is empty")
     features = stream.features
     columns = list(features) if features is not None else list(first)
-    return check_format(columns, features, first, source, text_column, messages_column), first
+    if renames:  # (the features of renamed columns are not read: only a text column's is)
+        columns, first = (
+            list(rename_row(dict.fromkeys(columns), renames, f"'{source}'")),
+            rename_row(first, renames, ""),
+        )
+    fmt = check_format(columns, features, first, source, text_column, messages_column, check_row=check_row)
+    return fmt, first
 
 
 def _first_row(ds: datasets.Dataset, source: str) -> dict:

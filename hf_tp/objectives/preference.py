@@ -3,7 +3,9 @@ its B rejected rows): DPO's sigmoid loss against a reference model, and SimPO's,
 
 Both are means over the global batch's pairs (each micro-batch's sum divided by the global pair
 count), so any split of the global batch over dp ranks and micro-steps gives the same loss as
-one device; the logged metrics are TRL's, means over the same pairs.
+one device; the logged metrics are TRL's, means over the same pairs. A MoE policy whose config
+asks for transformers' router aux loss (``output_router_logits``) adds it as SFT does, computed
+from the policy's forward over the pair rows (never the reference's).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
 from hf_tp.objectives.reference import model_inputs
+from hf_tp.parallel.aux_loss import router_aux_term
 from hf_tp.parallel.logps import sequence_log_probs
 
 Reference = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a pair batch -> its rows' log-probs
@@ -41,6 +45,26 @@ def _metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> 
     }
 
 
+def _policy(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    group: dist.ProcessGroup | None,
+    aux_weight: float,
+    routing: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, torch.Tensor | None]:
+    """The policy forward: (per-row log-probs, label counts, the aux loss term the objective adds,
+    the unweighted aux loss or None). A MoE with transformers' aux loss (``output_router_logits``)
+    adds ``router_aux_loss_coef * aux_weight`` times this rank's term of the global batch's aux loss
+    over the pair rows, as SFT adds it (:func:`hf_tp.train.loss.training_loss`); the reference
+    forward adds none."""
+    out = sequence_log_probs(model, model_inputs(batch), router_logits=True)
+    if out.router_logits is None:
+        return out.logps, out.counts, 0.0, None
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    aux = router_aux_term(hf_model, out.router_logits, batch.get("attention_mask"), group, routing)
+    return out.logps, out.counts, hf_model.config.router_aux_loss_coef * aux_weight * aux, aux.detach()
+
+
 @dataclass
 class DPO:
     """DPO (Rafailov et al. 2023), TRL's ``loss_type="sigmoid"``: with d = (log pi(c) - log ref(c))
@@ -51,16 +75,25 @@ class DPO:
     reference: Reference
     beta: float = 0.1
     label_smoothing: float = 0.0
+    route_group: dist.ProcessGroup | None = None  # a MoE's aux loss: the ranks whose rows differ
     name: str = "dpo"
 
-    def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
-        logps, _ = sequence_log_probs(model, model_inputs(batch))
+    def micro_loss(
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        step: StepBatches,
+        *,
+        aux_weight: float = 1.0,
+        routing: torch.Tensor | None = None,
+    ) -> MicroLoss:
+        logps, _, aux_term, aux = _policy(model, batch, self.route_group, aux_weight, routing)
         ref = self.reference(batch)
         n = logps.shape[0] // 2
         chosen_ratio, rejected_ratio = logps[:n] - ref[:n], logps[n:] - ref[n:]
         losses = _sigmoid_loss(chosen_ratio - rejected_ratio, self.beta, self.label_smoothing)
         sums = _metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps[:n], logps[n:])
-        return MicroLoss(losses.sum() / step.num_examples, None, sums)
+        return MicroLoss(losses.sum() / step.num_examples + aux_term, aux, sums)
 
 
 @dataclass
@@ -72,13 +105,22 @@ class SimPO:
     beta: float = 0.1
     gamma: float = 0.5
     label_smoothing: float = 0.0
+    route_group: dist.ProcessGroup | None = None  # a MoE's aux loss: the ranks whose rows differ
     name: str = "simpo"
 
-    def micro_loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: StepBatches, **_) -> MicroLoss:
-        logps, counts = sequence_log_probs(model, model_inputs(batch))
+    def micro_loss(
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        step: StepBatches,
+        *,
+        aux_weight: float = 1.0,
+        routing: torch.Tensor | None = None,
+    ) -> MicroLoss:
+        logps, counts, aux_term, aux = _policy(model, batch, self.route_group, aux_weight, routing)
         mean = logps / counts.clamp(min=1)
         n = logps.shape[0] // 2
         delta = mean[:n] - mean[n:] - self.gamma / self.beta
         losses = _sigmoid_loss(delta, self.beta, self.label_smoothing)
         sums = _metrics(self.beta * mean[:n], self.beta * mean[n:], mean[:n], mean[n:])
-        return MicroLoss(losses.sum() / step.num_examples, None, sums)
+        return MicroLoss(losses.sum() / step.num_examples + aux_term, aux, sums)

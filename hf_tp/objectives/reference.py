@@ -30,7 +30,7 @@ class FrozenCopy:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            return sequence_log_probs(self.model, model_inputs(batch))[0]
+            return sequence_log_probs(self.model, model_inputs(batch)).logps
 
 
 class AdaptersOff:
@@ -44,7 +44,7 @@ class AdaptersOff:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), self._off():
-            return sequence_log_probs(self.policy, model_inputs(batch))[0]
+            return sequence_log_probs(self.policy, model_inputs(batch)).logps
 
     @contextlib.contextmanager
     def _off(self) -> Iterator[None]:

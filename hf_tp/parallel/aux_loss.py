@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_tp.adapters.modules import num_experts
+from hf_tp.parallel.context import local_tokens, sum_over_cp
 
 
 def standard_aux_loss(model: nn.Module) -> bool:
@@ -87,3 +88,20 @@ def load_balancing_loss(
         totals = step_totals([(counts, rows)], group)
     counts, rows = totals[:-1], totals[-1]
     return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def router_aux_term(
+    model: nn.Module,
+    router_logits: tuple[torch.Tensor, ...],
+    attention_mask: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    totals: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's unweighted term of the global batch's aux loss from one forward's router logits
+    (padding rows, ``attention_mask`` 0, left out; this rank's tokens under context parallelism),
+    summed over cp: what every objective that trains a MoE's routers adds, times
+    ``router_aux_loss_coef``. ``group`` / ``totals``: as :func:`load_balancing_loss`."""
+    config = model.config
+    mask = local_tokens(model, attention_mask) if attention_mask is not None else None
+    aux = load_balancing_loss(router_logits, num_experts(config), config.num_experts_per_tok, mask, group, totals)
+    return sum_over_cp(model, aux)

@@ -254,17 +254,20 @@ def _vocab_parallel_inputs(hidden: torch.Tensor, weight: DTensor) -> tuple[torch
     return local_hidden, local_weight, VocabShard(group=mesh.get_group(), world=world, offset=offset)
 
 
-def fusable(model: nn.Module) -> bool:
+def fusable(model: nn.Module, router_logits: bool = False) -> bool:
     """True when the loss may be fused with the lm_head: the model's adapter says the logits are a
     plain projection (``plain_lm_head``: no scaling) and the config has no
     ``final_logit_softcapping`` nor ``output_router_logits`` (a MoE's aux loss), the head has no bias, and its weight is either not sharded over
-    tp or sharded over the vocab (``ColwiseParallel``)."""
+    tp or sharded over the vocab (``ColwiseParallel``). ``router_logits``: the caller adds the aux
+    loss itself from the decoder's router logits, so ``output_router_logits`` is no obstacle."""
     head = model.get_output_embeddings()
     if not get_adapter(model.config).plain_lm_head or head is None or getattr(head, "bias", None) is not None:
         return False
     if getattr(model.config, "final_logit_softcapping", None) is not None:  # Gemma 2: tanh-capped logits
         return False
-    if getattr(model.config, "output_router_logits", False):  # the MoE aux loss comes from HF's forward
+    if (
+        getattr(model.config, "output_router_logits", False) and not router_logits
+    ):  # the MoE aux loss comes from HF's forward
         return False
     return all(placement.is_shard(0) for placement in _tp_placements(head.weight))
 

@@ -16,12 +16,15 @@ each rank scores its own tokens and the per-row sums are added over cp.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import get_adapter
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 from hf_tp.parallel.linear_ce import (
     CHUNK_BYTES,
@@ -110,33 +113,62 @@ def linear_log_probs(
     return _LinearLogProbs.apply(hidden, weight, targets, chunk, shard).view(shape)
 
 
+def log_probs_refusal(model: nn.Module, router_logits: bool = True) -> str | None:
+    """Why :func:`sequence_log_probs` cannot score ``model`` (a peft wrapper's base model), or None:
+    a biased or soft-capped lm_head, or (``router_logits``) a router aux loss that is not
+    transformers' ``load_balancing_loss_func``, which hf_tp could not add as HF does."""
+    config = model.config
+    if not fusable(model, router_logits=True):
+        return f"this {config.model_type} model's lm_head is not a plain projection (a bias or soft-capping)"
+    routed = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", None)
+    if router_logits and routed and not standard_aux_loss(model):
+        return (
+            f"this {config.model_type} model's router aux loss is not transformers' load_balancing_loss_func, "
+            "which hf_tp adds to a preference loss: set output_router_logits=False in its config"
+        )
+    return None
+
+
+class SequenceLogProbs(NamedTuple):
+    """:func:`sequence_log_probs`'s result."""
+
+    logps: torch.Tensor  # per row: the sum of its label tokens' log-probs
+    counts: torch.Tensor  # per row: its label tokens
+    router_logits: tuple[torch.Tensor, ...] | None = None  # a MoE's, for the aux loss (when asked for)
+
+
 def sequence_log_probs(
-    model: nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-row sum of the label tokens' log-probs, per-row label count) of a batch (``input_ids``,
-    ``attention_mask``, ``labels``; HF's shift: token i+1 is scored at position i), on a plain or
-    an ``hf_tp.parallelize``-d model whose lm_head the loss may be fused with
+    model: nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int | None = None, router_logits: bool = False
+) -> SequenceLogProbs:
+    """The per-row log-probs and label counts of a batch (``input_ids``, ``attention_mask``,
+    ``labels``; HF's shift: token i+1 is scored at position i), on a plain or an
+    ``hf_tp.parallelize``-d model whose lm_head the loss may be fused with
     (:func:`hf_tp.parallel.linear_ce.fusable`). The decoder runs as the model's own forward (FSDP2's
-    hooks gather its parameters as in a normal call)."""
+    hooks gather its parameters as in a normal call). ``router_logits``: also return the router
+    logits of a MoE that computes transformers' aux loss (``output_router_logits``), which the
+    caller adds (:func:`hf_tp.parallel.aux_loss.router_aux_term`); otherwise none are recorded."""
     if hasattr(model, "get_base_model"):  # a peft wrapper: the model inside is what parallelize sharded
         model = model.get_base_model()
-    if not fusable(model):
-        raise ValueError(
-            f"per-sequence log-probs need a plain lm_head (no bias, soft-capping or MoE aux loss in HF's forward); "
-            f"this {model.config.model_type} model has none"
-        )
+    why = log_probs_refusal(model, router_logits)
+    if why:
+        raise ValueError(f"per-sequence log-probs: {why}")
+    routed = bool(getattr(model.config, "output_router_logits", False))  # HF's forward would record the router
+    aux = router_logits and standard_aux_loss(model)
     decoder = model.base_model if get_adapter(model.config).language_model else model.get_decoder()
     head = model.get_output_embeddings()
     shifted = shift_labels(batch["labels"])
     counts = (shifted != IGNORE_INDEX).sum(1)
+    routing = {"output_router_logits": aux} if routed else {}
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, shifted: torch.Tensor) -> torch.Tensor:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return linear_log_probs(hidden, head.weight, local_tokens(model, shifted), chunk_tokens).sum(-1)
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, shifted: torch.Tensor):
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **routing)
+        sums = linear_log_probs(out.last_hidden_state, head.weight, local_tokens(model, shifted), chunk_tokens)
+        # (copies: under tp the router logits are views, which FSDP2 warns about as root outputs)
+        return sums.sum(-1), tuple(r.clone() for r in out.router_logits) if aux else ()
 
     model.forward = forward  # as hf_tp.parallel.linear_ce.causal_lm_loss: FSDP2's hooks run around it
     try:
-        sums = model(batch["input_ids"], batch.get("attention_mask"), shifted)
+        sums, logits = model(batch["input_ids"], batch.get("attention_mask"), shifted)
     finally:
         del model.forward
-    return sum_over_cp(model, sums), counts
+    return SequenceLogProbs(sum_over_cp(model, sums), counts, logits or None)

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
+from hf_tp.data.columns import column_renames
 from hf_tp.train.config_checks import ConfigChecks, parse_profile_steps
 from hf_tp.train.setting import coerce_setting, value_types
 from hf_tp.train.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, Objective
@@ -97,6 +99,18 @@ class TrainConfig(
         if self.lora_target_modules.strip() == "all-linear":
             return "all-linear"
         return [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
+
+    @property
+    def column_renames(self) -> dict[str, str]:
+        """The dataset's columns that the ``--{prompt,chosen,rejected,tools}-column`` flags name, and
+        the names the formats read them as (:mod:`hf_tp.data.columns`)."""
+        return column_renames({n: getattr(self, f"{n}_column") for n in STANDARD_COLUMNS})
+
+    @property
+    def packs(self) -> bool:
+        """Whether documents are packed: ``pack`` as given, else yes for cross entropy and no for
+        preference pairs (which are padded, a pair side a row)."""
+        return self.pack if self.pack is not None else self.objective == "sft"
 
     @property
     def has_eval(self) -> bool:

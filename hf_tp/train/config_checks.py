@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.train.setting import is_a, type_words
 from hf_tp.train.settings_data import OBJECTIVES
 from hf_tp.train.settings_run import AUX_LOSS_OVER, DEVICES, DTYPES, REPORTERS
@@ -135,6 +136,11 @@ class ConfigChecks:
             raise ValueError("--precompute-ref scores the training pairs only; drop --eval-dataset / --eval-split")
         if self.objective == "sft":
             return
+        if self.pack:
+            raise ValueError(
+                f"--objective {self.objective} does not pack pairs (each side is one padded row, so a pair stays in "
+                "one micro-batch and sees no other document): drop --pack / pack: true"
+            )
         if self.streaming:
             raise ValueError(f"--objective {self.objective} reads whole pairs: drop --streaming")
 
@@ -162,13 +168,20 @@ class ConfigChecks:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if (self.eval_every or self.eval_batches) and not self.has_eval:
             raise ValueError("--eval-every/--eval-batches need evaluation data: pass --eval-dataset or --eval-split")
-        if self.streaming and (self.eval_split or not self.pack):
+        if self.streaming and (self.eval_split or self.pack is False):
             raise ValueError(
                 "--streaming packs documents as it reads them: it takes neither --no-pack nor --eval-split "
                 "(use --eval-dataset)"
             )
         if self.text_column and self.messages_column:
             raise ValueError("pass either --text-column or --messages-column, not both")
+        named = [c for c in (getattr(self, f"{n}_column") for n in STANDARD_COLUMNS) if c]
+        if len(set(named)) < len(named):
+            twice = next(c for c in named if named.count(c) > 1)
+            raise ValueError(
+                f"two of --prompt-column, --chosen-column, --rejected-column, --tools-column name column '{twice}'; "
+                "each must name its own"
+            )
         names = [n.strip() for n in str(self.report_to).split(",")]
         if set(names) - set(REPORTERS) or ("none" in names and len(names) > 1):
             raise ValueError(f"--report-to takes {', '.join(REPORTERS)} (or tensorboard,wandb), got {self.report_to!r}")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, detect_format, load_text_dataset, tokenize_dataset
+from hf_tp.data.columns import rename_dataset, rename_row
 from hf_tp.data.datasets import load_stream
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
 from hf_tp.data.formats.preference import check_objective_data
@@ -77,7 +78,7 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
         report_on_rank0(skipped_summary(dropped, label))
     if len(train) == 0:
         raise ValueError(f"dataset {label}: every row is bad (--skip-bad-rows dropped all {len(dropped)})")
-    if cfg.pack and dist.get_rank() == 0:
+    if cfg.packs and dist.get_rank() == 0:
         print("hf-tp: image + text rows are not packed: each row is one conversation, padded", file=sys.stderr)
     collate = ImageBatchCollator(processor, multiple_of=cfg.row_multiple, base_dir=base)
     return batch_source(cfg, train, collate, dp_rank, device)
@@ -95,6 +96,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
     cache is shared). ``--eval-split`` holds out a seeded fraction of the training documents before
     tokenization, so no document is in both."""
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column)
+    loading = dict(columns, renames=cfg.column_renames)
 
     def tokenize(ds: datasets.Dataset, keep_tail: bool) -> datasets.Dataset:
         fmt = detect_format(ds.column_names, assistant_only=cfg.assistant_only_loss, **columns)
@@ -103,7 +105,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             ds,
             tokenizer,
             seq_len=cfg.seq_len,
-            pack=cfg.pack,
+            pack=cfg.packs,
             fmt=fmt,
             document_masking=cfg.document_masking,
             keep_tail=keep_tail,
@@ -115,7 +117,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
     if cfg.eval_dataset:
         raw_eval = rank0_first(
             lambda: load_text_dataset(
-                cfg.eval_dataset, split=cfg.eval_dataset_split, config_name=cfg.dataset_config, **columns
+                cfg.eval_dataset, split=cfg.eval_dataset_split, config_name=cfg.dataset_config, **loading
             )
         )
     if cfg.streaming:
@@ -124,12 +126,14 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
         if first is None:
             raise ValueError(f"dataset '{cfg.dataset}' is empty")
         names = list(stream.features) if stream.features is not None else list(first)
+        stream = rename_dataset(stream, cfg.column_renames, f"'{cfg.dataset}'", names)
+        names = list(rename_row(dict.fromkeys(names), cfg.column_renames, f"'{cfg.dataset}'"))
         fmt = detect_format(names, assistant_only=cfg.assistant_only_loss, label=f"'{cfg.dataset}'", **columns)
         skip = dict(skip_bad_rows=cfg.skip_bad_rows, report=report_on_rank0)
         train = PackedStream(stream, fmt, tokenizer, cfg.seq_len, cfg.document_masking, **skip)
     else:
         raw = rank0_first(
-            lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **columns)
+            lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **loading)
         )
         if cfg.eval_split:  # messages about a row name its number in the file, not in the split
             raw = raw.add_column(ROW_COLUMN, np.arange(len(raw)))
@@ -166,7 +170,7 @@ def with_document_masking_checked(cfg: TrainConfig, model: torch.nn.Module) -> T
     """``cfg``, with document masking turned off (and said so) for a model whose attention mask
     does not come from transformers' ``masking_utils`` (the code that turns restarting
     ``position_ids`` into per-document masks): there packed documents would see each other."""
-    if not (cfg.pack and cfg.document_masking):
+    if not (cfg.packs and cfg.document_masking):
         return cfg
     # The MRO: FSDP2 subclasses the model's class (FSDPLlamaModel) in a module of its own.
     modules = [inspect.getmodule(cls) for cls in type(model.get_decoder()).__mro__]

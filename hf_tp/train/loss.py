@@ -12,7 +12,7 @@ from torch import nn
 from hf_tp.adapters.modules import num_experts
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
-from hf_tp.parallel.aux_loss import load_balancing_loss, routing_totals, standard_aux_loss, step_totals
+from hf_tp.parallel.aux_loss import router_aux_term, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss import loss_parallel
@@ -51,10 +51,7 @@ def training_loss(
         labels = batch["labels"]
         local = {"shift_labels": local_tokens(model, shift_labels(labels))} if state_of(model) else {}
         lm = model.loss_function(out.logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch, **local)
-        experts = num_experts(config)
-        mask = local_tokens(model, mask) if mask is not None else None
-        aux = load_balancing_loss(out.router_logits, experts, config.num_experts_per_tok, mask, dp_group, routing)
-        aux = sum_over_cp(model, aux)
+        aux = router_aux_term(model, out.router_logits, mask, dp_group, routing)
         return sum_over_cp(model, lm) + config.router_aux_loss_coef * aux_weight * aux, aux.detach()
     if fused:
         loss = causal_lm_loss(
@@ -113,16 +110,36 @@ def step_routing(
         for batch in micro_batches:
             inputs, mask = _aux_inputs(batch)
             mask = local_tokens(model, mask) if mask is not None else None
-            out = model(**inputs, output_router_logits=True, use_cache=False)
-            counts, _, rows = routing_totals(out.router_logits, num_experts(config), config.num_experts_per_tok, mask)
+            logits = _router_logits(model, inputs)
+            counts, _, rows = routing_totals(logits, num_experts(config), config.num_experts_per_tok, mask)
             parts.append((counts, rows))
     return step_totals(parts, dp_group)
 
 
+def _router_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The router logits of one forward of the decoder alone, run as the model's own forward (FSDP2's
+    hooks gather its parameters): no vocabulary logits, and none of HF's aux loss, which under
+    context parallelism would pair this rank's tokens with the whole rows' mask."""
+    if hasattr(model, "get_base_model"):  # a peft wrapper: the model inside is what parallelize sharded
+        model = model.get_base_model()
+    decoder = model.get_decoder()
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids=None, **rest):
+        kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **rest)
+        return tuple(decoder(input_ids=input_ids, output_router_logits=True, **kwargs).router_logits)
+
+    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    model.forward = forward  # an instance attribute: nn.Module.__call__ runs the hooks around it
+    try:
+        return model(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), **rest)
+    finally:
+        del model.forward
+
+
 def _aux_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The model inputs (no labels, no ``row_lengths``) and the mask of real (non-padding) rows."""
+    """The model inputs (no labels, no ``row_lengths``, no stored reference log-probs) and the mask of real (non-padding) rows."""
     lengths = batch.get("row_lengths")
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths", "ref_logps")}
     mask = batch.get("attention_mask")
     if mask is None and lengths is not None:
         width = batch["input_ids"].shape[1]

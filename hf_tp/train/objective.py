@@ -13,10 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from hf_tp.objectives.base import Objective
 from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
+from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
 from hf_tp.parallel.linear_ce import fusable
+from hf_tp.parallel.logps import log_probs_refusal
 from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.distributed import rank0_first
 from hf_tp.train.loss import CrossEntropy
 
 
@@ -26,34 +29,50 @@ def build_objective(
     """The run's objective; DPO's reference is the LoRA policy with its adapters off (``--lora-r``),
     else a frozen copy of the checkpoint built and sharded exactly like the policy. With
     ``--precompute-ref`` the reference scores every pair of ``batches`` (a
-    :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed."""
-    fused = fusable(model)
+    :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed; or an earlier run's
+    scores of the same pairs are read from the dataset cache (:mod:`hf_tp.objectives.ref_cache`)."""
     if cfg.objective == "sft":
-        return CrossEntropy(fused, route_group)
-    if not fused:
+        return CrossEntropy(fusable(model), route_group)
+    why = log_probs_refusal(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if why:
         raise ValueError(
-            f"--objective {cfg.objective} needs the lm_head fused with the log-probs, which this "
-            f"{model.config.model_type} model does not allow (a biased or soft-capped lm_head, or a MoE router aux "
-            "loss from HF's forward: set output_router_logits=False); use --objective sft"
+            f"--objective {cfg.objective} needs the lm_head fused with the log-probs: {why}; use --objective sft"
         )
     if cfg.objective == "simpo":
-        return SimPO(beta=cfg.beta, gamma=cfg.simpo_gamma, label_smoothing=cfg.label_smoothing)
-    if cfg.lora_r:
-        reference = AdaptersOff(model)
-    else:
-        from hf_tp.train.model import build_parallel_model
-
-        if dist.get_rank() == 0:
-            print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
-        reference = FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
+        return SimPO(cfg.beta, cfg.simpo_gamma, cfg.label_smoothing, route_group)
     if cfg.precompute_ref:
+        batches.data = _precomputed(cfg, model, mesh, device, batches)
+        return DPO(Stored(), cfg.beta, cfg.label_smoothing, route_group)
+    return DPO(_reference(cfg, model, mesh, device), cfg.beta, cfg.label_smoothing, route_group)
+
+
+def _reference(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device):
+    """DPO's reference: the LoRA policy with its adapters off, or a frozen copy sharded like it."""
+    if cfg.lora_r:
+        return AdaptersOff(model)
+    from hf_tp.train.model import build_parallel_model
+
+    if dist.get_rank() == 0:
+        print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
+    return FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
+
+
+def _precomputed(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, batches):
+    """The training pairs with the reference's log-probs: from the dataset cache when an earlier
+    run (or this one before a --resume) scored the same pairs with the same reference, else scored
+    here (the frozen copy built only then, and freed after)."""
+    from hf_tp.checkpoint.load import local_model_dir
+
+    model_dir = rank0_first(lambda: local_model_dir(cfg.model))
+    path = cache_path(cache_key(model_dir, batches.data, cfg.seq_len, cfg.compute_dtype_name(device.type)))
+
+    def compute():
         where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=dp_mesh_of(mesh).get_group(), device=device)
-        batches.data = with_reference_logps(
-            batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where
-        )
-        reference = Stored()  # the frozen copy, if any, is freed with the last reference to it
-        if dist.get_rank() == 0:
-            print(
-                f"hf-tp: --precompute-ref: reference log-probs of {len(batches.data)} pairs computed", file=sys.stderr
-            )
-    return DPO(reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+        reference = _reference(cfg, model, mesh, device)
+        return with_reference_logps(batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where)
+
+    data, computed = cached_reference_logps(batches.data, compute, path, device)
+    if dist.get_rank() == 0:
+        how = "computed and kept" if computed else "read from"
+        print(f"hf-tp: --precompute-ref: reference log-probs of {len(data)} pairs {how} {path}", file=sys.stderr)
+    return data

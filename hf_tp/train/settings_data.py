@@ -49,14 +49,30 @@ class ModelAndData:
         "(default: detected)",
         metavar="NAME",
     )
+    prompt_column: str | None = setting(
+        None, "preference pairs: the column of prompts (default: prompt)", metavar="NAME"
+    )
+    chosen_column: str | None = setting(
+        None, "preference pairs: the column of preferred completions (default: chosen)", metavar="NAME"
+    )
+    rejected_column: str | None = setting(
+        None, "preference pairs: the column of rejected completions (default: rejected)", metavar="NAME"
+    )
+    tools_column: str | None = setting(
+        None,
+        "chat data: the column of each row's tool schemas, passed to the chat template (default: tools)",
+        metavar="NAME",
+    )
     assistant_only_loss: bool = setting(
         True,
         "chat / prompt-completion data: train only on assistant turns / the completion (default: on)",
         no_help="train on every token of the rendered conversation or pair (default: off)",
     )
     seq_len: int | None = setting(None, "tokens per sequence", metavar="N")
-    pack: bool = setting(
-        True,
+    pack: bool | None = setting(
+        None,
+        "pack documents into --seq-len blocks (default for text, chat and prompt-completion data; "
+        "preference pairs are never packed)",
         no_help="one padded document per row (truncated to --seq-len) instead of documents packed into "
         "--seq-len blocks with EOS between them (default: pack)",
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.run_dir import check_output_dir
 
@@ -189,6 +190,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
 
     columns = dict(text_column=cfg.text_column, messages_column=cfg.messages_column, config_name=cfg.dataset_config)
     columns.update(every_row=not cfg.streaming, skip_bad_rows=cfg.skip_bad_rows)  # each local row, before launch
+    columns.update(renames=cfg.column_renames)
     first_rows = {cfg.dataset: check_text_dataset(cfg.dataset, split=cfg.split, **columns)}
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
@@ -262,9 +264,10 @@ def run_fingerprint(cfg: TrainConfig, config: PretrainedConfig) -> dict:
         split=cfg.split,
         text_column=cfg.text_column,
         messages_column=cfg.messages_column,
+        **{f"{name}_column": getattr(cfg, f"{name}_column") for name in STANDARD_COLUMNS},
         assistant_only_loss=cfg.assistant_only_loss,
         eval_split=cfg.eval_split,
-        pack=cfg.pack,
+        pack=cfg.pack is not False,  # (unset counts as True, as runs recorded it before pack could be unset)
         document_masking=cfg.document_masking,
         streaming=cfg.streaming,
         seq_len=cfg.seq_len,

@@ -18,7 +18,7 @@ from hf_tp.data.pairs import PairCollator
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.tokenize import tokenize_dataset
 from hf_tp.objectives.preference import DPO, SimPO
-from hf_tp.objectives.reference import FrozenCopy
+from hf_tp.objectives.reference import FrozenCopy, model_inputs
 from hf_tp.parallel.logps import linear_log_probs
 from tests.chat_data import chat_tokenizer
 from tests.helpers import ATOL, RTOL, assert_close_dict, full_grads, run_threaded, tiny_config, tiny_model
@@ -155,6 +155,60 @@ def test_simpo_equals_its_formula(tmp_path) -> None:
     assert_close_dict(full_grads(mine), full_grads(policy), "SimPO grad", rtol=RTOL, atol=ATOL)
 
 
+def _trl_cpo_simpo_step(policy, tokenizer, rows, tmp_path, beta: float, gamma: float):
+    """TRL's CPO trainer with loss_type="simpo", cpo_alpha=0 (SimPO): its loss (gradients in
+    ``policy``), logged metrics, and its tokenized pairs as hf_tp pair examples."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    args = CPOConfig(
+        output_dir=str(tmp_path / "cpo"), per_device_train_batch_size=len(rows["chosen"]), report_to=[],
+        use_cpu=True, bf16=False, loss_type="simpo", cpo_alpha=0.0, beta=beta, simpo_gamma=gamma, max_length=512,
+    )  # fmt: skip
+    trainer = CPOTrainer(
+        model=policy, args=args, processing_class=tokenizer, train_dataset=datasets.Dataset.from_dict(rows)
+    )
+    examples = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+    loss.backward()
+    stored = trainer._stored_metrics["train"]
+    metrics = {k: v[-1] for k, v in stored.items() if k.startswith(("rewards/", "logps/"))}
+    pairs = [
+        {"input_ids": ex["chosen_input_ids"], "labels": ex["chosen_labels"],
+         "rejected_input_ids": ex["rejected_input_ids"], "rejected_labels": ex["rejected_labels"]}
+        for ex in examples
+    ]  # fmt: skip
+    return loss.detach(), metrics, pairs, trainer.model
+
+
+@needs_trl
+def test_simpo_equals_trl_cpo_simpo_loss_rewards_and_gradients(tmp_path) -> None:
+    """SimPO against TRL 1.16's reference implementation (trl.experimental.cpo, loss_type="simpo",
+    cpo_alpha=0) on the same tiny Llama and string pairs: the loss, every logged reward and mean
+    log-prob, every gradient, on CPO's tokens (which it builds its own way: prompt and completion
+    apart, BOS/EOS ids added), equal here to hf_tp's own tokens of the pairs."""
+    tokenizer = chat_tokenizer()
+    policy, _ = _models(tokenizer)
+    mine = copy.deepcopy(policy)
+    beta, gamma = 2.0, 0.7
+    want, want_metrics, pairs, trl_model = _trl_cpo_simpo_step(
+        policy, tokenizer, _rows("string"), tmp_path, beta, gamma
+    )
+    ours = tokenize_dataset(datasets.Dataset.from_dict(_rows("string")), tokenizer, seq_len=512)
+    assert [p["input_ids"] for p in pairs] == ours["input_ids"] and [p["labels"] for p in pairs] == ours["labels"]
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    out = SimPO(beta=beta, gamma=gamma).micro_loss(mine, collate(pairs), StepBatches(0, 0, [], num_examples=len(pairs)))
+    out.loss.backward()
+    assert abs(want.item() - math.log(2)) > 1e-3  # not a trivial step
+    torch.testing.assert_close(out.loss.detach(), want.float(), rtol=RTOL, atol=0)
+    assert set(want_metrics) == {f"rewards/{k}" for k in ("chosen", "rejected", "accuracies", "margins")} | {
+        "logps/chosen",
+        "logps/rejected",
+    }
+    for name, value in want_metrics.items():
+        assert out.sums[name].item() / len(pairs) == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert_close_dict(full_grads(mine), full_grads(trl_model), "SimPO grad", rtol=RTOL, atol=ATOL)
+
+
 def test_log_probs_equal_log_softmax_in_every_chunking() -> None:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(13, 16, generator=g, requires_grad=True)
@@ -287,34 +341,158 @@ def test_held_out_pairs_evaluate_to_one_process_numbers() -> None:
         assert records[0][f"eval_{name}"] == pytest.approx(value.item() / 5, rel=1e-5, abs=1e-7), name
 
 
-@pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
-def test_dpo_on_a_moe_at_tp2_equals_one_process() -> None:
-    """Qwen3-MoE (experts split over tp, no router aux loss in the objective): DPO's loss and every
-    gradient at tp2 equal one process's."""
-    import hf_tp
+def _moe_case(aux: bool):
+    """A float64 Qwen3-MoE policy moved away from its reference, and 4 pairs (one pair's rows end in
+    padding, which the router aux loss leaves out) as the whole batch's rows, chosen then rejected."""
     from tests.family_grid import grid_config, grid_model
 
-    config = grid_config("qwen3_moe", output_router_logits=False)
+    config = grid_config("qwen3_moe", output_router_logits=aux, router_aux_loss_coef=0.5)
     ref = grid_model(config)
     policy = copy.deepcopy(ref)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
-    ids = torch.randint(3, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
-    labels = torch.where(torch.arange(12) < 5, -100, ids)  # the first 5 tokens: the prompt
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    step = StepBatches(0, 0, [], num_examples=2)
-    policies, refs = [copy.deepcopy(policy) for _ in range(2)], [copy.deepcopy(ref) for _ in range(2)]
+    ids = torch.randint(3, config.vocab_size, (8, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[[1, 5], 9:] = 0  # pair 1: both sides padded
+    labels = torch.where((torch.arange(12) < 5) | (mask == 0), -100, ids)  # the first 5 tokens: the prompt
+    return policy, ref, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _padded(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """The rows padded on the right to a multiple of ``multiple`` tokens, as the collator pads them."""
+    extra = -batch["input_ids"].shape[1] % multiple
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: F.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
+
+
+def _pairs_of(batch: dict[str, torch.Tensor], pairs: list[int]) -> dict[str, torch.Tensor]:
+    rows = pairs + [p + 4 for p in pairs]  # their chosen rows, then their rejected rows
+    return {k: v[rows] for k, v in batch.items()}
+
+
+@pytest.mark.skipif(bool(family_refusal("qwen3_moe")), reason=str(family_refusal("qwen3_moe")))
+@pytest.mark.parametrize(
+    ("tp", "dp", "ep", "cp", "aux"),
+    [(2, 1, 1, 1, False), (2, 2, 1, 1, True), (1, 2, 2, 1, True), (2, 1, 1, 2, True)],
+    ids=["tp2", "tp2-dp2-aux", "ep2-aux", "tp2-cp2-aux"],
+)
+def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, cp: int, aux: bool) -> None:
+    """Qwen3-MoE (experts split over tp, or whole over ep), DPO's loss and every gradient equal
+    one process's; with output_router_logits the loss is DPO's plus router_aux_loss_coef times
+    HF's own load_balancing_loss_func over the policy forward's rows (the reference adds none).
+    At dp2 each rank takes two pairs in two micro-batches, the aux loss over the whole step's rows
+    (the loop's step_routing), so the sum of the micro-steps' losses is the step's loss; at cp2
+    each rank routes its own tokens of the rows (padded to a multiple of 2 cp tp, as the collator
+    pads them) and the aux loss is summed over dp x cp."""
+    import hf_tp
+    from hf_tp.parallel.mesh import split_mesh
+    from hf_tp.train.loss import step_routing
+
+    policy, ref, batch = _moe_case(aux)
+    step = StepBatches(0, 0, [], num_examples=4)
+    world = tp * dp * cp
+    policies, refs = [copy.deepcopy(policy) for _ in range(world)], [copy.deepcopy(ref) for _ in range(world)]
+    policy.config.output_router_logits = False  # the DPO term alone, then HF's aux loss from its own forward
     want = DPO(FrozenCopy(copy.deepcopy(ref))).micro_loss(policy, batch, step).loss
-    want.backward()
+    want_aux = policy(**model_inputs(batch), output_router_logits=True).aux_loss if aux else torch.zeros(())
+    (want + 0.5 * want_aux).backward()
     want_grads = full_grads(policy)
+    got = {}
 
     def rank_fn(rank: int) -> None:
-        mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
-        model = hf_tp.parallelize(policies[rank], mesh)
-        loss = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh))).micro_loss(model, batch, step).loss
-        loss.backward()
-        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=0)
-        assert_close_dict(full_grads(model), want_grads, "DPO grad on a MoE at tp2")
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, cp=cp, device_type="cpu")
+        model = hf_tp.parallelize(policies[rank], mesh, ep=ep)
+        group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp: the ranks whose tokens differ
+        objective = DPO(FrozenCopy(hf_tp.parallelize(refs[rank], mesh, ep=ep)), route_group=group)
+        d = mesh.get_local_rank("dp")
+        rows = _pairs_of(_padded(batch, 2 * cp * tp) if cp > 1 else batch, list(range(4)))
+        micro = [_pairs_of(rows, [p]) for p in range(d * 4 // dp, (d + 1) * 4 // dp)]
+        routing = step_routing(model, micro, group) if len(micro) > 1 else None
+        loss, aux_sum = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for m in micro:
+            out = objective.micro_loss(model, m, step, routing=routing)
+            (out.loss * dp).backward()  # FSDP2 averages over dp; the loop's factor dp makes it the sum
+            loss, aux_sum = loss + out.loss.detach(), aux_sum + (out.aux if out.aux is not None else 0)
+        torch.distributed.all_reduce(loss, group=mesh["dp"].get_group())  # (cp ranks: each the whole rows' loss)
+        torch.distributed.all_reduce(aux_sum, group=mesh["dp"].get_group())
+        got[rank] = (loss.double(), aux_sum.double())
+        assert_close_dict(full_grads(model), want_grads, f"DPO grad on a MoE at tp{tp} x cp{cp} x dp{dp} x ep{ep}")
 
-    run_threaded(2, rank_fn)
+    run_threaded(world, rank_fn)
+    for loss, aux_sum in got.values():
+        torch.testing.assert_close(loss, (want + 0.5 * want_aux).detach().double(), rtol=RTOL, atol=0)
+        torch.testing.assert_close(aux_sum, want_aux.detach().double(), rtol=RTOL, atol=0)
+    assert aux == (want_aux.item() > 0)
+
+
+def test_a_router_aux_loss_hf_tp_cannot_add_is_refused() -> None:
+    """A model asking for a router aux loss that is not transformers' load_balancing_loss_func
+    (here a Llama told output_router_logits): refused in one line naming the fix, not dropped."""
+    from hf_tp.parallel.logps import log_probs_refusal, sequence_log_probs
+
+    model = tiny_model(tiny_config("llama", output_router_logits=True, router_aux_loss_coef=0.1))
+    assert "set output_router_logits=False" in log_probs_refusal(model)
+    assert log_probs_refusal(model, router_logits=False) is None  # a reference forward adds no aux loss
+    with pytest.raises(ValueError, match="not transformers' load_balancing_loss_func"):
+        sequence_log_probs(
+            model,
+            {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long)},
+            router_logits=True,
+        )
+
+
+def test_precomputed_reference_log_probs_are_kept_with_the_dataset_cache(tmp_path) -> None:
+    """--precompute-ref's scores are written under the key of the reference's files, the tokenized
+    pairs, --seq-len and the dtype: a second run reads them (no reference forward, the same
+    numbers), a changed key scores again; the key changes with each of those and nothing else."""
+    import os
+
+    import hf_tp
+    from hf_tp.objectives.precompute import with_reference_logps
+    from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps, data_fingerprint
+
+    tokenizer = chat_tokenizer()
+    _, ref = _models(tokenizer)
+    ref.save_pretrained(tmp_path / "ref")
+    data = tokenize_dataset(datasets.Dataset.from_dict(_rows("chat")), tokenizer, seq_len=512)
+    collate = PairCollator(PadToMultipleCollator(pad_token_id=tokenizer.pad_token_id))
+    key = cache_key(tmp_path / "ref", data, 512, "fp32")
+    assert key == cache_key(tmp_path / "ref", data, 512, "fp32")
+    assert data_fingerprint(data, rows_per_read=1) == data_fingerprint(data)  # read in slices of any size
+    calls, results = [], []
+
+    def run(path) -> None:
+        refs = [copy.deepcopy(ref) for _ in range(2)]
+
+        def rank_fn(rank: int) -> None:
+            mesh = hf_tp.build_mesh(tp=1, dp=2, device_type="cpu")
+            reference = FrozenCopy(hf_tp.parallelize(refs[rank], mesh))
+            where = dict(dp_rank=rank, dp=2, group=mesh["dp"].get_group(), device=torch.device("cpu"))
+
+            def counted(batch):
+                calls.append(rank)
+                return reference(batch)
+
+            compute = lambda: with_reference_logps(data, counted, collate, batch_size=1, **where)  # noqa: E731
+            scored, computed = cached_reference_logps(data, compute, path, torch.device("cpu"))
+            if rank == 0:
+                results.append((scored["ref_chosen_logps"], scored["ref_rejected_logps"], computed))
+
+        run_threaded(2, rank_fn)
+
+    run(cache_path(key, tmp_path))
+    assert results[0][2] and len(calls) == 4 and cache_path(key, tmp_path).is_file()  # 2 rounds x 2 ranks
+    run(cache_path(key, tmp_path))
+    assert not results[1][2] and len(calls) == 4 and results[1][:2] == results[0][:2]  # read, not scored
+    run(cache_path(cache_key(tmp_path / "ref", data, 256, "fp32"), tmp_path))
+    assert results[2][2] and len(calls) == 8 and results[2][:2] == results[0][:2]
+    changed = {
+        cache_key(tmp_path / "ref", data, 512, "bf16"),
+        cache_key(tmp_path / "ref", data.select([0, 1, 2]), 512, "fp32"),
+        cache_key(tmp_path / "ref", data.select([1, 0, 2, 3]), 512, "fp32"),
+    }
+    weights = tmp_path / "ref" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    changed.add(cache_key(tmp_path / "ref", data, 512, "fp32"))
+    assert len(changed) == 4 and key not in changed

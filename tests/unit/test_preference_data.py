@@ -75,6 +75,10 @@ def test_objective_and_data_must_fit(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["train", "--dataset", str(path), "--objective", "dpo", "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "--objective dpo trains on preference pairs" in err and "\n" not in err, err
+    pairs = write_rows(tmp_path / "pairs.jsonl", [_pair()])
+    assert main(["train", "--dataset", str(pairs), "--objective", "dpo", "--pack", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--objective dpo does not pack pairs" in err and "\n" not in err, err
 
 
 def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
@@ -82,14 +86,53 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
     yaml.write_text("objective: dpo\nbeta: 0.2\nlabel-smoothing: 0.1\n")
     cfg = TrainConfig(**TrainConfig.from_yaml(yaml))
     assert (cfg.objective, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma) == ("dpo", 0.2, 0.1, 0.5)
+    assert not cfg.packs and TrainConfig().packs and not TrainConfig(pack=False).packs  # pairs: padded rows
+    from transformers import LlamaConfig
+
+    from hf_tp.train.validate import run_fingerprint
+
+    # a run saved before pack could be unset recorded pack=True (the old default): it still resumes
+    assert run_fingerprint(cfg, LlamaConfig())["pack"] is True
     cfg.validate()
     for bad, says in (
         (dict(objective="orpo"), "--objective must be one of sft, dpo, simpo"),
         (dict(objective="dpo", label_smoothing=0.5), r"--label-smoothing must be in \[0, 0.5\)"),
         (dict(objective="simpo", beta=0.0), "--beta must be positive"),
         (dict(objective="dpo", streaming=True), "--objective dpo reads whole pairs: drop --streaming"),
+        (dict(objective="simpo", pack=True), r"--objective simpo does not pack pairs .*: drop --pack / pack: true"),
         (dict(objective="simpo", precompute_ref=True), "--precompute-ref is for --objective dpo"),
         (dict(objective="dpo", precompute_ref=True, eval_split=0.1), "--precompute-ref scores the training pairs only"),
     ):
         with pytest.raises(ValueError, match=says):
             TrainConfig(**bad).validate()
+
+
+def test_columns_under_other_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--prompt-column / --chosen-column / --rejected-column: the same pairs as the standard names,
+    before launch and in the ranks; a column that is not there, or named twice, is one line."""
+    from hf_tp.data import load_text_dataset, tokenize_dataset
+    from hf_tp.data.datasets import check_text_dataset
+    from tests.chat_data import chat_tokenizer
+
+    pairs = [_pair(), _pair(rejected=" i am dee .")]
+    standard = write_rows(tmp_path / "pairs.jsonl", pairs)
+    other = [{"question": p["prompt"], "better": p["chosen"], "worse": p["rejected"], "prompt": "x"} for p in pairs]
+    renamed = write_rows(tmp_path / "renamed.jsonl", other)
+    cfg = TrainConfig(prompt_column="question", chosen_column="better", rejected_column="worse", objective="dpo")
+    renames = cfg.column_renames
+    assert renames == {"question": "prompt", "better": "chosen", "worse": "rejected"}
+    fmt, first = check_text_dataset(str(renamed), every_row=True, renames=renames)
+    assert fmt.kind == PREFERENCE and first == pairs[0]  # the unchosen 'prompt' column dropped
+    tok = chat_tokenizer()
+    got = tokenize_dataset(load_text_dataset(str(renamed), renames=renames), tok, seq_len=32)
+    want = tokenize_dataset(load_text_dataset(str(standard)), tok, seq_len=32)
+    assert got.to_dict() == want.to_dict() and len(got) == 2
+    with pytest.raises(ValueError, match=r"^--chosen-column names column 'nope', which dataset '\S+' does not have"):
+        check_text_dataset(str(renamed), every_row=True, renames={"nope": "chosen"})
+    argv = ["train", "--dataset", str(renamed), "--objective", "dpo", "--output-dir", str(tmp_path / "o")]
+    assert main([*argv, "--prompt-column", "question", "--chosen-column", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--chosen-column names column 'nope'" in err and "its columns are: question, better, worse" in err, err
+    assert "\n" not in err
+    with pytest.raises(ValueError, match="two of --prompt-column, .* name column 'better'"):
+        TrainConfig(chosen_column="better", rejected_column="better").validate()

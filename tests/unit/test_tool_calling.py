@@ -60,3 +60,19 @@ def test_bad_tools_name_the_row() -> None:
     rows = {"messages": [MESSAGES, MESSAGES], "tools": [json.dumps(TOOLS), "{not json"]}
     with pytest.raises(ValueError, match=r"row 2 of dataset \(in memory\): 'tools' is a string but not JSON"):
         tokenize_dataset(datasets.Dataset.from_dict(rows), chat_tokenizer(TOOLS_CHATML), seq_len=64, pack=False)
+
+
+def test_tools_under_another_column_name(tmp_path) -> None:
+    """--tools-column functions: the rows render exactly as with a `tools` column."""
+    from hf_tp.data import load_text_dataset
+    from hf_tp.data.columns import column_renames
+
+    tok = chat_tokenizer(TOOLS_CHATML)
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps({"messages": MESSAGES, "functions": json.dumps(TOOLS)}) + "\n")
+    renames = column_renames({"tools": "functions"})
+    got = tokenize_dataset(load_text_dataset(str(path), renames=renames), tok, seq_len=256, pack=False)[0]
+    rows = {"messages": [MESSAGES], "tools": [json.dumps(TOOLS)]}
+    want = tokenize_dataset(datasets.Dataset.from_dict(rows), tok, seq_len=256, pack=False)[0]
+    text = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False)
+    assert got == want and got["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]

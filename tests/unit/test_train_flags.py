@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PUBLIC_FLAGS = {
     "model and data": (
         "--config", "--model", "--trust-remote-code", "--dataset", "--dataset-config", "--split", "--text-column",
-        "--messages-column", "--assistant-only-loss", "--no-assistant-only-loss", "--seq-len", "--no-pack",
+        "--messages-column", "--prompt-column", "--chosen-column", "--rejected-column", "--tools-column",
+        "--assistant-only-loss", "--no-assistant-only-loss", "--seq-len", "--pack", "--no-pack",
         "--streaming", "--skip-bad-rows", "--no-document-masking", "--train-vision-tower",
     ),
     "held-out evaluation": ("--eval-dataset", "--eval-dataset-split", "--eval-split", "--eval-every", "--eval-batches"),
