@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.adapters import Adapter, PlanOptions, get_adapter
+from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
@@ -30,6 +31,7 @@ from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
+from hf_tp.record import ParallelRecord, attach, record_of
 
 
 def parallelize(
@@ -67,10 +69,11 @@ def parallelize(
     """
     outer, vision = model, train_vision_tower
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
+    record = _record(model, adapter, opts, mesh, ep_mesh, activation_checkpointing=activation_checkpointing)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
-    tp = tp_mesh.size() > 1
+    tp = tp_mesh.size() > 1  # at tp=1 the model stays plain torch (a 1-rank DTensor pays per-op dispatch)
     if tp:
         with keep_frozen(model):  # some styles re-register parameters as trainable
             apply_tensor_parallel(model, adapter, tp_mesh, opts)
@@ -80,8 +83,6 @@ def parallelize(
     if tp and fuse_partial_grads:
         units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
         install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
-    # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
-    # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
@@ -100,12 +101,39 @@ def parallelize(
             averaged=whole,
             fused=fuse_partial_grads and tp,
         )
-    _mark_parallelized(model, opts, outer)
+    record.fsdp, record.compiled, record.whole = fsdp, compile, _names(model, whole)
+    _mark_parallelized(model, record, outer)
     return outer
 
 
-def _mark_parallelized(model: nn.Module, opts: PlanOptions, outer: nn.Module) -> None:
-    model.hf_tp_options = opts  # marks the model as parallelized (checked in _check) and records how
+def _record(
+    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, **flags
+) -> ParallelRecord:
+    """The record of this call (:mod:`hf_tp.record`): meshes, plans, options; filled in as parallelize goes."""
+    names = mesh.mesh_dim_names or ()
+    dp_mesh, meshes = split_mesh(mesh)[0], {"tp": split_mesh(mesh)[1]}
+    if dp_mesh is not None:  # every dp rank (both HSDP dims), without cp
+        meshes["dp"] = mesh["dp"] if "dp" in names else dp_mesh
+    meshes |= {d: mesh[d] for d in ("cp", "dp_replicate") if d in names}
+    if ep_mesh is not None:
+        meshes["ep"] = ep_mesh["ep"]
+    origin = "hand-written" if adapter.model_type in registered_model_types() else "derived from the model"
+    if adapter.language_model:
+        origin = f"multimodal wrapper: its language model at {adapter.language_model}"
+    return ParallelRecord(
+        model_type=model.config.model_type,
+        adapter=origin,
+        options=opts,
+        meshes=meshes,
+        layers_path=adapter.layers_path,
+        layer_plan=dict(adapter.layer_plan(opts)),
+        top_plan=dict(adapter.top_plan(opts)),
+        **flags,
+    )
+
+
+def _mark_parallelized(model: nn.Module, record: ParallelRecord, outer: nn.Module) -> None:
+    attach(model, record)  # marks the model as parallelized (checked in _check) and records how
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
@@ -146,8 +174,10 @@ def _check(
             raise ValueError(f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         check_experts(model, adapter.layers_path, adapter.experts, ep)
         ep_mesh = build_ep_mesh(mesh, ep)
-    if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
+    if record_of(model) is not None or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "this model is already parallelized (hf_tp.describe(model) shows how); call hf_tp.parallelize once per model"
+        )
     if peft:
         check_lora(model, adapter, opts, tp_mesh.size(), ep)
         adapter = lora_adapter(adapter)
@@ -185,3 +215,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _names(model: nn.Module, params: set[nn.Parameter]) -> tuple[str, ...]:
+    ids = {id(p) for p in params}
+    return tuple(n for n, p in model.named_parameters() if id(p) in ids)
