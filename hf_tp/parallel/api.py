@@ -82,7 +82,7 @@ def parallelize(
         model.loss_function = local_loss_function(model.loss_function)
     if tp and fuse_partial_grads:
         units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
-        install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
+        record.partial_grads = install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
@@ -102,7 +102,7 @@ def parallelize(
             fused=fuse_partial_grads and tp,
         )
     record.fsdp, record.compiled, record.whole = fsdp, compile, _names(model, whole)
-    _mark_parallelized(model, record, outer)
+    _mark_parallelized(model, outer)
     return outer
 
 
@@ -120,7 +120,7 @@ def _record(
     origin = "hand-written" if adapter.model_type in registered_model_types() else "derived from the model"
     if adapter.language_model:
         origin = f"multimodal wrapper: its language model at {adapter.language_model}"
-    return ParallelRecord(
+    record = ParallelRecord(
         model_type=model.config.model_type,
         adapter=origin,
         options=opts,
@@ -130,10 +130,11 @@ def _record(
         top_plan=dict(adapter.top_plan(opts)),
         **flags,
     )
+    attach(model, record)  # marks the model as parallelized (checked in _check); parallelize's steps fill it in
+    return record
 
 
-def _mark_parallelized(model: nn.Module, record: ParallelRecord, outer: nn.Module) -> None:
-    attach(model, record)  # marks the model as parallelized (checked in _check) and records how
+def _mark_parallelized(model: nn.Module, outer: nn.Module) -> None:
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks

@@ -37,8 +37,8 @@ def test_record_of_a_tp2_dp2_model_and_describe() -> None:
     assert record.model_type == "llama" and record.fsdp and record.layers_path == "model.layers"
     assert record.options.sequence_parallel and record.options.loss_parallel
     assert set(record.layer_plan) >= {"self_attn.q_proj", "mlp.down_proj"}
-    assert record.cp is None and not record.experts and record.lora is None
-    assert not [a for a in left if "partial_grads" not in a and "dropout" not in a]
+    assert record.partial_grads is not None and record.cp is None and not record.experts and record.lora is None
+    assert left == []
     assert printed == text + "\n"
     lines = text.splitlines()
     assert lines[0] == "hf_tp: llama (hand-written)"
@@ -46,6 +46,7 @@ def test_record_of_a_tp2_dp2_model_and_describe() -> None:
     assert "decoder layers (model.layers): 1 kind(s)" in lines and "  layers 0-1:" in lines
     assert "    self_attn.q_proj: colwise" in lines
     assert "    mlp.down_proj: rowwise, reduce-scatter to sequence shards" in lines
+    assert "partial gradients: one fused all-reduce per backward" in lines
     assert len({s[1] for s in seen.values()}) == 1  # every rank describes the same layout
 
 
