@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from transformers.generation.utils import GenerateOutput
 
 from hf_tp.adapters.wrapper import text_config_of
+from hf_tp.record import record_of
 
 __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
 
@@ -206,7 +207,7 @@ def generate(
     training loop can continue right after. Returns what ``model.generate`` returns; a returned
     cache holds each rank's own heads, and hidden states (if asked for) are DTensors.
     """
-    if getattr(model, "hf_tp_cp", None) is not None:
+    if getattr(record_of(model), "cp", None) is not None:
         raise ValueError(
             "hf_tp.generate does not decode with context parallelism (each rank holds part of every row); "
             "generate from a model parallelized on a mesh without cp, e.g. after hf-tp export"
