@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.record import facts_of
 from hf_tp.styles.choice import PerLayerChoice, resolve
 from hf_tp.styles.lora_params import adopt_param_wrappers, factor_paths, peft_base, with_lora
 
@@ -176,7 +177,7 @@ def _add_lora_updates(owners: list[tuple[nn.Module, str, Role]]) -> None:
     """The views made, the LoRA updates of peft's ``ParamWrapper`` modules added to theirs (from the
     factors' views; expert parallelism makes its experts' views, and adds them, itself)."""
     for owner, leaf, _ in owners:
-        if "hf_tp_local_experts" not in owner.__dict__:
+        if getattr(facts_of(owner), "experts", None) is None:
             owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
 
 

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_tp.record import facts_of
+
 
 def is_param_wrapper(module: nn.Module) -> bool:
     """True for peft's ``ParamWrapper`` (LoRA on one ``nn.Parameter`` of its base module)."""
@@ -104,8 +106,9 @@ def _local_factors(owner: nn.Module, leaf: str, lhs: torch.Tensor, rhs: torch.Te
     """The factors' slices whose product is this rank's view: its experts (expert parallelism) and
     its tp slice of a sharded dim (dim 1 is ``lhs``'s rows, dim 2 ``rhs``'s columns; packed halves
     sliced each)."""
-    if "hf_tp_local_experts" in owner.__dict__ and lhs.dim() == 3:
-        start, n = owner.hf_tp_local_experts
+    shard = getattr(facts_of(owner), "experts", None)
+    if shard is not None and lhs.dim() == 3:
+        start, n = shard.start, shard.local
         lhs, rhs = lhs[start : start + n], rhs[start : start + n]
     found = owner.__dict__.get("hf_tp_region_roles", {}).get(leaf)
     if found is None or found[0].kind != "shard" or found[1] == 1:
