@@ -31,7 +31,7 @@ from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
-from hf_tp.record import ParallelRecord, attach, record_of
+from hf_tp.record import LoraRecord, ParallelRecord, attach, record_of
 
 
 def parallelize(
@@ -69,7 +69,7 @@ def parallelize(
     """
     outer, vision = model, train_vision_tower
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
-    record = _record(model, adapter, opts, mesh, ep_mesh, activation_checkpointing=activation_checkpointing)
+    record = record_of(model)  # attached by _check, once every check passed
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
@@ -101,13 +101,12 @@ def parallelize(
             averaged=whole,
             fused=fuse_partial_grads and tp,
         )
-    record.fsdp, record.compiled, record.whole = fsdp, compile, _names(model, whole)
-    _mark_parallelized(model, outer)
+    _mark_parallelized(model, outer, fsdp, compile, activation_checkpointing, _names(model, whole))
     return outer
 
 
 def _record(
-    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, **flags
+    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, **fields
 ) -> ParallelRecord:
     """The record of this call (:mod:`hf_tp.record`): meshes, plans, options; filled in as parallelize goes."""
     names = mesh.mesh_dim_names or ()
@@ -128,13 +127,15 @@ def _record(
         layers_path=adapter.layers_path,
         layer_plan=dict(adapter.layer_plan(opts)),
         top_plan=dict(adapter.top_plan(opts)),
-        **flags,
+        **fields,
     )
     attach(model, record)  # marks the model as parallelized (checked in _check); parallelize's steps fill it in
     return record
 
 
-def _mark_parallelized(model: nn.Module, outer: nn.Module) -> None:
+def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
+    record = record_of(model)
+    record.fsdp, record.compiled, record.activation_checkpointing, record.whole = flags
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
@@ -179,10 +180,11 @@ def _check(
         raise ValueError(
             "this model is already parallelized (hf_tp.describe(model) shows how); call hf_tp.parallelize once per model"
         )
+    lora = None
     if peft:
-        check_lora(model, adapter, opts, tp_mesh.size(), ep)
+        whole_run = check_lora(model, adapter, opts, tp_mesh.size(), ep)
+        lora = LoraRecord(tuple(whole_run), install_dropouts(model, whole_run, tp_mesh.size()))
         adapter = lora_adapter(adapter)
-        install_dropouts(model)
     if train_vision and not adapter.passengers:
         raise ValueError(
             f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
@@ -194,6 +196,7 @@ def _check(
         pass_packed_positions(model.get_submodule(adapter.language_model))
     if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
         mark_packed_experts(model, adapter, opts)
+    _record(model, adapter, opts, mesh, ep_mesh, lora=lora)
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 
