@@ -97,6 +97,7 @@ class ParallelRecord:
     dropout: Any = None  # the model's own dropout streams (hf_tp.styles.model_dropout.ModelDropout)
     partial_grads: Any = None  # the fused Partial-gradient reduction (hf_tp.parallel.partial_grads)
     whole: tuple[str, ...] = ()  # parameters kept whole on every dp rank, outside FSDP2 (odd dtypes)
+    overrides: tuple[str, ...] = ()  # "path.method": methods parallelize replaced on one module (generate, ...)
 
     def size(self, dim: str) -> int:
         """The size of mesh dim ``dim`` (1 when the mesh has none)."""
@@ -106,6 +107,20 @@ class ParallelRecord:
     def modules(self, model: nn.Module) -> dict[str, ModuleFacts]:
         """Path (from ``model``) -> the facts recorded for that module."""
         return {path: f for path, m in model.named_modules() if (f := _FACTS.get(m)) is not None and not f.empty()}
+
+
+def overridden_methods(model: nn.Module) -> tuple[str, ...]:
+    """``path.name`` of every method a module's own attribute replaces (``model.generate``, an
+    experts module's dispatching ``forward``, a DeepStack merge, ``to_empty``, ``loss_function``)."""
+    out = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name == "_loss_function":  # (transformers' property stores what is set here)
+                name = "loss_function"
+            elif isinstance(value, nn.Module) or not callable(value) or not callable(getattr(type(module), name, None)):
+                continue
+            out.append(f"{path}.{name}" if path else name)
+    return tuple(out)
 
 
 def attach(model: nn.Module, record: ParallelRecord) -> None:

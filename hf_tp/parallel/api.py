@@ -31,7 +31,7 @@ from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
-from hf_tp.record import LoraRecord, ParallelRecord, attach, record_of
+from hf_tp.record import LoraRecord, ParallelRecord, attach, overridden_methods, record_of
 
 
 def parallelize(
@@ -140,6 +140,7 @@ def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
         keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
+    record.overrides = overridden_methods(model)
 
 
 def _check(

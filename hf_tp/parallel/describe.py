@@ -4,6 +4,8 @@ experts, context parallelism, LoRA, dropout, the fused partial gradients."""
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from hf_tp.adapters.modules import has_submodule
@@ -76,7 +78,7 @@ def _layer_kinds(model: nn.Module, record: ParallelRecord) -> list[str]:
         kinds.setdefault(rows, []).append(index)
     out = [f"decoder layers ({record.layers_path}): {len(kinds)} kind(s)"]
     for rows, layers in kinds.items():
-        out.append(f"  layers {_ranges(layers)}:")
+        out.append(f"  layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}:")
         out += [f"    {path}: {words}" for path, words in rows]
     return out
 
@@ -112,4 +114,7 @@ def _extras(record: ParallelRecord) -> list[str]:
         out.append("partial gradients: one fused all-reduce per backward")
     if record.whole:
         out.append(f"kept whole outside FSDP2 (odd dtype): {', '.join(record.whole)}")
+    if record.overrides:  # a method per decoder layer once, its layer index as *
+        names = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in record.overrides)
+        out.append(f"methods replaced: {', '.join(names)}")
     return out

@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 import hf_tp
 from hf_tp.record import ParallelRecord, record_of
+from tests.family_grid import grid_config, grid_model
 from tests.helpers import clone, run_threaded, tiny_config, tiny_model
 
 
@@ -47,9 +49,54 @@ def test_record_of_a_tp2_dp2_model_and_describe() -> None:
     assert "    self_attn.q_proj: colwise" in lines
     assert "    mlp.down_proj: rowwise, reduce-scatter to sequence shards" in lines
     assert "partial gradients: one fused all-reduce per backward" in lines
+    assert lines[-1] == "methods replaced: generate", lines
     assert len({s[1] for s in seen.values()}) == 1  # every rank describes the same layout
 
 
-def test_describe_refuses_a_plain_model_and_parallelize_refuses_twice() -> None:
+def test_describe_refuses_a_plain_model() -> None:
     with pytest.raises(ValueError, match=r"LlamaForCausalLM is not parallelized by hf_tp .*call hf_tp.parallelize"):
         hf_tp.describe(tiny_model(tiny_config("llama", num_hidden_layers=1)))
+
+
+def test_record_of_experts_cp_and_lora() -> None:
+    """One world of 4: a MoE at tp2 x ep2 (dp2) on every rank, then on ranks 0-1 a cp2 model and a
+    peft LoRA model at tp2: what each records and how describe says it."""
+    peft = pytest.importorskip("peft")
+    moe_ref = grid_model(grid_config("qwen3_moe", num_experts=4, vocab_size=300))
+    moes = [clone(moe_ref) for _ in range(4)]
+    ref = tiny_model(tiny_config("llama", num_hidden_layers=1))
+    cps = [clone(ref) for _ in range(2)]
+    loras = [
+        peft.get_peft_model(clone(ref), peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], lora_dropout=0.1))
+        for _ in range(2)
+    ]
+    ids = torch.randint(3, 250, (2, 8), generator=torch.Generator().manual_seed(0))
+    seen: dict[int, tuple] = {}
+
+    def rank_fn(rank: int) -> None:
+        moe = hf_tp.parallelize(moes[rank], hf_tp.build_mesh(tp=2, dp=2, device_type="cpu"), ep=2)
+        moe(input_ids=ids, use_cache=False)
+        seen[rank] = (record_of(moe), hf_tp.describe(moe, file=io.StringIO()), hf_tp_attributes(moe))
+
+    def pair_fn(rank: int) -> None:
+        cp = hf_tp.parallelize(cps[rank], hf_tp.build_mesh(tp=1, cp=2, device_type="cpu"))
+        lora = hf_tp.parallelize(loras[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        texts = [hf_tp.describe(m, file=io.StringIO()) for m in (cp, lora)]
+        seen[10 + rank] = (record_of(cp), record_of(lora), texts, hf_tp_attributes(cp) + hf_tp_attributes(lora))
+
+    run_threaded(4, rank_fn)
+    run_threaded(2, pair_fn)
+    for rank in range(4):
+        record, text, left = seen[rank]
+        assert left == [] and set(record.meshes) == {"tp", "dp", "ep"} and record.size("ep") == 2
+        assert len(record.experts) == 2  # both layers' experts modules
+        shard = record.experts["model.layers.0.mlp.experts"]
+        assert (shard.start, shard.local) == (2 * (rank // 2 % 2), 2) and shard.tokens_per_expert is not None
+        assert f"experts: 2 modules over ep=2, this rank holds experts {shard.start}-{shard.start + 1} of each" in text
+        assert "methods replaced: loss_function, generate, model.layers.*.mlp.experts.forward" in text
+    cp, lora, (cp_text, lora_text), left = seen[10]
+    assert left == [] and cp.cp is not None and cp.size("cp") == 2 and lora.cp is None
+    assert "meshes: tp=1, dp=1, cp=2 (FSDP2 over dp x cp)" in cp_text.splitlines()
+    assert "context parallel: cp=2, the model's kernel 'sdpa' per rank" in cp_text.splitlines()
+    assert lora.lora is not None and lora.lora.dropouts == 2 and lora.lora.whole_run == ()
+    assert "LoRA: peft model, 2 dropouts tp-aware, 0 layers in blocks run whole" in lora_text.splitlines()
