@@ -31,12 +31,16 @@ __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
 
 
 def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """``(dp_mesh, tp_mesh)`` of a parallelized model, read from its embedding (None: not sharded).
+    """``(dp_mesh, tp_mesh)`` of a parallelized model: its record's (:mod:`hf_tp.record`), else read from
+    its embedding (None: not sharded).
 
     The embedding weight lives on the tp mesh, or on the 2-D (dp, tp) mesh while FSDP2 holds it
     sharded; between forwards FSDP2 may leave it unsharded (tp mesh only, e.g. the root unit), so
     the dp dim is read from the mesh that mesh was sliced from: the one given to ``parallelize``.
     """
+    record = record_of(model)
+    if record is not None:
+        return record.meshes.get("dp"), record.meshes["tp"]
     weight = model.get_input_embeddings().weight
     if not isinstance(weight, DTensor):
         return None, None
