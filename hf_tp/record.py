@@ -98,6 +98,7 @@ class ParallelRecord:
     partial_grads: Any = None  # the fused Partial-gradient reduction (hf_tp.parallel.partial_grads)
     whole: tuple[str, ...] = ()  # parameters kept whole on every dp rank, outside FSDP2 (odd dtypes)
     overrides: tuple[str, ...] = ()  # "path.method": methods parallelize replaced on one module (generate, ...)
+    complete: bool = False  # parallelize returned (until then it is being filled in)
 
     def size(self, dim: str) -> int:
         """The size of mesh dim ``dim`` (1 when the mesh has none)."""

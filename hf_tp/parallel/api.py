@@ -106,11 +106,12 @@ def parallelize(
 
 
 def _record(
-    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, **fields
+    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, *given: DeviceMesh | None, **fields
 ) -> ParallelRecord:
-    """The record of this call (:mod:`hf_tp.record`): meshes, plans, options; filled in as parallelize goes."""
-    names = mesh.mesh_dim_names or ()
-    dp_mesh, meshes = split_mesh(mesh)[0], {"tp": split_mesh(mesh)[1]}
+    """The record of this call (:mod:`hf_tp.record`): meshes (``given``: dp or None, tp, ep or None), plans,
+    options; filled in as parallelize goes."""
+    dp_mesh, tp_mesh, ep_mesh = given
+    names, meshes = mesh.mesh_dim_names or (), {"tp": tp_mesh}
     if dp_mesh is not None:  # every dp rank (both HSDP dims), without cp
         meshes["dp"] = mesh["dp"] if "dp" in names else dp_mesh
     meshes |= {d: mesh[d] for d in ("cp", "dp_replicate") if d in names}
@@ -129,13 +130,14 @@ def _record(
         top_plan=dict(adapter.top_plan(opts)),
         **fields,
     )
-    attach(model, record)  # marks the model as parallelized (checked in _check); parallelize's steps fill it in
+    attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns
     return record
 
 
 def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
     record = record_of(model)
     record.fsdp, record.compiled, record.activation_checkpointing, record.whole = flags
+    record.complete = True  # a parallelize that stopped before changing the model may run again
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
@@ -177,7 +179,7 @@ def _check(
             raise ValueError(f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         check_experts(model, adapter.layers_path, adapter.experts, ep)
         ep_mesh = build_ep_mesh(mesh, ep)
-    if record_of(model) is not None or any(isinstance(p, DTensor) for p in model.parameters()):
+    if getattr(record_of(model), "complete", False) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(
             "this model is already parallelized (hf_tp.describe(model) shows how); call hf_tp.parallelize once per model"
         )
@@ -197,7 +199,7 @@ def _check(
         pass_packed_positions(model.get_submodule(adapter.language_model))
     if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
         mark_packed_experts(model, adapter, opts)
-    _record(model, adapter, opts, mesh, ep_mesh, lora=lora)
+    _record(model, adapter, opts, mesh, dp_mesh, tp_mesh, ep_mesh, lora=lora)
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 

@@ -36,7 +36,7 @@ def test_record_of_a_tp2_dp2_model_and_describe() -> None:
     run_threaded(4, rank_fn)
     record, text, printed, left = seen[0]
     assert {d: m.size() for d, m in record.meshes.items()} == {"tp": 2, "dp": 2}
-    assert record.model_type == "llama" and record.fsdp and record.layers_path == "model.layers"
+    assert record.complete and record.model_type == "llama" and record.fsdp and record.layers_path == "model.layers"
     assert record.options.sequence_parallel and record.options.loss_parallel
     assert set(record.layer_plan) >= {"self_attn.q_proj", "mlp.down_proj"}
     assert record.partial_grads is not None and record.cp is None and not record.experts and record.lora is None
