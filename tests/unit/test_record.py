@@ -76,7 +76,9 @@ def test_record_of_experts_cp_and_lora() -> None:
     def rank_fn(rank: int) -> None:
         moe = hf_tp.parallelize(moes[rank], hf_tp.build_mesh(tp=2, dp=2, device_type="cpu"), ep=2)
         moe(input_ids=ids, use_cache=False)
-        seen[rank] = (record_of(moe), hf_tp.describe(moe, file=io.StringIO()), hf_tp_attributes(moe))
+        record = record_of(moe)
+        assert record.modules(moe)["model.layers.0.mlp.experts"].experts is record.experts["model.layers.0.mlp.experts"]
+        seen[rank] = (record, hf_tp.describe(moe, file=io.StringIO()), hf_tp_attributes(moe))
 
     def pair_fn(rank: int) -> None:
         cp = hf_tp.parallelize(cps[rank], hf_tp.build_mesh(tp=1, cp=2, device_type="cpu"))
