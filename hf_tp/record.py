@@ -97,6 +97,9 @@ class ParallelRecord:
     dropout: Any = None  # the model's own dropout streams (hf_tp.styles.model_dropout.ModelDropout)
     partial_grads: Any = None  # the fused Partial-gradient reduction (hf_tp.parallel.partial_grads)
     whole: tuple[str, ...] = ()  # parameters kept whole on every dp rank, outside FSDP2 (odd dtypes)
+    passengers: tuple[
+        str, ...
+    ] = ()  # a multimodal wrapper's modules outside its language model: whole on every tp rank
     overrides: tuple[str, ...] = ()  # "path.method": methods parallelize replaced on one module (generate, ...)
     complete: bool = False  # parallelize returned (until then it is being filled in)
 

@@ -128,6 +128,7 @@ def _record(
         layers_path=adapter.layers_path,
         layer_plan=dict(adapter.layer_plan(opts)),
         top_plan=dict(adapter.top_plan(opts)),
+        passengers=tuple(adapter.passengers),
         **fields,
     )
     attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns

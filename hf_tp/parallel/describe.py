@@ -112,6 +112,8 @@ def _extras(record: ParallelRecord) -> list[str]:
         out.append("dropout: the model's own, drawn from tp-aware streams")
     if record.partial_grads is not None:
         out.append("partial gradients: one fused all-reduce per backward")
+    if record.passengers:
+        out.append(f"run whole on every tp rank (a wrapper's passengers): {', '.join(record.passengers)}")
     if record.whole:
         out.append(f"kept whole outside FSDP2 (odd dtype): {', '.join(record.whole)}")
     if record.overrides:  # a method per decoder layer once, its layer index as *

@@ -11,6 +11,7 @@ import hf_tp
 from hf_tp.record import ParallelRecord, record_of
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import clone, run_threaded, tiny_config, tiny_model
+from tests.wrapper_grid import wrapper_config, wrapper_model
 
 
 def hf_tp_attributes(model) -> list[str]:
@@ -58,9 +59,9 @@ def test_describe_refuses_a_plain_model() -> None:
         hf_tp.describe(tiny_model(tiny_config("llama", num_hidden_layers=1)))
 
 
-def test_record_of_experts_cp_and_lora() -> None:
-    """One world of 4: a MoE at tp2 x ep2 (dp2) on every rank, then on ranks 0-1 a cp2 model and a
-    peft LoRA model at tp2: what each records and how describe says it."""
+def test_record_of_experts_cp_lora_and_a_wrapper() -> None:
+    """One world of 4: a MoE at tp2 x ep2 (dp2) on every rank, then on ranks 0-1 a cp2 model, a peft
+    LoRA model and a multimodal wrapper at tp2: what each records and how describe says it."""
     peft = pytest.importorskip("peft")
     moe_ref = grid_model(grid_config("qwen3_moe", num_experts=4, vocab_size=300))
     moes = [clone(moe_ref) for _ in range(4)]
@@ -70,6 +71,8 @@ def test_record_of_experts_cp_and_lora() -> None:
         peft.get_peft_model(clone(ref), peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], lora_dropout=0.1))
         for _ in range(2)
     ]
+    wrapper = wrapper_model(wrapper_config("llava"))
+    wrappers = [clone(wrapper) for _ in range(2)]
     ids = torch.randint(3, 250, (2, 8), generator=torch.Generator().manual_seed(0))
     seen: dict[int, tuple] = {}
 
@@ -83,8 +86,10 @@ def test_record_of_experts_cp_and_lora() -> None:
     def pair_fn(rank: int) -> None:
         cp = hf_tp.parallelize(cps[rank], hf_tp.build_mesh(tp=1, cp=2, device_type="cpu"))
         lora = hf_tp.parallelize(loras[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
-        texts = [hf_tp.describe(m, file=io.StringIO()) for m in (cp, lora)]
-        seen[10 + rank] = (record_of(cp), record_of(lora), texts, hf_tp_attributes(cp) + hf_tp_attributes(lora))
+        llava = hf_tp.parallelize(wrappers[rank], hf_tp.build_mesh(tp=2, device_type="cpu"))
+        texts = [hf_tp.describe(m, file=io.StringIO()) for m in (cp, lora, llava)]
+        left = hf_tp_attributes(cp) + hf_tp_attributes(lora) + hf_tp_attributes(llava)
+        seen[10 + rank] = (record_of(cp), record_of(lora), texts, left)
 
     run_threaded(4, rank_fn)
     run_threaded(2, pair_fn)
@@ -96,9 +101,15 @@ def test_record_of_experts_cp_and_lora() -> None:
         assert (shard.start, shard.local) == (2 * (rank // 2 % 2), 2) and shard.tokens_per_expert is not None
         assert f"experts: 2 modules over ep=2, this rank holds experts {shard.start}-{shard.start + 1} of each" in text
         assert "methods replaced: loss_function, generate, model.layers.*.mlp.experts.forward" in text
-    cp, lora, (cp_text, lora_text), left = seen[10]
+    cp, lora, (cp_text, lora_text, llava_text), left = seen[10]
     assert left == [] and cp.cp is not None and cp.size("cp") == 2 and lora.cp is None
     assert "meshes: tp=1, dp=1, cp=2 (FSDP2 over dp x cp)" in cp_text.splitlines()
     assert "context parallel: cp=2, the model's kernel 'sdpa' per rank" in cp_text.splitlines()
     assert lora.lora is not None and lora.lora.dropouts == 2 and lora.lora.whole_run == ()
     assert "LoRA: peft model, 2 dropouts tp-aware, 0 layers in blocks run whole" in lora_text.splitlines()
+    lines = llava_text.splitlines()
+    assert lines[0] == "hf_tp: llava (multimodal wrapper: its language model at model.language_model)"
+    assert "decoder layers (model.language_model.layers): 1 kind(s)" in lines
+    assert (
+        "run whole on every tp rank (a wrapper's passengers): model.vision_tower, model.multi_modal_projector" in lines
+    )
