@@ -31,6 +31,9 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "evaluate": "hf_tp.inference",
     "embedded_default": ("hf_tp.demo.assets", "ensure_default_assets"),
     "plan_for": "hf_tp.plan",
+    "describe": "hf_tp.parallel.describe",
+    "ParallelRecord": "hf_tp.record",
+    "record_of": "hf_tp.record",
 }
 
 

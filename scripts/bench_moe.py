@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
+from hf_tp.record import record_of
 
 
 def layouts(world: int) -> list[tuple[int, int]]:
@@ -56,7 +57,7 @@ def run(config: Qwen3MoeConfig, tp: int, ep: int, args, device: torch.device) ->
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-            a2a_rows += sum(sum(m.hf_tp_a2a_rows) for m in model.modules() if hasattr(m, "hf_tp_a2a_rows"))
+            a2a_rows += sum(sum(s.a2a_rows) for s in record_of(model).experts.values())
     row_bytes = config.hidden_size * 4
     a2a = 2 * a2a_rows / args.steps * row_bytes  # forward rows, and their gradients back in backward
     tokens = args.batch * args.seq_len

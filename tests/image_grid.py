@@ -19,6 +19,7 @@ import torch.distributed as dist
 import hf_tp
 from hf_tp.parallel.context import Layout
 from hf_tp.parallel.passengers import in_tower
+from hf_tp.record import record_of
 from tests.family_grid import GREEDY_TOKENS
 from tests.helpers import full, full_grads, run_threaded
 from tests.mrope_images import IMAGE_PROCESSORS, processed_images, tokens
@@ -212,7 +213,9 @@ class ImageCase:
         calls = _count_calls(model.get_submodule(self.adapter.layers_path)[0])
         got = two_steps(model, batch, ctx=hf_tp.loss_parallel, dp_group=group)
         assert calls == [3 if self.ac else 2], f"first decoder layer ran {calls} times in two forwards"
-        assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
+        assert self.ep == 1 or any(s.tokens_per_expert is not None for s in record_of(model).experts.values()), (
+            "no ep dispatch ran"
+        )
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         towers = {n for n, _ in model.named_parameters() if in_tower(self.adapter, n)}
         assert (towers <= trainable) == self.train_vision_tower and towers, sorted(towers - trainable)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import hf_tp
 from hf_tp.parallel.mesh import dp_mesh_of
+from hf_tp.record import record_of
 from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,
@@ -152,4 +153,4 @@ class ParityCase:
         got = train_steps(model, local, ctx=ctx, dp_group=dp_group, micro=self.micro)
         assert_parity(got, want, rows)
         if self.sp:  # the norm weights' Partial gradients went through the fused all-reduce, every backward
-            assert model.hf_tp_partial_grads.flushes == len(got.losses) * self.micro
+            assert record_of(model).partial_grads.flushes == len(got.losses) * self.micro

@@ -22,6 +22,7 @@ from hf_tp.adapters.support import TEXT_TOWERS
 from hf_tp.adapters.wrapper import model_from_config, text_config_of
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.passengers import in_tower
+from hf_tp.record import record_of
 from tests.family_grid import GREEDY_TOKENS, _prompt, grid_config, is_moe
 from tests.helpers import batch, full, run_threaded
 from tests.parity import Trace, assert_parity, train_steps
@@ -181,7 +182,9 @@ class WrapperCase:
         local = {k: v[rows] for k, v in self.data.items()}
         dp_group = mesh["dp"].get_group() if self.dp > 1 else None
         got = train_steps(model, local, steps=self.steps, ctx=hf_tp.loss_parallel, dp_group=dp_group)
-        assert self.ep == 1 or any(hasattr(m, "hf_tp_tokens_per_expert") for m in model.modules()), "no ep dispatch ran"
+        assert self.ep == 1 or any(s.tokens_per_expert is not None for s in record_of(model).experts.values()), (
+            "no ep dispatch ran"
+        )
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert set(got.grads) <= trainable, sorted(set(got.grads) - trainable)
         assert_parity(_trainable(got, trainable), _trainable(self.want, trainable), rows)

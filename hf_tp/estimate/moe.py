@@ -20,6 +20,7 @@ from hf_tp.adapters import get_adapter
 from hf_tp.adapters.inspect_moe import num_experts
 from hf_tp.estimate.memory import PeakMemTracker
 from hf_tp.parallel.expert_parallel import experts_modules
+from hf_tp.record import facts_of
 
 EP_DIMS = ("dp_out", "ep", "tp")  # hf_tp.parallel.expert_parallel.build_ep_mesh's names
 
@@ -120,8 +121,9 @@ def moe_stats(
         kept += _total(post) - _total(pre)
         peak = max(peak, _total(top) - _total(pre))
     total = num_experts(config) or 0
-    local = getattr(experts[0], "hf_tp_local_experts", (0, total))[1]
-    out_rows, in_rows = getattr(experts[0], "hf_tp_a2a_rows", (0, 0))
+    shard = getattr(facts_of(experts[0]), "experts", None)
+    local = total if shard is None else shard.local
+    out_rows, in_rows = (0, 0) if shard is None else shard.a2a_rows
     return MoEStats(
         layers=len(experts),
         experts=total,

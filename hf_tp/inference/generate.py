@@ -25,17 +25,22 @@ from torch.distributed.tensor import DTensor
 from transformers.generation.utils import GenerateOutput
 
 from hf_tp.adapters.wrapper import text_config_of
+from hf_tp.record import record_of
 
 __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
 
 
 def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """``(dp_mesh, tp_mesh)`` of a parallelized model, read from its embedding (None: not sharded).
+    """``(dp_mesh, tp_mesh)`` of a parallelized model: its record's (:mod:`hf_tp.record`), else read from
+    its embedding (None: not sharded).
 
     The embedding weight lives on the tp mesh, or on the 2-D (dp, tp) mesh while FSDP2 holds it
     sharded; between forwards FSDP2 may leave it unsharded (tp mesh only, e.g. the root unit), so
     the dp dim is read from the mesh that mesh was sliced from: the one given to ``parallelize``.
     """
+    record = record_of(model)
+    if record is not None:
+        return record.meshes.get("dp"), record.meshes["tp"]
     weight = model.get_input_embeddings().weight
     if not isinstance(weight, DTensor):
         return None, None
@@ -206,7 +211,7 @@ def generate(
     training loop can continue right after. Returns what ``model.generate`` returns; a returned
     cache holds each rank's own heads, and hidden states (if asked for) are DTensors.
     """
-    if getattr(model, "hf_tp_cp", None) is not None:
+    if getattr(record_of(model), "cp", None) is not None:
         raise ValueError(
             "hf_tp.generate does not decode with context parallelism (each rank holds part of every row); "
             "generate from a model parallelized on a mesh without cp, e.g. after hf-tp export"

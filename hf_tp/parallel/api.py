@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.adapters import Adapter, PlanOptions, get_adapter
+from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
@@ -30,6 +31,7 @@ from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
+from hf_tp.record import LoraRecord, ParallelRecord, attach, overridden_methods, record_of
 
 
 def parallelize(
@@ -67,10 +69,11 @@ def parallelize(
     outer, vision = model, train_vision_tower
     check_compile(compile, activation_checkpointing, split_mesh(mesh)[1].size())
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
+    record = record_of(model)  # attached by _check, once every check passed
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
-    tp = tp_mesh.size() > 1
+    tp = tp_mesh.size() > 1  # at tp=1 the model stays plain torch (a 1-rank DTensor pays per-op dispatch)
     if tp:
         with keep_frozen(model):  # some styles re-register parameters as trainable
             apply_tensor_parallel(model, adapter, tp_mesh, opts)
@@ -79,9 +82,7 @@ def parallelize(
         model.loss_function = local_loss_function(model.loss_function)
     if tp and fuse_partial_grads:
         units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
-        install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
-    # At tp=1 the model stays plain torch: a 1-rank DTensor computes the same values but pays
-    # DTensor's per-op dispatch on every call (measured: most of a small model's step time).
+        record.partial_grads = install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
@@ -100,16 +101,49 @@ def parallelize(
             averaged=whole,
             fused=fuse_partial_grads and tp,
         )
-    _mark_parallelized(model, opts, outer)
+    _mark_parallelized(model, outer, fsdp, compile, activation_checkpointing, _names(model, whole))
     return outer
 
 
-def _mark_parallelized(model: nn.Module, opts: PlanOptions, outer: nn.Module) -> None:
-    model.hf_tp_options = opts  # marks the model as parallelized (checked in _check) and records how
+def _record(
+    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, *given: DeviceMesh | None, **fields
+) -> ParallelRecord:
+    """The record of this call (:mod:`hf_tp.record`): meshes (``given``: dp or None, tp, ep or None), plans,
+    options; filled in as parallelize goes."""
+    dp_mesh, tp_mesh, ep_mesh = given
+    names, meshes = mesh.mesh_dim_names or (), {"tp": tp_mesh}
+    if dp_mesh is not None:  # every dp rank (both HSDP dims), without cp
+        meshes["dp"] = mesh["dp"] if "dp" in names else dp_mesh
+    meshes |= {d: mesh[d] for d in ("cp", "dp_replicate") if d in names}
+    if ep_mesh is not None:
+        meshes["ep"] = ep_mesh["ep"]
+    origin = "hand-written" if adapter.model_type in registered_model_types() else "derived from the model"
+    if adapter.language_model:
+        origin = f"multimodal wrapper: its language model at {adapter.language_model}"
+    record = ParallelRecord(
+        model_type=model.config.model_type,
+        adapter=origin,
+        options=opts,
+        meshes=meshes,
+        layers_path=adapter.layers_path,
+        layer_plan=dict(adapter.layer_plan(opts)),
+        top_plan=dict(adapter.top_plan(opts)),
+        passengers=tuple(adapter.passengers),
+        **fields,
+    )
+    attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns
+    return record
+
+
+def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
+    record = record_of(model)
+    record.fsdp, record.compiled, record.activation_checkpointing, record.whole = flags
+    record.complete = True  # a parallelize that stopped before changing the model may run again
     # HF's own generate cannot decode vocab-sharded logits: model.generate(...) now runs hf_tp's.
     model.generate = types.MethodType(_generate, model)
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
         keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
+    record.overrides = overridden_methods(model)
 
 
 def _check(
@@ -146,12 +180,15 @@ def _check(
             raise ValueError(f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts")
         check_experts(model, adapter.layers_path, adapter.experts, ep)
         ep_mesh = build_ep_mesh(mesh, ep)
-    if hasattr(model, "hf_tp_options") or any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("this model is already parallelized; call hf_tp.parallelize once per model")
+    if getattr(record_of(model), "complete", False) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "this model is already parallelized (hf_tp.describe(model) shows how); call hf_tp.parallelize once per model"
+        )
+    lora = None
     if peft:
-        check_lora(model, adapter, opts, tp_mesh.size(), ep)
+        whole_run = check_lora(model, adapter, opts, tp_mesh.size(), ep)
+        lora = LoraRecord(tuple(whole_run), install_dropouts(model, whole_run, tp_mesh.size()))
         adapter = lora_adapter(adapter)
-        install_dropouts(model)
     if train_vision and not adapter.passengers:
         raise ValueError(
             f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
@@ -163,6 +200,7 @@ def _check(
         pass_packed_positions(model.get_submodule(adapter.language_model))
     if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
         mark_packed_experts(model, adapter, opts)
+    _record(model, adapter, opts, mesh, dp_mesh, tp_mesh, ep_mesh, lora=lora)
     return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
 
 
@@ -195,3 +233,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _names(model: nn.Module, params: set[nn.Parameter]) -> tuple[str, ...]:
+    ids = {id(p) for p in params}
+    return tuple(n for n, p in model.named_parameters() if id(p) in ids)

@@ -36,6 +36,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.record import facts_of, record_of
 
 ATTENTION_NAME = "hf_tp_cp"
 # torch 2.13 renamed the autograd all-gather (backward: reduce-scatter); 2.11 has only the old name.
@@ -148,7 +149,7 @@ class ContextState:
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kw):
     """The attention function registered as ``"hf_tp_cp"``: this rank's queries against the
     keys and values of its whole cp group, under the global mask, through the model's own kernel."""
-    state: ContextState = module.hf_tp_cp
+    state: ContextState = facts_of(module).cp
     if attention_mask is not None or kw.get("position_bias") is not None:
         raise ValueError(
             f"context parallelism: {type(module).__name__} passes its own attention mask or position bias, which "
@@ -206,8 +207,12 @@ class _SumOverCP(torch.autograd.Function):
 
 
 def state_of(model: nn.Module) -> ContextState | None:
-    """The model's context-parallel state, or None when it is not context parallel."""
-    return getattr(model, "hf_tp_cp", None)
+    """The context-parallel state of a model (or of its decoder), or None when it is not context parallel."""
+    record = record_of(model)
+    if record is not None:
+        return record.cp
+    found = facts_of(model)
+    return None if found is None else found.cp
 
 
 def sum_over_cp(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:

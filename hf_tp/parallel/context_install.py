@@ -21,6 +21,7 @@ from hf_tp.parallel.context import (
     sum_over_cp,
 )
 from hf_tp.parallel.deepstack import shard_deepstack
+from hf_tp.record import facts, record_of
 
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
@@ -74,10 +75,9 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     AttentionInterface.register(ATTENTION_NAME, cp_attention)
     config._attn_implementation = ATTENTION_NAME  # (a wrapper's vision tower keeps its own kernel)
     layers = model.get_submodule(layers_path)
-    for module in layers.modules():
-        module.__dict__["hf_tp_cp"] = state  # read by cp_attention (not a submodule, not a parameter)
-    model.__dict__["hf_tp_cp"] = state
-    model.get_decoder().__dict__["hf_tp_cp"] = state  # read by a DeepStack merge (hf_tp.parallel.deepstack)
+    for module in [*layers.modules(), model.get_decoder()]:  # read by cp_attention, a DeepStack merge
+        facts(module).cp = state
+    record_of(model).cp = state
     shard_deepstack(model.get_decoder())  # a wrapper's visual features added to this rank's tokens
     # first of the decoder's pre-hooks: a wrapper's (hf_tp.parallel.passengers) then shard this rank's tokens over tp
     model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True, prepend=True)

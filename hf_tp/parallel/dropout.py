@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
+from hf_tp.record import record_of
 from hf_tp.styles.choice import resolve
 from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.experts import DenseOrMoE, MoERegion
@@ -97,7 +98,9 @@ def install_model_dropout(
         residual = kinds[""]
         for path in rows:  # after a row-parallel projection: its reduced output, on sequence shards or whole
             layer.get_submodule(path).register_forward_hook(lambda *_, kind=residual: streams.set_kind(kind))
-    model.hf_tp_dropout = streams
+    record = record_of(model)
+    if record is not None:
+        record.dropout = streams
     return streams
 
 

@@ -43,6 +43,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hf_tp.record import ExpertShard, facts, facts_of, record_of
 from hf_tp.styles.experts import region_view
 from hf_tp.styles.lora_params import adopt_param_wrappers, peft_base, with_lora
 
@@ -166,9 +167,11 @@ def apply_expert_parallel(
                 new.register_hook(_average_over_dp(dp, tp_group))
             experts.register_parameter(name, new)
             params.append(new)
-        experts.hf_tp_local_experts = (rank * local, local)
-        experts.hf_tp_ep_mesh = ep_mesh  # apply_fsdp shards the experts over its dp_out dim
-        experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, ep_mesh["ep"]), experts)
+        shard = facts(experts).experts = ExpertShard(rank * local, local, ep_mesh)  # apply_fsdp: over dp_out
+        record = record_of(model)
+        if record is not None:
+            record.experts[path] = shard
+        experts.forward = types.MethodType(_dispatching_forward(type(experts).forward, ep_mesh["ep"], shard), experts)
     return params
 
 
@@ -192,7 +195,7 @@ def _average_over_dp(dp: int, tp_group):
 
 
 def _num_experts(experts: nn.Module) -> int:
-    if "hf_tp_local_experts" in experts.__dict__:
+    if getattr(facts_of(experts), "experts", None) is not None:
         raise ValueError("expert parallelism is already applied to this model")
     n = getattr(experts, "num_experts", None)
     if not isinstance(n, int):
@@ -200,12 +203,12 @@ def _num_experts(experts: nn.Module) -> int:
     return n
 
 
-def _dispatching_forward(original, ep_mesh: DeviceMesh):
+def _dispatching_forward(original, ep_mesh: DeviceMesh, shard: ExpertShard):
     group = ep_mesh.get_group()
     ep = ep_mesh.size()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        start, local = self.hf_tp_local_experts
+        local = shard.local
         tokens, k = top_k_index.shape
         flat_expert = top_k_index.reshape(-1)
         flat_token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
@@ -229,11 +232,11 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh):
         ids = torch.empty(sum(recv_sizes), dtype=flat_expert.dtype, device=flat_expert.device)
         dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
         rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
-        self.hf_tp_tokens_per_expert = (  # this rank's experts' load
+        shard.tokens_per_expert = (  # this rank's experts' load
             torch.tensor(_even_split(len(ids), local)) if _balanced else torch.bincount(ids, minlength=local)
         )
         # rows that crossed the network, out and in (benchmarks and the estimate read it)
-        self.hf_tp_a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
+        shard.a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
         total = self.num_experts if hasattr(self, "num_experts") else None
         if total is not None:
             self.num_experts = local  # transformers' kernels size their per-expert counts by it

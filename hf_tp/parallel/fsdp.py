@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
 from hf_tp.parallel.passengers import keep_output_capture
+from hf_tp.record import facts_of
 
 
 def apply_fsdp(
@@ -74,7 +75,8 @@ def shard_experts_over_dp(
     divided by dp, as for every other weight. Returns the modules sharded."""
     done = []
     for module in model.modules():
-        mesh = module.__dict__.get("hf_tp_ep_mesh")
+        shard = getattr(facts_of(module), "experts", None)
+        mesh = None if shard is None else shard.mesh
         if mesh is None or mesh["dp_out"].size() == 1:
             continue  # at ep = dp: expert_parallel's own gradient hook averages over dp
         fully_shard(

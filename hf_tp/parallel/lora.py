@@ -75,11 +75,12 @@ def _refusal(module: nn.Module, style: ParallelStyle | object | None) -> str | N
     return None
 
 
-def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> None:
+def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, ep: int = 1) -> list[str]:
     """Refuse (``ValueError`` naming the module) every peft module hf_tp cannot shard at ``tp`` and
     ``ep``. At tp = 1 and ep = 1 nothing is sharded and every peft module runs as in plain peft;
     with ep > 1 the experts are frozen and expert-parallel, LoRA sits on the projections around them.
-    On a multimodal wrapper LoRA sits on the language model: its tower and projector run whole."""
+    On a multimodal wrapper LoRA sits on the language model: its tower and projector run whole.
+    Returns the paths of the LoRA layers in blocks that run whole on every tp rank (:func:`install_dropouts`)."""
     for path in _peft_modules(model):
         if adapter.is_passenger(path):
             raise ValueError(
@@ -87,8 +88,9 @@ def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, e
                 "hf_tp runs whole and has not verified LoRA on; put LoRA on the language model (peft's "
                 "exclude_modules, or hf-tp train's default)"
             )
+    whole_run: list[str] = []
     if tp == 1 and ep == 1:
-        return
+        return whole_run
     plan, prefix = adapter.layer_plan(opts), f"{adapter.layers_path}."
     for path, module in _peft_modules(model).items():
         sub = path[len(prefix) :].partition(".")[2] if path.startswith(prefix) else ""
@@ -102,7 +104,8 @@ def check_lora(model: nn.Module, adapter: Adapter, opts: PlanOptions, tp: int, e
             where = "target_parameters" if is_param_wrapper(module) else "target_modules"
             raise ValueError(f"LoRA on {path}: {reason}; leave it out of {where}")
         if style is _WHOLE_RUN:
-            module.hf_tp_whole_run_tp = tp  # its dropout: the tp group's mask (install_dropouts)
+            whole_run.append(path)  # its dropout: the tp group's mask (install_dropouts)
+    return whole_run
 
 
 def _in_whole_block(model: nn.Module, plan: dict, path: str, prefix: str) -> bool:
@@ -143,21 +146,23 @@ def lora_adapter(adapter: Adapter) -> Adapter:
     return dataclasses.replace(adapter, layer_plan=wrap(adapter.layer_plan), top_plan=wrap(adapter.top_plan))
 
 
-def install_dropouts(model: nn.Module) -> None:
-    """Replace peft's ``nn.Dropout`` in every LoRA layer by :class:`ShardAwareDropout` (same p).
-    A LoRA layer in a whole-run region (plain tensors, the same on every tp rank) draws the mask
-    of its tp group (ranks ``build_mesh`` puts adjacent)."""
-    index = 0
+def install_dropouts(model: nn.Module, whole_run: list[str], tp: int) -> int:
+    """Replace peft's ``nn.Dropout`` in every LoRA layer by :class:`ShardAwareDropout` (same p);
+    returns how many. A LoRA layer in a whole-run region (``whole_run``: plain tensors, the same on
+    every tp rank) draws the mask of its tp group (ranks ``build_mesh`` puts adjacent)."""
+    index = replaced = 0
+    whole = set(whole_run)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for module in model.modules():
+    for path, module in model.named_modules():
         if not is_lora_linear(module):
             continue
-        tp = getattr(module, "hf_tp_whole_run_tp", None)
         for name, drop in list(module.lora_dropout.items()):
             if isinstance(drop, nn.Dropout):
-                owner = None if tp is None else rank - rank % tp
+                owner = rank - rank % tp if path in whole else None
                 module.lora_dropout[name] = ShardAwareDropout(drop.p, index, owner=owner)
+                replaced += 1
             index += 1
+    return replaced
 
 
 def check_dropout_recompute(model: nn.Module) -> None:

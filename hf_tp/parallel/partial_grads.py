@@ -168,7 +168,6 @@ def install(
         _hook_at_first_forward(unit, reducer, [w for w in rest if id(w.module) in inside])
         rest = [w for w in rest if id(w.module) not in inside]
     _hook_at_first_forward(model, reducer, rest)
-    model.hf_tp_partial_grads = reducer
     return reducer
 
 

@@ -158,15 +158,13 @@ def split_at_language_model(model: nn.Module, adapter: Adapter, tp_mesh: DeviceM
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         calls.append(carries_images(kwargs) or any(isinstance(a, torch.Tensor) for a in args[1:]))
-        embedding.hf_tp_whole = any(calls)
 
     def leave(*_) -> None:
         if calls:
             calls.pop()
-        embedding.hf_tp_whole = any(calls)
 
     def whole(module: nn.Module, args: tuple, output):
-        return output.full_tensor() if module.__dict__.get("hf_tp_whole") and isinstance(output, DTensor) else None
+        return output.full_tensor() if any(calls) and isinstance(output, DTensor) else None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         embeds = kwargs.get("inputs_embeds")

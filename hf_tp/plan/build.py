@@ -25,6 +25,7 @@ from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.record import ModelPlan
 from hf_tp.plan.top import describe_top
+from hf_tp.record import record_of
 
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k", "top_k_experts")
 
@@ -107,7 +108,7 @@ def _describe(
 def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
     """(model to read, or None to build one on meta; its config; a label)."""
     if isinstance(given, nn.Module):
-        if hasattr(given, "hf_tp_options"):  # parallelized: its shapes are no longer the plan's input
+        if record_of(given) is not None:  # parallelized: its shapes are no longer the plan's input
             return None, given.config, ""
         return given, given.config, ""
     if isinstance(given, PretrainedConfig):

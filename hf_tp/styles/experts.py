@@ -31,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.record import facts, facts_of
 from hf_tp.styles.choice import PerLayerChoice, resolve
-from hf_tp.styles.lora_params import adopt_param_wrappers, factor_paths, peft_base, with_lora
+from hf_tp.styles.lora_params import adopt_param_wrappers, factor_paths, peft_base, region_role, with_lora
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,13 @@ class MoERegion(ParallelStyle):
             param = owner._parameters[leaf]
             if role.kind == "shard":
                 if role.packed:
-                    owner.__dict__.setdefault("hf_tp_hf_shapes", {})[leaf] = tuple(param.shape)
+                    facts(owner).hf_shapes[leaf] = tuple(param.shape)
                 value = param.detach().view(stored_shape(tuple(param.shape), role))
                 dt = distribute_tensor(value, device_mesh, [Shard(role.dim + role.packed)])
             else:
                 dt = distribute_tensor(param, device_mesh, [Replicate()])
             owner.register_parameter(leaf, nn.Parameter(dt, param.requires_grad))
-            owner.__dict__.setdefault("hf_tp_region_roles", {})[leaf] = (role, tp)
+            facts(owner).region_roles[leaf] = (role, tp)
             owners.append((owner, leaf, role))
         seq_layout = Shard(1) if self.sequence_parallel else Replicate()
         layout = [(seq_layout,)]  # the hidden states' token layout at entry, restored at exit
@@ -176,7 +177,7 @@ def _add_lora_updates(owners: list[tuple[nn.Module, str, Role]]) -> None:
     """The views made, the LoRA updates of peft's ``ParamWrapper`` modules added to theirs (from the
     factors' views; expert parallelism makes its experts' views, and adds them, itself)."""
     for owner, leaf, _ in owners:
-        if "hf_tp_local_experts" not in owner.__dict__:
+        if getattr(facts_of(owner), "experts", None) is None:
             owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
 
 
@@ -193,7 +194,7 @@ def hf_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     shape (packed expert halves); the same numbers in the same order, so ``reshape`` converts."""
     out = {}
     for prefix, module in model.named_modules():
-        for leaf, shape in module.__dict__.get("hf_tp_hf_shapes", {}).items():
+        for leaf, shape in getattr(facts_of(module), "hf_shapes", {}).items():
             out[f"{prefix}.{leaf}" if prefix else leaf] = shape
     return out
 
@@ -202,7 +203,7 @@ def region_view(owner: nn.Module, leaf: str) -> torch.Tensor | None:
     """What a MoE region's code sees for ``owner``'s parameter ``leaf`` (None outside a region),
     made now from the parameter registered now: for code that must make it later than the region's
     entry (experts sharded over dp by FSDP2 are unsharded at their own forward)."""
-    found = owner.__dict__.get("hf_tp_region_roles", {}).get(leaf)
+    found = region_role(owner, leaf)
     return None if found is None else with_lora(owner, leaf, _view(owner._parameters[leaf], *found))
 
 
@@ -251,7 +252,7 @@ class DenseOrMoE(PerLayerChoice):
 
 def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
     """Record on their owners which parameters of ``module`` the MoE ``style`` stores as packed
-    halves under tp > 1: ``hf_tp_packed[leaf] = (dim, HF shape)``, read before the style is applied
+    halves under tp > 1: ``packed[leaf] = (dim, HF shape)`` of their :class:`hf_tp.record.ModuleFacts`, read before the style is applied
     and at every tp (tp = 1 applies no style), so checkpoints hold one layout on every mesh
     (:mod:`hf_tp.checkpoint.packed`)."""
     style = resolve(style, module)  # a per-layer choice (dense or MoE, by kind): this layer's style
@@ -262,7 +263,7 @@ def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
     for name, role in style.roles.items():
         if role.kind == "shard" and role.packed:
             owner, leaf = _owner(module, name)
-            owner.__dict__.setdefault("hf_tp_packed", {})[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
+            facts(owner).packed[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
 
 
 def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -270,6 +271,6 @@ def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
     :func:`mark_packed` recorded, whatever the tp of the mesh."""
     out = {}
     for prefix, module in model.named_modules():
-        for leaf, found in module.__dict__.get("hf_tp_packed", {}).items():
+        for leaf, found in getattr(facts_of(module), "packed", {}).items():
             out[f"{prefix}.{leaf}" if prefix else leaf] = found
     return out

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_tp.record import facts, facts_of
+
 
 def is_param_wrapper(module: nn.Module) -> bool:
     """True for peft's ``ParamWrapper`` (LoRA on one ``nn.Parameter`` of its base module)."""
@@ -57,14 +59,15 @@ def adopt_param_wrappers(block: nn.Module) -> None:
     for module in block.modules():
         if is_param_wrapper(module):
             base = peft_base(module)
-            base.__dict__.setdefault("hf_tp_lora", {})[module.parameter_name] = module
+            facts(base).lora[module.parameter_name] = module
             module._activate_lora = _no_parametrization
 
 
 def with_lora(owner: nn.Module, leaf: str, view: torch.Tensor) -> torch.Tensor:
     """``view`` (what the code sees for ``owner``'s parameter ``leaf``) plus the LoRA update of
     the ``ParamWrapper`` adopted for it, restricted to the view's experts and tp slice."""
-    wrapper = owner.__dict__.get("hf_tp_lora", {}).get(leaf)
+    found = facts_of(owner)
+    wrapper = None if found is None else found.lora.get(leaf)
     if wrapper is None or wrapper.disable_adapters or wrapper.merged:
         return view
     for adapter in wrapper.active_adapters:
@@ -74,6 +77,12 @@ def with_lora(owner: nn.Module, leaf: str, view: torch.Tensor) -> torch.Tensor:
         lhs, rhs, scaling = lhs.to(view.dtype), rhs.to(view.dtype), wrapper.scaling[adapter]
         view = torch.baddbmm(view, lhs, rhs, alpha=scaling) if view.dim() == 3 else view + (lhs @ rhs) * scaling
     return view
+
+
+def region_role(owner: nn.Module, leaf: str) -> tuple | None:
+    """``(Role, tp)`` of ``owner``'s parameter ``leaf`` in a MoE region (:class:`hf_tp.styles.MoERegion`), or None."""
+    found = facts_of(owner)
+    return None if found is None else found.region_roles.get(leaf)
 
 
 def _plain(w: torch.Tensor) -> torch.Tensor:
@@ -104,10 +113,11 @@ def _local_factors(owner: nn.Module, leaf: str, lhs: torch.Tensor, rhs: torch.Te
     """The factors' slices whose product is this rank's view: its experts (expert parallelism) and
     its tp slice of a sharded dim (dim 1 is ``lhs``'s rows, dim 2 ``rhs``'s columns; packed halves
     sliced each)."""
-    if "hf_tp_local_experts" in owner.__dict__ and lhs.dim() == 3:
-        start, n = owner.hf_tp_local_experts
+    shard = getattr(facts_of(owner), "experts", None)
+    if shard is not None and lhs.dim() == 3:
+        start, n = shard.start, shard.local
         lhs, rhs = lhs[start : start + n], rhs[start : start + n]
-    found = owner.__dict__.get("hf_tp_region_roles", {}).get(leaf)
+    found = region_role(owner, leaf)
     if found is None or found[0].kind != "shard" or found[1] == 1:
         return lhs, rhs
     role, tp = found

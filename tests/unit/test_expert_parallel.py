@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
 from hf_tp.parallel import expert_parallel
+from hf_tp.record import facts_of, record_of
 from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import batch, run_threaded
 from tests.parity import assert_parity, train_steps
@@ -76,7 +77,7 @@ def test_expert_parallel_parity(model_type: str, tp: int, idle_rank: bool) -> No
         local = {k: v[rows] for k, v in data.items()}
         got = train_steps(model, local, steps=2, ctx=hf_tp.loss_parallel, dp_group=mesh["dp"].get_group())
         assert_parity(got, want, rows)
-        loads = [m.hf_tp_tokens_per_expert for m in model.modules() if hasattr(m, "hf_tp_tokens_per_expert")]
+        loads = [s.tokens_per_expert for s in record_of(model).experts.values()]
         counts[rank] = torch.cat(loads).tolist()
         for name, p in model.named_parameters():  # a rank holds its experts only, not views of all
             if ".experts." in name:
@@ -142,7 +143,7 @@ def test_a_moe_layer_under_tp_and_ep_is_the_sp_minimum_plus_the_all_to_alls(monk
             out = model.model.layers[0](x, position_embeddings=emb, position_ids=pos, attention_mask=None)
         with bwd:
             out.to_local().sum().backward()
-        received = model.model.layers[0].mlp.experts.hf_tp_tokens_per_expert.sum().item()
+        received = facts_of(model.model.layers[0].mlp.experts).experts.tokens_per_expert.sum().item()
         seen[rank] = (fwd.calls, bwd.calls, received)
 
     run_threaded(tp * dp, rank_fn)

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import hf_tp
+from hf_tp.record import record_of
 from tests.helpers import batch, tiny_config, tiny_model
 from tests.unit.test_comm import TP, _assert_first_layer_is_the_sp_minimum, _names, fake_world  # noqa: F401
 
@@ -49,5 +50,5 @@ def test_a_lora_training_step_has_one_fused_all_reduce_and_a_quiet_optimizer(fak
     # layer 0's input all-gather's backward runs; the LoRA factors' Partial grads join the fused one.
     assert _names(bwd) == {"all_gather_into_tensor": 2 * layers, "reduce_scatter_tensor": 2 * layers, "allreduce_": 1}
     assert _names(step) == {}
-    reducer = peft_model.base_model.model.hf_tp_partial_grads
+    reducer = record_of(peft_model).partial_grads
     assert reducer.flushes == 1

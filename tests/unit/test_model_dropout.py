@@ -15,6 +15,7 @@ import torch
 
 import hf_tp
 from hf_tp.parallel.dropout import region_kinds
+from hf_tp.record import record_of
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import full_grads, run_threaded
 
@@ -36,12 +37,12 @@ def _run(model, tp: int, dp: int, sp: bool = True, ac: bool = False, record: boo
     def rank_fn(rank: int) -> None:
         mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
         m = hf_tp.parallelize(copies[rank], mesh, sequence_parallel=sp, loss_parallel=sp, activation_checkpointing=ac)
-        m.hf_tp_dropout.record = [] if record else None
+        record_of(m).dropout.record = [] if record else None
         with hf_tp.loss_parallel() if sp else contextlib.nullcontext():
             loss = m(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
         value = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-        out[rank] = (m.hf_tp_dropout.record, value, None if record else full_grads(m))
+        out[rank] = (record_of(m).dropout.record, value, None if record else full_grads(m))
 
     run_threaded(tp * dp, rank_fn)
     return out
@@ -80,7 +81,7 @@ def test_zero_dropout_installs_nothing_and_eval_is_the_identity() -> None:
     def rank_fn(rank: int) -> None:
         mesh = hf_tp.build_mesh(tp=2, device_type="cpu")
         a, b = (hf_tp.parallelize(copies[i], mesh) for i in (rank, 2 + rank))
-        assert not hasattr(a, "hf_tp_dropout") and b.hf_tp_dropout.counter == 0
+        assert record_of(a).dropout is None and record_of(b).dropout.counter == 0
         ids = torch.arange(3, 15)[None]
         with hf_tp.loss_parallel():
             la, lb = (m(input_ids=ids, labels=ids, use_cache=False).loss for m in (a, b))
