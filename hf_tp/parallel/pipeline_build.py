@@ -1,0 +1,90 @@
+"""``hf_tp.pipeline_parallelize``: cut a HF causal LM into this rank's pipeline stages and
+parallelize each over the rest of the mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_tp.adapters import get_adapter
+from hf_tp.parallel.api import parallelize
+from hf_tp.parallel.aux_loss import standard_aux_loss
+from hf_tp.parallel.lora import unwrap_peft
+from hf_tp.parallel.mesh import split_mesh, stage_dims
+from hf_tp.parallel.pipeline import MULTI_STAGE, SCHEDULES, Pipeline, StageModule
+from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
+
+
+def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, layers: int | None = None) -> None:
+    """One line for a pipeline setting torch's schedules cannot run (the settings alone: every
+    rank raises the same before any collective)."""
+    if pp < 1:
+        raise ValueError(f"--pp must be a positive integer, got {pp}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if virtual < 1:
+        raise ValueError(f"--pp-virtual-stages must be a positive integer, got {virtual}")
+    if schedule in MULTI_STAGE and virtual < 2:
+        raise ValueError(f"--pp-schedule {schedule} runs several stages per rank: set --pp-virtual-stages 2 or more")
+    if schedule not in MULTI_STAGE and virtual > 1:
+        raise ValueError(
+            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b ({schedule} runs one stage per rank)"
+        )
+    if microbatches < 1:
+        raise ValueError(f"--microbatches must be a positive integer, got {microbatches}")
+    if schedule != "gpipe" and pp > 1 and microbatches < pp:
+        raise ValueError(
+            f"--pp-schedule {schedule} needs at least as many micro-batches as stages' ranks: --microbatches {microbatches} < --pp {pp}"
+        )
+    if layers is not None and layers < pp * virtual:
+        raise ValueError(
+            f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages but the model has {layers} decoder layers: "
+            "at most one stage per layer"
+        )
+
+
+def pipeline_parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+    device: torch.device | None = None,
+    **parallelize_kwargs,
+) -> Pipeline:
+    """Cut ``model`` into ``pp x virtual_stages`` stages by decoder layers, balanced by each layer's
+    cost, keep this rank's (``mesh``'s ``"pp"`` coordinate, + v * pp for the v-th virtual stage),
+    and :func:`hf_tp.parallelize` each over ``mesh`` without its pp dim. ``model`` itself becomes
+    this rank's last stage (the others are copies of it, cut before any is parallelized).
+
+    Refused here (one line each): LoRA, expert and context parallelism, a MoE's aux loss (its
+    load-balancing product spans every stage's routers), tied embeddings, multimodal wrappers,
+    and families whose forward changes the hidden states outside the decoder layers."""
+    pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
+    _, peft = unwrap_peft(model)
+    if peft:
+        raise ValueError("--pp does not combine with LoRA yet: train the adapters with --pp 1")
+    if parallelize_kwargs.get("ep", 1) > 1:
+        raise ValueError("--pp does not combine with --ep yet: drop one")
+    if standard_aux_loss(model):
+        raise ValueError(
+            "--pp: this MoE model adds the router aux loss, whose load-balancing product spans every stage's routers "
+            "(not exact per stage yet): set output_router_logits=False (--router-aux-loss-coef 0) or train with --pp 1"
+        )
+    adapter = get_adapter(model.config)
+    costs = layer_costs(model, adapter.layers_path)
+    check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
+    check_splittable(model, adapter)
+    cuts = balanced_cuts(costs, pp * virtual_stages)
+    ids = [rank + v * pp for v in range(virtual_stages)]
+    stage_mesh = mesh[stage_dims(mesh)]
+    models = [cut_stage(model, adapter, cuts[i], copy_model=k < len(ids) - 1) for k, i in enumerate(ids)]
+    tp_mesh = split_mesh(stage_mesh)[1]
+    stages = []
+    for stage_model in models:
+        parallelize(stage_model, stage_mesh, **parallelize_kwargs)
+        stages.append(StageModule(stage_model, tp_mesh))
+    device = device or next(iter(models[0].parameters())).device
+    return Pipeline(stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device)
