@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_eval_arguments(p.add_argument_group("held-out evaluation"), _default)
     add_objective_arguments(p.add_argument_group("objective (preference training: docs/post-training.md)"), _default)
     _sizes_and_optimizer(p.add_argument_group("sizes and optimizer"))
+    _pipeline_arguments(p.add_argument_group("pipeline parallelism (docs/training.md)"))
     _output_and_checkpoints(p.add_argument_group("output and checkpoints"))
     _speed_and_parallelism(p.add_argument_group("speed, precision and parallelism"))
     _launch(p.add_argument_group("launch (several nodes)"))
@@ -68,6 +69,35 @@ def _model_and_data(p) -> None:
     )
     add_data_arguments(p, _default)
     add_vision_arguments(p)
+
+
+def _pipeline_arguments(p) -> None:
+    d = _default
+    p.add_argument(
+        "--pp",
+        type=int,
+        metavar="N",
+        help=f"pipeline parallelism: the decoder layers cut into N stages (outermost, may cross nodes); "
+        f"pp*tp*dp processes run ({d('pp')})",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        choices=("1f1b", "gpipe", "interleaved1f1b"),
+        help=f"torch's pipeline schedule ({d('pp_schedule')})",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        metavar="M",
+        help="pipeline micro-batches each micro-step's --batch-size rows are split into; at least --pp "
+        "for 1f1b (default: pp)",
+    )
+    p.add_argument(
+        "--pp-virtual-stages",
+        type=int,
+        metavar="V",
+        help=f"stages per rank for --pp-schedule interleaved1f1b (2 or more) ({d('pp_virtual_stages')})",
+    )
 
 
 def _sizes_and_optimizer(p) -> None:

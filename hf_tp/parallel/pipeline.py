@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
+from hf_tp.pipeline_checks import MULTI_STAGE
+
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE = ("interleaved1f1b",)  # schedules that run several stages per rank
 
 
 class StageModule(nn.Module):

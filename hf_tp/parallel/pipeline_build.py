@@ -12,36 +12,9 @@ from hf_tp.parallel.api import parallelize
 from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import split_mesh, stage_dims
-from hf_tp.parallel.pipeline import MULTI_STAGE, SCHEDULES, Pipeline, StageModule
+from hf_tp.parallel.pipeline import Pipeline, StageModule
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
-
-
-def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, layers: int | None = None) -> None:
-    """One line for a pipeline setting torch's schedules cannot run (the settings alone: every
-    rank raises the same before any collective)."""
-    if pp < 1:
-        raise ValueError(f"--pp must be a positive integer, got {pp}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if virtual < 1:
-        raise ValueError(f"--pp-virtual-stages must be a positive integer, got {virtual}")
-    if schedule in MULTI_STAGE and virtual < 2:
-        raise ValueError(f"--pp-schedule {schedule} runs several stages per rank: set --pp-virtual-stages 2 or more")
-    if schedule not in MULTI_STAGE and virtual > 1:
-        raise ValueError(
-            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b ({schedule} runs one stage per rank)"
-        )
-    if microbatches < 1:
-        raise ValueError(f"--microbatches must be a positive integer, got {microbatches}")
-    if schedule != "gpipe" and pp > 1 and microbatches < pp:
-        raise ValueError(
-            f"--pp-schedule {schedule} needs at least as many micro-batches as stages' ranks: --microbatches {microbatches} < --pp {pp}"
-        )
-    if layers is not None and layers < pp * virtual:
-        raise ValueError(
-            f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages but the model has {layers} decoder layers: "
-            "at most one stage per layer"
-        )
+from hf_tp.pipeline_checks import check_pipeline
 
 
 def pipeline_parallelize(

@@ -110,37 +110,52 @@ def _check_stream_passthrough(model: nn.Module, adapter: Adapter) -> None:
     """A stage feeds the hidden states it receives as ``inputs_embeds`` and hands on what reaches
     ``lm_head``; that is exact only if the model's forward changes nothing outside its layers and
     final norm (Granite multiplies the embeddings, some models add embedding dropout or norms).
-    Checked by running the model with every layer and the norm as gaps: ``lm_head`` must be given
+    Checked on a copy of the model with every layer, the embedding and the norm as gaps (on the CPU,
+    its few other tensors zeroed: the model may be on the meta device): ``lm_head`` must be given
     the very tensor passed in (or all of it, viewed)."""
-    decoder, layers_name = _decoder_and_layers(model, adapter)
-    norm_name = _final_norm_name(decoder, layers_name)
-    saved = {(decoder, layers_name): getattr(decoder, layers_name), (model, "lm_head"): model.lm_head}
-    if norm_name:
-        saved[(decoder, norm_name)] = getattr(decoder, norm_name)
-    param = next(iter(model.parameters()))
-    x = torch.zeros(1, 2, model.config.get_text_config().hidden_size, device=param.device, dtype=param.dtype)
-    head = HeadGap()
+    probe = _gapped_copy(model, adapter)
+    x = torch.zeros(1, 2, model.config.get_text_config().hidden_size, dtype=next(model.parameters()).dtype)
     try:
-        setattr(decoder, layers_name, nn.ModuleList([LayerGap(layer) for layer in saved[(decoder, layers_name)]]))
-        if norm_name:
-            setattr(decoder, norm_name, StageGap())
-        model.lm_head = head
         with torch.no_grad():
-            model(inputs_embeds=x, use_cache=False)
+            probe(inputs_embeds=x, use_cache=False)
     except Exception as exc:  # noqa: BLE001 - any failure means the stage cut is not safe
         raise ValueError(
             f"--pp: {model.config.model_type}'s forward does not run on hidden states fed as inputs_embeds "
             f"({type(exc).__name__}: {exc}); train it with --pp 1"
         ) from exc
-    finally:
-        for (owner, name), module in saved.items():
-            setattr(owner, name, module)
-    seen = getattr(head, "seen", None)
+    seen = getattr(probe.lm_head, "seen", None)
     if seen is None or not (seen is x or (seen._base is x and seen.shape == x.shape)):
         raise ValueError(
             f"--pp: {model.config.model_type}'s forward changes the hidden states outside its decoder layers "
             "(an embedding scale, dropout or norm), which every stage would apply again; train it with --pp 1"
         )
+
+
+def _gapped_copy(model: nn.Module, adapter: Adapter) -> nn.Module:
+    """A CPU copy of ``model`` whose layers, embedding, final norm and lm_head are gaps (none of
+    their weights copied), its other tensors zeros."""
+    decoder, layers_name = _decoder_and_layers(model, adapter)
+    norm_name = _final_norm_name(decoder, layers_name)
+    gaps = {
+        (decoder, layers_name): nn.ModuleList([LayerGap(layer) for layer in getattr(decoder, layers_name)]),
+        (decoder, _embedding_name(decoder)): StageGap(),
+        (model, "lm_head"): HeadGap(),
+    }
+    if norm_name:
+        gaps[(decoder, norm_name)] = StageGap()
+    saved = {key: getattr(*key) for key in gaps}
+    try:
+        for (owner, name), gap in gaps.items():
+            setattr(owner, name, gap)
+        probe = copy.deepcopy(model)
+    finally:
+        for (owner, name), module in saved.items():
+            setattr(owner, name, module)
+    probe.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*probe.parameters(), *probe.buffers()]:
+            t.zero_()
+    return probe
 
 
 def cut_stage(model: nn.Module, adapter: Adapter, layers: range, copy_model: bool) -> nn.Module:

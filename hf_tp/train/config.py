@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from hf_tp.train.pipeline_settings import check_pipeline_settings
+
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -70,6 +72,10 @@ class TrainConfig:
     ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
     cp: int = 1  # context parallelism: each row's tokens split over cp ranks (long sequences)
     dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 group of dp / dp_replicate ranks
+    pp: int = 1  # pipeline parallelism: the decoder layers cut into pp stages (outermost mesh dim)
+    pp_schedule: str = "1f1b"  # torch's schedule: 1f1b, gpipe or interleaved1f1b
+    microbatches: int | None = None  # pipeline micro-batches per micro-step (each splits batch_size rows); None: pp
+    pp_virtual_stages: int = 1  # stages per rank (interleaved1f1b: 2 or more)
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
@@ -176,6 +182,8 @@ class TrainConfig:
             "ep",
             "cp",
             "dp_replicate",
+            "pp",
+            "pp_virtual_stages",
             "seq_len",
             "batch_size",
             "grad_accum",
@@ -196,6 +204,7 @@ class TrainConfig:
                 f"dp x cp, got {self.ep}"
             )
         self._validate_hsdp()
+        check_pipeline_settings(self)
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
@@ -329,18 +338,23 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return (self.tp or 1) * self.cp * (self.dp or 1)
+        return self.pp * (self.tp or 1) * self.cp * (self.dp or 1)
 
     @property
     def layout_name(self) -> str:
-        """ "tp*dp" or "tp*cp*dp": how the processes are counted, for messages."""
-        return "tp*cp*dp" if self.cp > 1 else "tp*dp"
+        """ "tp*dp", "tp*cp*dp" or "pp*tp*dp": how the processes are counted, for messages."""
+        return ("pp*" if self.pp > 1 else "") + ("tp*cp*dp" if self.cp > 1 else "tp*dp")
 
     @property
     def layout_sizes(self) -> str:
-        """ "2*4" or "2*2*4": the sizes :attr:`layout_name` names, for messages."""
+        """ "2*4", "2*2*4" or "2*2*4" (pp first): the sizes :attr:`layout_name` names, for messages."""
         sizes = (self.tp or 1, self.cp, self.dp or 1) if self.cp > 1 else (self.tp or 1, self.dp or 1)
-        return "*".join(map(str, sizes))
+        return "*".join(map(str, ((self.pp,) if self.pp > 1 else ()) + sizes))
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Pipeline micro-batches per micro-step: ``--microbatches``, else pp."""
+        return self.microbatches or self.pp
 
     @property
     def row_multiple(self) -> int:
