@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_tp
-from hf_tp.parallel.mesh import dp_mesh_of
+from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.loss import loss_context
 from tests.family_grid import grid_config, grid_model
@@ -26,6 +26,7 @@ class PipelineCase:
     pp: int = 2
     tp: int = 1
     dp: int = 1
+    dp_replicate: int = 1  # HSDP inside each stage
     schedule: str = "1f1b"
     microbatches: int = 2
     virtual: int = 1
@@ -61,7 +62,7 @@ class PipelineCase:
         """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
         weight this rank holds after the steps; returns the largest relative loss difference."""
         model, data, want, start, end = self.reference()
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu")
+        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
         pipe = pipeline_parallelize(
             model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
         )
@@ -75,7 +76,7 @@ class PipelineCase:
             with loss_context(self.tp > 1):
                 loss = pipe.step(mine, targets, self.dp)
             dist.all_reduce(loss, group=mesh["pp"].get_group())
-            dist.all_reduce(loss, group=dp_mesh_of(mesh[("dp", "tp")]).get_group())
+            dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
             got.append(loss.item())
             opt.step()
             opt.zero_grad()

@@ -58,6 +58,14 @@ def pipeline_parallelize(
     stages = []
     for stage_model in models:
         parallelize(stage_model, stage_mesh, **parallelize_kwargs)
+        stage_model.generate = _no_generate  # one stage alone cannot decode
         stages.append(StageModule(stage_model, tp_mesh))
     device = device or next(iter(models[0].parameters())).device
     return Pipeline(stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device)
+
+
+def _no_generate(*args, **kwargs):
+    raise ValueError(
+        "generate on a pipeline stage: one stage holds only some layers; export the checkpoint "
+        "(hf-tp export) and generate with the whole model, or parallelize it without pp"
+    )

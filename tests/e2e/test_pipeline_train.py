@@ -38,15 +38,15 @@ def test_pp2_trains_on_plain_hf_curve_and_resumes_at_pp1_tp2(untied, tmp_path) -
     want_losses, want_norms = reference_losses(
         str(model_dir), str(data), seq_len=15, global_batch=4, steps=4, lr=3e-3, warmup_steps=1
     )
-    base = ["--model", str(model_dir), "--dataset", str(data), *RUN, "--batch-size", "4"]
+    base = ["--model", str(model_dir), "--dataset", str(data), *RUN]
     out = tmp_path / "run"
-    # pp2 (1F1B, 2 micro-batches of 2 rows) for 2 steps with a checkpoint, then pp1 x tp2 to the end
-    proc = hf_tp_train(
-        *base, "--output-dir", str(out), "--pp", "2", "--tp", "1", "--dp", "1", "--max-steps", "2", "--save-every", "2"
-    )
+    # pp2 (1F1B, 2 micro-steps of 2 rows, each 2 pipeline micro-batches of 1 row; per-layer recompute)
+    # for 2 steps with a checkpoint, then pp1 x tp2 (4 rows at once) to the end
+    pp = ["--pp", "2", "--tp", "1", "--dp", "1", "--batch-size", "2", "--grad-accum", "2", "--activation-checkpointing"]
+    proc = hf_tp_train(*base, *pp, "--output-dir", str(out), "--max-steps", "2", "--save-every", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "pp 2 (1f1b)" in proc.stdout
-    proc = hf_tp_train(*base, "--output-dir", str(out), "--tp", "2", "--dp", "1", "--resume")
+    proc = hf_tp_train(*base, "--output-dir", str(out), "--tp", "2", "--dp", "1", "--batch-size", "4", "--resume")
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = metrics(out)
     losses = [r["loss"] for r in got]
