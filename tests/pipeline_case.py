@@ -13,6 +13,7 @@ import hf_tp
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.loss import loss_context
+from hf_tp.verify.compare import adam_error
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import FAMILY_SETTINGS, batch, full_params, tiny_config, tiny_model
 from tests.parity import assert_weights_after_adam_close
@@ -58,9 +59,10 @@ class PipelineCase:
             opt.zero_grad()
         return model, data, losses, start, full_params(ref)
 
-    def check(self) -> float:
+    def check(self) -> tuple[float, float]:
         """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
-        weight this rank holds after the steps; returns the largest relative loss difference."""
+        weight this rank holds after the steps; returns the largest relative loss difference and
+        this rank's largest weight difference relative to its AdamW update."""
         model, data, want, start, end = self.reference()
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
         pipe = pipeline_parallelize(
@@ -84,5 +86,6 @@ class PipelineCase:
         assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
         held = {n: p for m in pipe.models for n, p in full_params(m).items()}
         assert held, "this rank holds no parameters"
-        assert_weights_after_adam_close(held, {n: end[n] for n in held}, {n: start[n] for n in held})
-        return worst
+        want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
+        assert_weights_after_adam_close(held, want_held, start_held)
+        return worst, adam_error(held, want_held, start_held).rel
