@@ -3,8 +3,8 @@ the training config checks them on every rank before launch)."""
 
 from __future__ import annotations
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved1f1b")
-MULTI_STAGE = ("interleaved1f1b",)  # schedules that run several stages per rank
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved1f1b", "loopedbfs")
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs")  # schedules that run several stages per rank
 
 
 def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, layers: int | None = None) -> None:
@@ -20,11 +20,11 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, laye
         raise ValueError(f"--pp-schedule {schedule} runs several stages per rank: set --pp-virtual-stages 2 or more")
     if schedule not in MULTI_STAGE and virtual > 1:
         raise ValueError(
-            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b ({schedule} runs one stage per rank)"
+            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b or loopedbfs ({schedule} runs one stage per rank)"
         )
     if microbatches < 1:
         raise ValueError(f"--microbatches must be a positive integer, got {microbatches}")
-    if schedule != "gpipe" and pp > 1 and microbatches < pp:
+    if schedule in ("1f1b", "interleaved1f1b") and pp > 1 and microbatches < pp:
         raise ValueError(
             f"--pp-schedule {schedule} needs at least as many micro-batches as stages' ranks: --microbatches {microbatches} < --pp {pp}"
         )

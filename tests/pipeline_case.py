@@ -4,12 +4,17 @@ with one of torch's schedules versus plain single-process HF on the whole batch.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.checkpoint.dcp import load_checkpoint
+from hf_tp.checkpoint.dcp import save as save_checkpoint
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.loss import loss_context
@@ -37,6 +42,7 @@ class PipelineCase:
     steps: int = 3
     dtype: str = "float32"
     overrides: dict = field(default_factory=dict)
+    resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
 
     def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict]:
         """(untouched model copy, batch, reference losses, start params, final params): plain HF
@@ -64,6 +70,7 @@ class PipelineCase:
         weight this rank holds after the steps; returns the largest relative loss difference and
         this rank's largest weight difference relative to its AdamW update."""
         model, data, want, start, end = self.reference()
+        fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
         pipe = pipeline_parallelize(
             model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
@@ -74,7 +81,7 @@ class PipelineCase:
         mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
         targets = int((data["labels"][:, 1:] != -100).sum())
         got = []
-        for _ in range(self.steps):
+        for _ in range(self.resume["at"] if self.resume else self.steps):
             with loss_context(self.tp > 1):
                 loss = pipe.step(mine, targets, self.dp)
             dist.all_reduce(loss, group=mesh["pp"].get_group())
@@ -82,10 +89,41 @@ class PipelineCase:
             got.append(loss.item())
             opt.step()
             opt.zero_grad()
+        if self.resume:
+            got += self._resumed(fresh, pipe, opt, data, targets)
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
         assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
-        held = {n: p for m in pipe.models for n, p in full_params(m).items()}
+        held = full_params(fresh) if self.resume else {n: p for m in pipe.models for n, p in full_params(m).items()}
         assert held, "this rank holds no parameters"
         want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
         assert_weights_after_adam_close(held, want_held, start_held)
         return worst, adam_error(held, want_held, start_held).rel
+
+    def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
+        """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the
+        ``resume`` layout, and train the remaining steps there; their losses."""
+        folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        (model,) = pipe.models  # one stage per rank: checkpoints of 1F1B / GPipe runs
+        path = save_checkpoint(folder[0], self.resume["at"], model, opt)
+        tp, dp = self.resume["tp"], self.resume["dp"]
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        hf_tp.parallelize(fresh, mesh)
+        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01)
+        load_checkpoint(path, fresh, opt)
+        rows, r = self.b // dp, mesh.get_local_rank("dp")
+        mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
+        losses = []
+        for _ in range(self.steps - self.resume["at"]):
+            with loss_context(tp > 1):
+                loss = fresh(**mine, num_items_in_batch=targets, use_cache=False).loss
+                (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
+            loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+        return losses

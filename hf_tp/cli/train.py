@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from hf_tp.cli.data_args import add_data_arguments, add_eval_arguments, add_objective_arguments, add_vision_arguments
 from hf_tp.cli.formatting import subcommand_parser
+from hf_tp.pipeline_checks import SCHEDULE_NAMES
 from hf_tp.train.config import AUX_LOSS_OVER, EMBEDDED_PROFILE, GENERAL_PROFILE, TrainConfig, merge
 
 DESCRIPTION = """Train a Hugging Face causal LM with tensor + sequence parallel x FSDP2: starts tp*dp processes on
@@ -82,7 +83,7 @@ def _pipeline_arguments(p) -> None:
     )
     p.add_argument(
         "--pp-schedule",
-        choices=("1f1b", "gpipe", "interleaved1f1b"),
+        choices=SCHEDULE_NAMES,
         help=f"torch's pipeline schedule ({d('pp_schedule')})",
     )
     p.add_argument(
@@ -96,7 +97,7 @@ def _pipeline_arguments(p) -> None:
         "--pp-virtual-stages",
         type=int,
         metavar="V",
-        help=f"stages per rank for --pp-schedule interleaved1f1b (2 or more) ({d('pp_virtual_stages')})",
+        help=f"stages per rank for --pp-schedule interleaved1f1b or loopedbfs (2 or more) ({d('pp_virtual_stages')})",
     )
 
 

@@ -16,12 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.pipeline_checks import MULTI_STAGE
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "loopedbfs": ScheduleLoopedBFS,
+}
 
 
 class StageModule(nn.Module):
