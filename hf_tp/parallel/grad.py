@@ -10,27 +10,41 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, stages: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm`` (0: only measure); return the norm.
 
     ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when DTensors live on
     different meshes (e.g. 2-D (dp, tp) weights next to dp-only ones), and reduces a 2-D norm one
     mesh dim after the other. Here each rank sums the squares of its local shards, weighing each
     by 1 / (number of ranks holding a copy of it), and one all-reduce gives every rank the same
-    exact norm.
+    exact norm. ``stages``: the pp group of a pipeline run, whose ranks hold other stages'
+    parameters: each stage's norm is found over its own mesh, then the squares summed over it.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if stages is not None:
+        total = _over_stages(_norm_per_mesh(grads) if grads else torch.tensor(0.0), grads, stages)
+    elif not grads:
         return torch.tensor(0.0)
-    total = _norm_in_one_all_reduce(grads)
-    if total is None:
-        total = _norm_per_mesh(grads)
+    else:
+        total = _norm_in_one_all_reduce(grads)
+        if total is None:
+            total = _norm_per_mesh(grads)
     if max_norm > 0:
         coef = float(max_norm / (total + 1e-6))
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
     return total
+
+
+def _over_stages(norm: torch.Tensor, grads: list[torch.Tensor], stages: dist.ProcessGroup) -> torch.Tensor:
+    """The L2 norm over every pipeline stage from each stage's norm (one all-reduce over ``stages``)."""
+    device = grads[0].device if grads else torch.device("cpu")
+    square = (norm.double() ** 2).to(device)
+    dist.all_reduce(square, op=dist.ReduceOp.SUM, group=stages)
+    return square.sqrt().float().cpu()
 
 
 def _norm_in_one_all_reduce(grads: list[torch.Tensor]) -> torch.Tensor | None:

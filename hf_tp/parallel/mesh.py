@@ -15,7 +15,9 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
+def build_mesh(
+    tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1, dp_replicate: int = 1, pp: int = 1
+) -> DeviceMesh:
     """A mesh named ``("dp", "tp")`` over the whole world, ``("dp", "cp", "tp")`` when ``cp`` > 1,
     ``("dp_replicate", "dp_shard", "tp")`` when ``dp_replicate`` > 1 (HSDP: dp = dp_replicate
     replicas x dp / dp_replicate ranks sharding the weights, a ``"dp"`` dim flattened from both);
@@ -25,7 +27,11 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
     ``dist.init_process_group``). Raises ``ValueError`` if ``dp * cp * tp`` is not the world size.
     With ``cp`` > 1 every rank of a cp x tp group is given the same full rows (a dp rank's
     rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.parallel.context`).
+    ``pp`` > 1 adds an outermost ``"pp"`` dim (pipeline stages; :mod:`hf_tp.parallel.pipeline`):
+    the rest of the mesh, ``mesh[stage_dims(mesh)]``, is each stage's as above.
     """
+    if pp > 1:
+        return _pipeline_mesh(tp, dp, device_type, cp, dp_replicate, pp)
     if tp < 1 or dp < 1 or cp < 1:
         raise ValueError(f"tp, cp and dp must be positive integers, got tp={tp}, cp={cp}, dp={dp}")
     check_dp_replicate(dp, dp_replicate, cp)
@@ -49,6 +55,41 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
     return mesh
+
+
+def _pipeline_mesh(tp: int, dp: int, device_type: str | None, cp: int, dp_replicate: int, pp: int) -> DeviceMesh:
+    """The ``("pp", "dp", "tp")`` mesh (``("pp", "dp_replicate", "dp_shard", "tp")`` with HSDP): pp
+    outermost, so a stage's dp x tp ranks are adjacent and only the stage boundaries cross nodes."""
+    if cp > 1:
+        raise ValueError("--pp does not combine with --cp yet: drop one (stages would need the cp token split)")
+    check_dp_replicate(dp, dp_replicate, cp)
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world is None:
+        raise ValueError(
+            "build_mesh needs an initialised process group: start the ranks with `hf-tp train` or `torchrun`"
+        )
+    if pp * dp * tp != world:
+        raise ValueError(f"world size ({world}) must equal pp*dp*tp ({pp}*{dp}*{tp}={pp * dp * tp})")
+    device_type = device_type or default_device_type()
+    if dp_replicate > 1:
+        shape, names = (pp, dp_replicate, dp // dp_replicate, tp), ("pp", *HSDP_DIMS)
+    else:
+        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if dp_replicate > 1:
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
+
+
+def stage_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The dims of a pipeline mesh but ``pp``: each stage's own mesh, ``mesh[stage_dims(mesh)]``."""
+    return tuple(n for n in mesh.mesh_dim_names or () if n != "pp")
+
+
+def pp_size(mesh: DeviceMesh) -> int:
+    """The size of the ``pp`` dim of ``mesh``'s root mesh (1 without pipeline parallelism)."""
+    root = mesh._get_root_mesh()
+    return root["pp"].size() if "pp" in (root.mesh_dim_names or ()) else 1
 
 
 def check_dp_replicate(dp: int, dp_replicate: int, cp: int = 1, ep: int = 1) -> None:
@@ -98,7 +139,7 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
     Checks are local (no collectives), so every rank raises the same error.
     """
     names = mesh.mesh_dim_names
-    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+    if dist.is_initialized() and mesh.size() * pp_size(mesh) != dist.get_world_size():
         raise ValueError(
             f"the mesh covers {mesh.size()} ranks but the world size is {dist.get_world_size()}; "
             "build it over all ranks, e.g. hf_tp.build_mesh(tp=..., dp=...)"

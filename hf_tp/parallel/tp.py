@@ -26,7 +26,8 @@ def embeddings_tied(model: nn.Module) -> bool:
     get_out = getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None or get_out() is None:
         return False
-    return get_in().weight is get_out().weight
+    weight = getattr(get_in(), "weight", None)  # a pipeline stage's gap has none (hf_tp.parallel.pipeline_split)
+    return weight is not None and weight is getattr(get_out(), "weight", None)
 
 
 def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:
@@ -83,7 +84,7 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
         if adapter.flattens_tokens:
             gather_one_token_steps(layer)
-    parallelize_module(model, tp_mesh, adapter.top_plan(opts))
+    parallelize_module(model, tp_mesh, _top_plan_of(model, adapter, opts))
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
     if adapter.language_model and opts.sequence_parallel:
@@ -95,6 +96,17 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         # parallelize_module replaced both weights with separate DTensor Parameters; training two
         # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def _top_plan_of(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> dict:
+    """The adapter's plan for the modules outside the layers, less those a pipeline stage leaves
+    to other stages (parameter-less gaps: the embedding after the first stage, the final norm and
+    lm_head before the last; :mod:`hf_tp.parallel.pipeline_split`)."""
+    return {
+        path: style
+        for path, style in adapter.top_plan(opts).items()
+        if not getattr(model.get_submodule(path), "hf_tp_stage_gap", False)
+    }
 
 
 def mark_packed_experts(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:

@@ -26,12 +26,22 @@ from hf_tp.train.settings_run import (
     REPORTERS,
     Launch,
     OutputAndCheckpoints,
+    Pipeline,
     SizesAndOptimizer,
     SpeedAndParallelism,
 )
 
 # The groups of settings, in the order of ``hf-tp train --help``; TrainConfig's fields follow it.
-GROUPS = (ModelAndData, HeldOutEval, Objective, SizesAndOptimizer, OutputAndCheckpoints, SpeedAndParallelism, Launch)
+GROUPS = (
+    ModelAndData,
+    HeldOutEval,
+    Objective,
+    SizesAndOptimizer,
+    Pipeline,
+    OutputAndCheckpoints,
+    SpeedAndParallelism,
+    Launch,
+)
 
 
 # A dataclass takes its bases' fields in reverse MRO order: the last group listed comes first.
@@ -41,6 +51,7 @@ class TrainConfig(
     Launch,
     SpeedAndParallelism,
     OutputAndCheckpoints,
+    Pipeline,
     SizesAndOptimizer,
     Objective,
     HeldOutEval,
@@ -127,18 +138,23 @@ class TrainConfig(
 
     @property
     def world_size(self) -> int:
-        return (self.tp or 1) * self.cp * (self.dp or 1)
+        return self.pp * (self.tp or 1) * self.cp * (self.dp or 1)
 
     @property
     def layout_name(self) -> str:
-        """ "tp*dp" or "tp*cp*dp": how the processes are counted, for messages."""
-        return "tp*cp*dp" if self.cp > 1 else "tp*dp"
+        """ "tp*dp", "tp*cp*dp" or "pp*tp*dp": how the processes are counted, for messages."""
+        return ("pp*" if self.pp > 1 else "") + ("tp*cp*dp" if self.cp > 1 else "tp*dp")
 
     @property
     def layout_sizes(self) -> str:
-        """ "2*4" or "2*2*4": the sizes :attr:`layout_name` names, for messages."""
+        """ "2*4", "2*2*4" or "2*2*4" (pp first): the sizes :attr:`layout_name` names, for messages."""
         sizes = (self.tp or 1, self.cp, self.dp or 1) if self.cp > 1 else (self.tp or 1, self.dp or 1)
-        return "*".join(map(str, sizes))
+        return "*".join(map(str, ((self.pp,) if self.pp > 1 else ()) + sizes))
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Pipeline micro-batches per micro-step: ``--microbatches``, else pp."""
+        return self.microbatches or self.pp
 
     @property
     def row_multiple(self) -> int:

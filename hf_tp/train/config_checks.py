@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
+from hf_tp.train.pipeline_settings import check_pipeline_settings
 from hf_tp.train.setting import is_a, type_words
 from hf_tp.train.settings_data import OBJECTIVES
 from hf_tp.train.settings_run import AUX_LOSS_OVER, DEVICES, DTYPES, REPORTERS
@@ -43,6 +44,8 @@ class ConfigChecks:
             "ep",
             "cp",
             "dp_replicate",
+            "pp",
+            "pp_virtual_stages",
             "seq_len",
             "batch_size",
             "grad_accum",
@@ -63,6 +66,7 @@ class ConfigChecks:
                 f"dp x cp, got {self.ep}"
             )
         self._validate_hsdp()
+        check_pipeline_settings(self)
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")

@@ -47,7 +47,7 @@ def start_line(cfg: TrainConfig, device_type: str, *, launching: bool) -> str:
     )
     verb = "launching" if launching else "running in this process:" if cfg.world_size == 1 else "running in place:"
     return (
-        f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''}{f' (HSDP: {cfg.dp_replicate} replicas x shard {cfg.dp // cfg.dp_replicate})' if cfg.dp_replicate > 1 else ''} "
+        f"hf-tp train: {verb} {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''} = {f'pp {cfg.pp} ({cfg.pp_schedule}) x ' if cfg.pp > 1 else ''}tp {cfg.tp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x dp {cfg.dp}{f' (ep {cfg.ep})' if cfg.ep > 1 else ''}{f' (HSDP: {cfg.dp_replicate} replicas x shard {cfg.dp // cfg.dp_replicate})' if cfg.dp_replicate > 1 else ''} "
         f"({nodes}) on {where}, {backend}, {dtype}; global batch {cfg.global_batch} {unit} "
         f"({split}) = {'up to ' if not cfg.packs else ''}{tokens:,} tokens per step, {cfg.max_steps} steps -> {cfg.output_dir}"
     )

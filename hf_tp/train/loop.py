@@ -134,6 +134,11 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     sums: dict[str, torch.Tensor] = {}  # the objective's metric totals over this rank's examples
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
+        if run.pipeline is not None:  # --pp: torch's schedule runs forward and backward of every stage
+            _set_grad_sync(run.pipeline.models, m == micro - 1)
+            with loss_context(cfg.loss_parallel):
+                local_loss += run.pipeline.step(batch, batches.num_targets, cfg.dp).float()
+            continue
         with loss_context(cfg.loss_parallel):
             out = run.objective.micro_loss(model, batch, batches, aux_weight=weight, routing=routing)
             loss, aux = out.loss, out.aux
@@ -151,10 +156,13 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     # check below waits for it).
     upcoming = run.batches(step + 1) if step + 1 < cfg.max_steps else None
     dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.dp_group)
+    if run.pipeline is not None:  # the loss is the last stage's
+        dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.pipeline.group)
     if has_aux:  # the ranks' terms add up to the global batch's aux loss
         dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.dp_group)
     metrics = _global_means(sums, batches.num_examples, run.dp_group)
-    grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+    stages = run.pipeline.group if run.pipeline is not None else None  # every stage's gradients in one norm
+    grad_norm = clip_grad_norm((run.pipeline or model).parameters(), cfg.max_grad_norm, stages=stages)
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         bf16 = cfg.compute_dtype_name(run.device.type) == "bf16"
@@ -253,7 +261,8 @@ def _finish(run: Run, result: TrainResult) -> None:
         print(f"hf-tp: nothing to train: the run in {run.out} is already at --max-steps {run.cfg.max_steps}")
 
 
-def _set_grad_sync(model: torch.nn.Module, sync: bool) -> None:
+def _set_grad_sync(model: torch.nn.Module | list[torch.nn.Module], sync: bool) -> None:
     """Reduce-scatter gradients only on the last micro-step of an accumulation."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+    for m in model if isinstance(model, list) else [model]:
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(sync)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,42 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     """Build the model on the meta device, parallelize it, then let each rank read only its shards
     of the safetensors files (fp32 master weights). Folders without safetensors fall back to a
     full ``from_pretrained`` on every rank."""
+    model, model_dir, fused = unparallelized_model(cfg, device)
+    config = model.config
+    lora = with_lora(model, cfg)
+    if cfg.lora_r:  # the frozen base in the compute dtype: no fp32 master copy of weights never updated
+        freeze_in_dtype(lora, compute_dtype(cfg, device))
+    parallelize(
+        lora,
+        mesh,
+        **parallelize_settings(cfg, device),
+        train_vision_tower=cfg.train_vision_tower,
+        compile=cfg.compile,
+        ep=cfg.ep,
+    )
+    if fused is not None:
+        materialize_and_load(model, model_dir, device, fused)
+    if get_adapter(config).language_model and dist.get_rank() == 0:  # a multimodal wrapper: say what trains
+        print(describe_passengers(model, get_adapter(config)), file=sys.stderr, flush=True)
+    if cfg.lora_r:
+        init_lora(model, cfg.seed)
+    return model
+
+
+def parallelize_settings(cfg: TrainConfig, device: torch.device) -> dict:
+    """The :func:`hf_tp.parallelize` settings a run's flags give (shared with pipeline stages)."""
+    return dict(
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+        mp_policy=mixed_precision(compute_dtype(cfg, device)),
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
+
+
+def unparallelized_model(cfg: TrainConfig, device: torch.device) -> tuple[torch.nn.Module, Path, object]:
+    """(model, its folder, fused sources): the model on the meta device with what
+    :func:`materialize_and_load` reads its shards from, or (fused None) loaded whole on every rank when its files need a weight
+    conversion that is not read by slices. In train mode."""
     if dist.get_rank() != 0:
         hf_logging.disable_progress_bar()  # one progress bar, not one per rank
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
@@ -53,38 +90,17 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     # Files whose tensors are the model's up to renames, or fused experts stacked from one tensor
     # per expert, are read slice by slice; any other conversion goes through from_pretrained.
     fused = sliced_sources(model, model_dir) if model is not None else None
-    sharded = fused is not None
-    if model is not None and not sharded and dist.get_rank() == 0:
+    if model is not None and fused is None and dist.get_rank() == 0:
         print(
             f"hf-tp: {model_dir}'s safetensors need a weight conversion that is not read by slices (only renames "
             "and per-expert stacking are); every rank loads the whole model with from_pretrained",
             file=sys.stderr,
             flush=True,
         )
-    if not sharded:
+    if fused is None:
         model = model_from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
-    lora = with_lora(model, cfg)
-    if cfg.lora_r:  # the frozen base in the compute dtype: no fp32 master copy of weights never updated
-        freeze_in_dtype(lora, compute_dtype(cfg, device))
-    parallelize(
-        lora,
-        mesh,
-        sequence_parallel=cfg.sequence_parallel,
-        loss_parallel=cfg.loss_parallel,
-        mp_policy=mixed_precision(compute_dtype(cfg, device)),
-        activation_checkpointing=cfg.activation_checkpointing,
-        train_vision_tower=cfg.train_vision_tower,
-        compile=cfg.compile,
-        ep=cfg.ep,
-    )
-    if sharded:
-        materialize_and_load(model, model_dir, device, fused)
-    if get_adapter(config).language_model and dist.get_rank() == 0:  # a multimodal wrapper: say what trains
-        print(describe_passengers(model, get_adapter(config)), file=sys.stderr, flush=True)
-    if cfg.lora_r:
-        init_lora(model, cfg.seed)
-    return model
+    return model, model_dir, fused
 
 
 def with_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:

@@ -116,6 +116,7 @@ def write_run_record(out: Path, cfg: TrainConfig, start_step: int, resumed_from:
             "dp": cfg.dp,
             "ep": cfg.ep,
             "dp_replicate": cfg.dp_replicate,
+            "pp": cfg.pp,
             "nnodes": cfg.nnodes,
         },
         "config": cfg.to_dict(),

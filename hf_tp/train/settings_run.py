@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hf_tp.pipeline_checks import SCHEDULE_NAMES
 from hf_tp.train.setting import setting
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -73,6 +74,28 @@ class SizesAndOptimizer:
     lora_dropout: float = setting(0.0, "dropout on the LoRA input", metavar="P")
     lora_target_modules: str = setting(
         "all-linear", "all-linear or comma-separated projection names, e.g. q_proj,v_proj", metavar="NAMES"
+    )
+
+
+@dataclass
+class Pipeline:
+    TITLE: ClassVar[str] = "pipeline parallelism (docs/training.md)"
+
+    pp: int = setting(
+        1,
+        "pipeline parallelism: the decoder layers cut into N stages (outermost, may cross nodes); "
+        "pp*tp*dp processes run",
+        metavar="N",
+    )
+    pp_schedule: str = setting("1f1b", "torch's pipeline schedule", choices=SCHEDULE_NAMES)
+    microbatches: int | None = setting(
+        None,
+        "pipeline micro-batches each micro-step's --batch-size rows are split into; at least --pp for 1f1b "
+        "(default: pp)",
+        metavar="M",
+    )
+    pp_virtual_stages: int = setting(
+        1, "stages per rank for --pp-schedule interleaved1f1b or loopedbfs (2 or more)", metavar="V"
     )
 
 

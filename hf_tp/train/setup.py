@@ -19,19 +19,22 @@ from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import dp_mesh_of, split_mesh
+from hf_tp.parallel.mesh import dp_mesh_of, split_mesh, stage_dims
+from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
 from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
+from hf_tp.train.loss import CrossEntropy
 from hf_tp.train.metrics import flops_per_token, peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
 from hf_tp.train.pair_evaluation import PairEvalSet
+from hf_tp.train.pipeline_run import build_pipeline, parameter_count
 from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
@@ -59,6 +62,7 @@ class Run:
     resumed_from: Path | None = None  # the checkpoint this run continues (--resume)
     flops_per_token: float = 0.0
     peak_flops: float | None = None
+    pipeline: Pipeline | None = None  # --pp: this rank's stages (model is the first of their HF models)
 
     @property
     def is_main(self) -> bool:
@@ -78,20 +82,30 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    mesh = build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate)
+    root = build_mesh(
+        tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate, pp=cfg.pp
+    )
+    mesh = root[stage_dims(root)] if cfg.pp > 1 else root  # a pipeline stage's mesh: the rest of the dims
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
     tokenizer = rank0_first(lambda: AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
-    model = build_parallel_model(cfg, mesh, device)
+    pipeline = build_pipeline(cfg, root, device) if cfg.pp > 1 else None  # this rank's stages of the model
+    model = pipeline.models[0] if pipeline else build_parallel_model(cfg, mesh, device)
     # 4. data: this dp rank's batches of every step, and the evaluation set
     cfg = with_document_masking_checked(cfg, model)
-    batches, eval_set = build_batches(cfg, tokenizer, mesh.get_local_rank("dp"), device)
+    batches, eval_set = build_batches(cfg, tokenizer, root.get_local_rank("dp"), device)
     # 5. the objective (DPO's reference model built here), optimizer and schedule
     route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
-    objective = build_objective(cfg, model, mesh, device, route_group, batches)
+    # --pp: the last stage's cross entropy (hf_tp.parallel.pipeline), the only objective it runs
+    objective = (
+        CrossEntropy(False, route_group)
+        if pipeline
+        else build_objective(cfg, model, mesh, device, route_group, batches)
+    )
     if isinstance(eval_set, PairEvalSet):
         eval_set.bind(objective, dp_mesh_of(mesh).get_group())
-    opt = build_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, device)
+    opt = build_optimizer((pipeline or model).parameters(), cfg.lr, cfg.weight_decay, device)
+    params = parameter_count(pipeline, device) if pipeline else sum(p.numel() for p in model.parameters())
     run = Run(
         cfg=cfg,
         out=out,
@@ -105,11 +119,12 @@ def set_up(cfg: TrainConfig) -> Run:
         dp_group=dp_mesh_of(mesh).get_group(),
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
-        fused=fusable(model),
-        flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),
+        fused=not pipeline and fusable(model),
+        flops_per_token=flops_per_token(model.config, params, cfg.seq_len),
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
         objective=objective,
+        pipeline=pipeline,
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint
     run.start_step = resume(run)

@@ -66,7 +66,7 @@ def test_a_resume_sets_stale_records_aside_and_appends_to_the_history(tmp_path: 
     write_run_record(out, cfg, 2, out / "checkpoints" / "step-2")
     history = [json.loads(ln) for ln in (out / "history.jsonl").read_text().splitlines()]
     assert [(h["start_step"], h["resumed_from"]) for h in history] == [(0, None), (2, str(out / "checkpoints/step-2"))]
-    assert history[1]["layout"] == {"tp": 2, "cp": 1, "dp": 2, "ep": 1, "dp_replicate": 1, "nnodes": 1}
+    assert history[1]["layout"] == {"tp": 2, "cp": 1, "dp": 2, "ep": 1, "dp_replicate": 1, "pp": 1, "nnodes": 1}
 
 
 def test_acceptance_writes_the_record_and_says_where_the_earlier_run_went(tmp_path: Path, capsys) -> None:

@@ -35,6 +35,7 @@ PUBLIC_FLAGS = {
         "--warmup-steps", "--weight-decay", "--max-grad-norm", "--aux-loss-over", "--seed", "--lora-r",
         "--lora-alpha", "--lora-dropout", "--lora-target-modules",
     ),
+    "pipeline parallelism (docs/training.md)": ("--pp", "--pp-schedule", "--microbatches", "--pp-virtual-stages"),
     "output and checkpoints": (
         "--output-dir", "--overwrite", "--log-every", "--save-every", "--keep-checkpoints", "--collective-timeout",
         "--resume", "--export-on-finish",

@@ -1,0 +1,123 @@
+"""Pipeline parallelism over a ``pp`` mesh dim with torch's own schedules (``torch.distributed.pipelining``).
+
+Each rank holds one stage (``--pp-virtual-stages`` V > 1: V stages, ``rank + v * pp``) of the
+unmodified HF model cut by decoder layers (:mod:`hf_tp.parallel.pipeline_split`), each stage
+parallelized (TP+SP, FSDP2) over the rest of the mesh as a whole model would be. A stage passes
+its hidden states to the next as a plain tensor (under tp: this rank's sequence shard, rebuilt as
+the same DTensor on the other side). The last stage's loss of a micro-batch is its targets' summed
+cross entropy divided by the global batch's target count, and torch's schedule sums the
+micro-batches' gradients unscaled, so a step's gradient is exactly the single-device one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from hf_tp.pipeline_checks import MULTI_STAGE
+
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "loopedbfs": ScheduleLoopedBFS,
+}
+
+
+class StageModule(nn.Module):
+    """What a :class:`PipelineStage` runs: one stage's HF model. The first stage takes token ids,
+    the others the previous stage's hidden states (as ``inputs_embeds``); the last returns the
+    logits, the others their hidden states as a plain tensor (this tp rank's sequence shard)."""
+
+    def __init__(self, model: nn.Module, tp_mesh):
+        super().__init__()
+        self.model = model
+        self.first, self.last = model.hf_tp_stage
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.seq_len = 0  # the step's row length, set before each step (rebuilds the tp shards' global shape)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        key = "input_ids" if self.first else "inputs_embeds"
+        if not self.first and self.tp_mesh is not None:
+            shape = (x.shape[0], self.seq_len, x.shape[2])
+            stride = (shape[1] * shape[2], shape[2], 1)
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+        # Always the model's own forward (FSDP2's root unit gathers the embedding and norm there)
+        logits = self.model(**{key: x}, use_cache=False, **kwargs).logits
+        if self.last:
+            return logits
+        head = self.model.lm_head  # a HeadGap: the hidden states it was given are this stage's output
+        out, head.seen = head.seen, None
+        if isinstance(out, DTensor):
+            if tuple(out.placements) != (Shard(1),):
+                raise ValueError(
+                    f"--pp with tp needs the residual stream sharded over the sequence (sequence parallelism), "
+                    f"got {out.placements}: drop --no-sequence-parallel"
+                )
+            out = out.to_local()
+        return out
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and how a step runs them (:meth:`step`)."""
+
+    stages: list[StageModule]
+    stage_ids: list[int]  # the global stage index of each
+    num_stages: int
+    group: dist.ProcessGroup  # the pp group of this rank's (dp, tp) coordinate
+    schedule: str
+    microbatches: int
+    device: torch.device
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """The HF models of this rank's stages (disjoint parameters, original names)."""
+        return [s.model for s in self.stages]
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def parameters(self):
+        for model in self.models:
+            yield from model.parameters()
+
+    def step(self, batch: dict[str, torch.Tensor], num_items: int, dp: int) -> torch.Tensor:
+        """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
+        rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
+        batch's targets) on the last stage's ranks, 0 on the others. Gradients are the global batch
+        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum)."""
+        batch = {k: v for k, v in batch.items() if k != "row_lengths"}
+        input_ids, labels = batch.pop("input_ids"), batch.pop("labels")
+        last_model = self.models[-1]
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            vocab = last_model.config.get_text_config().vocab_size
+            return last_model.loss_function(logits, target, vocab, num_items_in_batch=num_items) * dp
+
+        runtime = []
+        for module, index in zip(self.stages, self.stage_ids, strict=True):
+            module.seq_len = input_ids.shape[1]
+            runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
+        cls = SCHEDULES[self.schedule]
+        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
+        schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if 0 in self.stage_ids else ()
+        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for loss in losses:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp
+        return total

@@ -1,0 +1,71 @@
+"""``hf_tp.pipeline_parallelize``: cut a HF causal LM into this rank's pipeline stages and
+parallelize each over the rest of the mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hf_tp.adapters import get_adapter
+from hf_tp.parallel.api import parallelize
+from hf_tp.parallel.aux_loss import standard_aux_loss
+from hf_tp.parallel.lora import unwrap_peft
+from hf_tp.parallel.mesh import split_mesh, stage_dims
+from hf_tp.parallel.pipeline import Pipeline, StageModule
+from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
+from hf_tp.pipeline_checks import check_pipeline
+
+
+def pipeline_parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+    device: torch.device | None = None,
+    **parallelize_kwargs,
+) -> Pipeline:
+    """Cut ``model`` into ``pp x virtual_stages`` stages by decoder layers, balanced by each layer's
+    cost, keep this rank's (``mesh``'s ``"pp"`` coordinate, + v * pp for the v-th virtual stage),
+    and :func:`hf_tp.parallelize` each over ``mesh`` without its pp dim. ``model`` itself becomes
+    this rank's last stage (the others are copies of it, cut before any is parallelized).
+
+    Refused here (one line each): LoRA, expert and context parallelism, a MoE's aux loss (its
+    load-balancing product spans every stage's routers), tied embeddings, multimodal wrappers,
+    and families whose forward changes the hidden states outside the decoder layers."""
+    pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
+    _, peft = unwrap_peft(model)
+    if peft:
+        raise ValueError("--pp does not combine with LoRA yet: train the adapters with --pp 1")
+    if parallelize_kwargs.get("ep", 1) > 1:
+        raise ValueError("--pp does not combine with --ep yet: drop one")
+    if standard_aux_loss(model):
+        raise ValueError(
+            "--pp: this MoE model adds the router aux loss, whose load-balancing product spans every stage's routers "
+            "(not exact per stage yet): set output_router_logits=False (--router-aux-loss-coef 0) or train with --pp 1"
+        )
+    adapter = get_adapter(model.config)
+    costs = layer_costs(model, adapter.layers_path)
+    check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
+    check_splittable(model, adapter)
+    cuts = balanced_cuts(costs, pp * virtual_stages)
+    ids = [rank + v * pp for v in range(virtual_stages)]
+    stage_mesh = mesh[stage_dims(mesh)]
+    models = [cut_stage(model, adapter, cuts[i], copy_model=k < len(ids) - 1) for k, i in enumerate(ids)]
+    tp_mesh = split_mesh(stage_mesh)[1]
+    stages = []
+    for stage_model in models:
+        parallelize(stage_model, stage_mesh, **parallelize_kwargs)
+        stage_model.generate = _no_generate  # one stage alone cannot decode
+        stages.append(StageModule(stage_model, tp_mesh))
+    device = device or next(iter(models[0].parameters())).device
+    return Pipeline(stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device)
+
+
+def _no_generate(*args, **kwargs):
+    raise ValueError(
+        "generate on a pipeline stage: one stage holds only some layers; export the checkpoint "
+        "(hf-tp export) and generate with the whole model, or parallelize it without pp"
+    )

@@ -1,0 +1,35 @@
+"""The pipeline settings torch's schedules can run, checked from the numbers alone (no torch import:
+the training config checks them on every rank before launch)."""
+
+from __future__ import annotations
+
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved1f1b", "loopedbfs")
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs")  # schedules that run several stages per rank
+
+
+def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, layers: int | None = None) -> None:
+    """One line for a pipeline setting torch's schedules cannot run (the settings alone: every
+    rank raises the same before any collective)."""
+    if pp < 1:
+        raise ValueError(f"--pp must be a positive integer, got {pp}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"--pp-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    if virtual < 1:
+        raise ValueError(f"--pp-virtual-stages must be a positive integer, got {virtual}")
+    if schedule in MULTI_STAGE and virtual < 2:
+        raise ValueError(f"--pp-schedule {schedule} runs several stages per rank: set --pp-virtual-stages 2 or more")
+    if schedule not in MULTI_STAGE and virtual > 1:
+        raise ValueError(
+            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b or loopedbfs ({schedule} runs one stage per rank)"
+        )
+    if microbatches < 1:
+        raise ValueError(f"--microbatches must be a positive integer, got {microbatches}")
+    if schedule in ("1f1b", "interleaved1f1b") and pp > 1 and microbatches < pp:
+        raise ValueError(
+            f"--pp-schedule {schedule} needs at least as many micro-batches as stages' ranks: --microbatches {microbatches} < --pp {pp}"
+        )
+    if layers is not None and layers < pp * virtual:
+        raise ValueError(
+            f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages but the model has {layers} decoder layers: "
+            "at most one stage per layer"
+        )

@@ -1,0 +1,45 @@
+"""``hf-tp train --pp``: the settings a pipeline run takes, checked on every rank before launch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_tp.pipeline_checks import MULTI_STAGE, check_pipeline
+
+
+def check_pipeline_settings(cfg: Any) -> None:
+    """One line for a pipeline setting that cannot run, or a combination not exact with pipeline
+    stages yet (each naming the fix). ``cfg``: a :class:`hf_tp.train.config.TrainConfig`."""
+    if cfg.microbatches is not None and (isinstance(cfg.microbatches, bool) or cfg.microbatches < 1):
+        raise ValueError(f"--microbatches must be a positive integer, got {cfg.microbatches!r}")
+    if cfg.pp == 1:
+        if cfg.microbatches not in (None, 1) or cfg.pp_virtual_stages != 1 or cfg.pp_schedule != "1f1b":
+            raise ValueError(
+                "--microbatches, --pp-schedule and --pp-virtual-stages are pipeline settings: add --pp N (N > 1)"
+            )
+        return
+    check_pipeline(cfg.pp, cfg.pp_schedule, cfg.pipeline_microbatches, cfg.pp_virtual_stages)
+    rows = cfg.batch_size
+    if rows is not None and rows % cfg.pipeline_microbatches:
+        raise ValueError(
+            f"--batch-size ({rows}) must be a multiple of --microbatches ({cfg.pipeline_microbatches}): "
+            "each pipeline micro-batch takes an equal share of a dp rank's rows"
+        )
+    refused = {
+        "--cp": cfg.cp > 1,  # stages would need the cp token split
+        "--ep": cfg.ep > 1,
+        "--lora-r": bool(cfg.lora_r),
+        "--compile": cfg.compile,
+        f"--objective {cfg.objective}": cfg.objective != "sft",
+        "--eval-dataset/--eval-split": cfg.has_eval,
+        "--train-vision-tower": cfg.train_vision_tower,
+    }
+    for flag, on in refused.items():
+        if on:
+            raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
+    saves = cfg.save_every or cfg.resume or cfg.export_on_finish
+    if cfg.pp_schedule in MULTI_STAGE and saves:
+        raise ValueError(
+            f"--pp-schedule {cfg.pp_schedule} holds several stages per rank, which checkpoints do not save yet: "
+            "use --pp-schedule 1f1b or gpipe with --save-every/--resume/--export-on-finish"
+        )

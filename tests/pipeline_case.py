@@ -1,0 +1,129 @@
+"""One pipeline-parallel parity scenario: a tiny HF model trained a few AdamW steps at pp x dp x tp
+with one of torch's schedules versus plain single-process HF on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import hf_tp
+from hf_tp.checkpoint.dcp import load_checkpoint
+from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
+from hf_tp.parallel.pipeline_build import pipeline_parallelize
+from hf_tp.train.loss import loss_context
+from hf_tp.verify.compare import adam_error
+from tests.family_grid import grid_config, grid_model
+from tests.helpers import FAMILY_SETTINGS, batch, full_params, tiny_config, tiny_model
+from tests.parity import assert_weights_after_adam_close
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class PipelineCase:
+    family: str
+    pp: int = 2
+    tp: int = 1
+    dp: int = 1
+    dp_replicate: int = 1  # HSDP inside each stage
+    schedule: str = "1f1b"
+    microbatches: int = 2
+    virtual: int = 1
+    layers: int = 4
+    b: int = 4  # rows of the global batch (b / dp per dp rank)
+    s: int = 13
+    steps: int = 3
+    dtype: str = "float32"
+    overrides: dict = field(default_factory=dict)
+    resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
+
+    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict]:
+        """(untouched model copy, batch, reference losses, start params, final params): plain HF
+        on the whole batch (every rank builds the same one from the same seeds)."""
+        if self.family in FAMILY_SETTINGS:
+            config = tiny_config(self.family, num_hidden_layers=self.layers, **self.overrides)
+            ref = tiny_model(config, dtype=DTYPES[self.dtype])
+        else:  # the family grid's settings (MoE sizes, float64, eager experts)
+            config = grid_config(self.family, num_hidden_layers=self.layers, **self.overrides)
+            ref = grid_model(config)
+        data = batch(config.vocab_size, b=self.b, s=self.s, pad="right")
+        model, start = copy.deepcopy(ref), full_params(ref)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for _ in range(self.steps):
+            loss = ref(**data, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        return model, data, losses, start, full_params(ref)
+
+    def check(self) -> tuple[float, float]:
+        """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
+        weight this rank holds after the steps; returns the largest relative loss difference and
+        this rank's largest weight difference relative to its AdamW update."""
+        model, data, want, start, end = self.reference()
+        fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
+        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
+        pipe = pipeline_parallelize(
+            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
+        )
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
+        rows = self.b // self.dp
+        r = mesh.get_local_rank("dp")
+        mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
+        targets = int((data["labels"][:, 1:] != -100).sum())
+        got = []
+        for _ in range(self.resume["at"] if self.resume else self.steps):
+            with loss_context(self.tp > 1):
+                loss = pipe.step(mine, targets, self.dp)
+            dist.all_reduce(loss, group=mesh["pp"].get_group())
+            dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
+            got.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        if self.resume:
+            got += self._resumed(fresh, pipe, opt, data, targets)
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+        assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
+        held = full_params(fresh) if self.resume else {n: p for m in pipe.models for n, p in full_params(m).items()}
+        assert held, "this rank holds no parameters"
+        want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
+        assert_weights_after_adam_close(held, want_held, start_held)
+        return worst, adam_error(held, want_held, start_held).rel
+
+    def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
+        """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the
+        ``resume`` layout, and train the remaining steps there; their losses."""
+        folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        (model,) = pipe.models  # one stage per rank: checkpoints of 1F1B / GPipe runs
+        path = save_checkpoint(folder[0], self.resume["at"], model, opt)
+        tp, dp = self.resume["tp"], self.resume["dp"]
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
+        hf_tp.parallelize(fresh, mesh)
+        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01)
+        load_checkpoint(path, fresh, opt)
+        rows, r = self.b // dp, mesh.get_local_rank("dp")
+        mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
+        losses = []
+        for _ in range(self.steps - self.resume["at"]):
+            with loss_context(tp > 1):
+                loss = fresh(**mine, num_items_in_batch=targets, use_cache=False).loss
+                (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
+            loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+        return losses

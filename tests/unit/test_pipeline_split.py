@@ -1,0 +1,91 @@
+"""Cutting a HF model into pipeline stages: balanced contiguous cuts, names kept, and one-line
+refusals for what a stage cut cannot keep exact (single process; the schedules' parity runs in
+tests/e2e/test_pipeline_torchrun.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tp.adapters import get_adapter
+from hf_tp.parallel.pipeline_split import LayerGap, balanced_cuts, check_splittable, cut_stage
+from hf_tp.pipeline_checks import check_pipeline
+from hf_tp.train.config import TrainConfig
+from tests.helpers import tiny_config, tiny_model
+
+
+def test_balanced_cuts_minimise_the_heaviest_stage() -> None:
+    assert balanced_cuts([1.0] * 4, 2) == [range(0, 2), range(2, 4)]
+    assert balanced_cuts([3.0, 1.0, 1.0, 1.0], 2) == [range(0, 1), range(1, 4)]
+    assert balanced_cuts([1.0] * 5, 2) == [range(0, 2), range(2, 5)]  # the earlier stage lighter
+    assert balanced_cuts([1.0] * 3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    with pytest.raises(ValueError, match=r"at least one decoder layer per stage: 2 layers < 4 stages"):
+        balanced_cuts([1.0, 1.0], 4)
+
+
+def test_a_stage_keeps_its_layers_names_and_attention_types() -> None:
+    config = tiny_config("gemma3_text", num_hidden_layers=4, layer_types=["full_attention", "sliding_attention"] * 2)
+    model = tiny_model(config)
+    names = dict(model.named_parameters())
+    stage = cut_stage(model, get_adapter(config), range(2, 4), copy_model=True)
+    kept = dict(stage.named_parameters())
+    assert set(kept) == {
+        n for n in names if n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head."))
+    }
+    assert all(torch.equal(kept[n], names[n]) for n in kept)
+    # Gemma 3 picks each layer's mask by its position in enumerate(self.layers): the gaps keep them true
+    assert [i for i, layer in enumerate(stage.model.layers) if not isinstance(layer, LayerGap)] == [2, 3]
+    # Some families read decoder_layer.attention_type: a gap keeps the layer's plain attributes
+    layer = torch.nn.Linear(2, 2)
+    layer.attention_type, layer.layer_idx = "sliding_attention", 3
+    gap = LayerGap(layer)
+    assert (gap.attention_type, gap.layer_idx) == ("sliding_attention", 3) and not list(gap.parameters())
+
+
+def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
+    tied = tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=2))
+    with pytest.raises(ValueError, match=r"ties lm_head to the embedding.*untied weights \(train with --pp 1\)"):
+        check_splittable(tied, get_adapter(tied.config))
+    granite = tiny_model(tiny_config("llama", num_hidden_layers=2))  # a scaled embedding, as Granite's forward has
+    forward = type(granite.model).forward
+
+    def scaled(self, inputs_embeds=None, **kwargs):
+        return forward(self, inputs_embeds=inputs_embeds * 2.0, **kwargs)
+
+    type(granite.model).forward = scaled
+    try:
+        with pytest.raises(ValueError, match=r"changes the hidden states outside its decoder layers"):
+            check_splittable(granite, get_adapter(granite.config))
+    finally:
+        type(granite.model).forward = forward
+    plain = tiny_model(tiny_config("llama", num_hidden_layers=2))
+    check_splittable(plain, get_adapter(plain.config))  # untouched: accepted
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(pp=2, microbatches=1), r"--pp-schedule 1f1b needs at least as many micro-batches .* 1 < --pp 2"),
+        (dict(pp=2, batch_size=3), r"--batch-size \(3\) must be a multiple of --microbatches \(2\)"),
+        (dict(pp=2, pp_schedule="interleaved1f1b"), r"set --pp-virtual-stages 2 or more"),
+        (dict(pp=2, pp_virtual_stages=2), r"needs --pp-schedule interleaved1f1b"),
+        (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
+        (dict(microbatches=4), r"are pipeline settings: add --pp N"),
+        (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
+        (dict(pp=2, lora_r=4, batch_size=2), r"--pp does not combine with --lora-r yet"),
+        (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
+        (
+            dict(pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2, batch_size=2, save_every=1),
+            r"checkpoints do not save yet: use --pp-schedule 1f1b or gpipe",
+        ),
+    ],
+)
+def test_bad_pipeline_settings_are_one_line(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**settings).resolve().validate()
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"4 stages but the model has 2 decoder layers: at most one stage per layer"):
+        check_pipeline(2, "interleaved1f1b", 2, 2, layers=2)
+    assert TrainConfig(pp=2, tp=1, dp=2).resolve().world_size == 4
