@@ -6,6 +6,7 @@ launched: tests/e2e/test_verify_cli.py) and fails, naming the check, when a faul
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_tp.cli.main import main
 from hf_tp.verify.faults import FAULT_ENV
@@ -53,3 +54,24 @@ def test_refused_before_launch(capsys, monkeypatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "no-such-fault")
     assert main(["verify", "--model", "qwen3-0.6b", "--tp", "2", "--device", "cpu"]) == 2
     assert "no-such-fault" in capsys.readouterr().err
+
+
+def test_small_gradients_both_runs_agree_on_are_resolved() -> None:
+    """A tied LM head's rows of tokens the batch lacks get the softmax tail: gradients far under the
+    tensor's RMS yet exact, which AdamW moves by about lr each. Where the candidate's gradient agrees
+    to a tenth they count (a wrong update there fails); where it does not they are unresolved, and
+    more than the cap of them fails the tensor."""
+    from hf_tp.verify.compare import adam_error
+
+    torch.manual_seed(0)
+    start = {"w": torch.randn(100, 8)}
+    grad = torch.randn(100, 8)
+    grad[10:] *= 1e-9  # 90 of 100 rows: the tail
+    want = {"w": start["w"] - 1e-3 * grad.sign()}
+    agreeing = grad * (1 + 1e-6 * torch.randn_like(grad))
+    assert adam_error(want, want, start, {"w": grad}, {"w": agreeing}, 1e-2).rel == 0
+    flipped = want["w"].clone()
+    flipped[50] += 2e-3  # one tail row moved the other way
+    assert adam_error({"w": flipped}, want, start, {"w": grad}, {"w": agreeing}, 1e-2).rel > 1e-3
+    noisy = grad + 1e-3 * grad[:10].abs().mean()  # round-off well above the tail
+    assert "are ~0" in adam_error(want, want, start, {"w": grad}, {"w": noisy}, 1e-2).where
