@@ -59,7 +59,7 @@ def test_refused_before_launch(capsys, monkeypatch) -> None:
 def test_small_gradients_both_runs_agree_on_are_resolved() -> None:
     """A tied LM head's rows of tokens the batch lacks get the softmax tail: gradients far under the
     tensor's RMS yet exact, which AdamW moves by about lr each. Where the candidate's gradient agrees
-    to a tenth they count (a wrong update there fails); where it does not they are unresolved, and
+    to 1e-3 of itself they count (a wrong update there fails); where not they are unresolved, and
     more than the cap of them fails the tensor."""
     from hf_tp.verify.compare import adam_error
 
