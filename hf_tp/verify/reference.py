@@ -74,8 +74,7 @@ def reference_run(model: nn.Module, batch: dict[str, torch.Tensor], s: Settings)
 
 def exact_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The first gradients of a float64 copy of ``model`` on ``batch``: what the fp32 reference's
-    own round-off is measured against (where modules force fp32 inside, the copy keeps their
-    round-off, so the measure can only come out small: the check stays as strict or stricter)."""
+    own round-off is measured against (:mod:`hf_tp.verify.measured`)."""
     twin = copy.deepcopy(model).double()
     for module in twin.modules():  # torch's grouped_mm, transformers' default experts kernel, has no float64
         if hasattr(module, "set_experts_implementation") and module._can_set_experts_implementation():

@@ -17,11 +17,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
-from hf_tp.verify.compare import Error, adam_error, stream_mixer_params, tensor_error
+from hf_tp.verify.compare import adam_error, stream_mixer_params, tensor_error
 from hf_tp.verify.faults import requested
+from hf_tp.verify.measured import gradients_check
 from hf_tp.verify.model import make_batch, random_model, save_model
 from hf_tp.verify.reference import Settings, exact_grads, reference_run
-from hf_tp.verify.report import ADAM, EXACT, NORM, ROUND_OFF_MARGIN, UNRESOLVED, VALUES, Check
+from hf_tp.verify.report import ADAM, EXACT, NORM, UNRESOLVED, VALUES, Check
 
 # from_pretrained is not thread-safe (ranks run as threads of one process in the unit tests)
 _LOADING = threading.Lock()
@@ -47,7 +48,7 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str
     ref.to(device)
     batch = {k: v.to(device) for k, v in make_batch(config.vocab_size, _rows(cfg), cfg.seq_len, cfg.seed + 1).items()}
     s = candidate.settings_of(cfg)
-    exact = exact_grads(ref, batch)  # before the reference trains the model
+    exact = exact_grads(ref, batch)  # a float64 copy's, before the reference trains the model
     want = reference_run(ref, batch, s)
     mesh = _mesh(cfg, device)
     model, opt, rank = candidate.run(cfg, mesh, device, lora_state, fault)
@@ -91,8 +92,8 @@ LATER = ("loss", "gradients", "gradient norm", "buffers", "AdamW steps", "checkp
 
 def _training_checks(got, want, mixers: tuple[str, ...], exact: dict[str, torch.Tensor]) -> list[Check]:
     """The checks of a training run against the reference's; ``mixers``: hyper-connection mixers'
-    parameter prefixes (:func:`adam_error`'s ``uncapped``); ``exact``: the reference's first
-    gradients in float64 (:func:`gradients_check`)."""
+    parameter prefixes (:func:`adam_error`'s ``uncapped``); ``exact``: a float64 copy's first
+    gradients (:mod:`hf_tp.verify.measured`)."""
     losses = tensor_error({"loss": torch.tensor(got.losses)}, {"loss": torch.tensor(want.losses)})
     # the first step's norm: later ones are of weights that AdamW already moved apart by round-off
     norms = tensor_error({"norm": torch.tensor(got.grad_norms[:1])}, {"norm": torch.tensor(want.grad_norms[:1])})
@@ -107,32 +108,6 @@ def _training_checks(got, want, mixers: tuple[str, ...], exact: dict[str, torch.
             ADAM,
         ),
     ]
-
-
-def gradients_check(got: dict, want: dict, exact: dict) -> Check:
-    """The first gradients, each tensor held to ``VALUES`` or, where the fp32 reference's own error
-    against float64 (``exact``) is larger, to ``ROUND_OFF_MARGIN`` times that: a gradient summed
-    from terms that nearly cancel (a mixer's base after a scale-invariant norm) is only as exact,
-    relative to its own size, as the terms' round-off allows, in the reference as in the layout.
-    The report names the tolerance of the worst tensor and how many had a measured one."""
-    error = tensor_error(got, want)
-    if error.missing:
-        return Check.of("gradients", error, VALUES)
-    worst, worst_tol, measured = Error(), VALUES, []
-    for name, w in want.items():
-        own = tensor_error({name: w}, {name: exact[name]}).rel if name in exact else 0.0
-        tol = max(VALUES, float(f"{ROUND_OFF_MARGIN * own:.2g}"))  # two digits, as the report shows it
-        if tol > VALUES:
-            measured.append(name)
-        e = tensor_error({name: got[name]}, {name: w})
-        if e.rel / tol > worst.rel / worst_tol or not worst.where:
-            worst, worst_tol = e, tol
-    check = Check.of("gradients", worst, worst_tol)
-    if not measured:
-        return check
-    names = ", ".join(measured[:3]) + (", ..." if len(measured) > 3 else "")
-    own = f" ({ROUND_OFF_MARGIN:g} x the fp32 reference's own error against float64 on {len(measured)}: {names})"
-    return dataclasses.replace(check, text=check.text + own)
 
 
 def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more, mixers: tuple[str, ...]) -> Check:
