@@ -38,7 +38,7 @@ from hf_tp.checkpoint.layout import (
     latest_checkpoint,
     load_trainer_state,
 )
-from hf_tp.checkpoint.packed import checkpoint_layout
+from hf_tp.checkpoint.packed import checkpoint_layout, write_back
 from hf_tp.checkpoint.remote_code import copy_model_code
 from hf_tp.checkpoint.safe_load import SafeReader, safe_load
 
@@ -209,7 +209,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     reader = SafeReader(path)
     metadata = reader.read_metadata()
     dropped = _drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
-    safe_load(checkpoint_layout(state, model, metadata, path), path, reader=reader)
+    copies: list = []  # packed tensors the mesh shards on their packed dim: read into copies
+    safe_load(checkpoint_layout(state, model, metadata, path, copies), path, reader=reader)
+    write_back(copies)
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     # not strict only where parameters had no state to load: DCP found every other entry above
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=not dropped))

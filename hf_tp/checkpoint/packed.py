@@ -13,6 +13,12 @@ shape (the same numbers in the same order; FSDP2 and ep shard the experts dim, w
 keeps), so DCP writes from them and reads into them in place, and the live state dict goes on to
 ``set_*_state_dict`` unchanged. DCP then reshards between any tp, dp and ep.
 
+Where the mesh shards the packed dim itself (FSDP2 at tp = 1 shards dim 0 of a 2-D packed
+shared-expert ``gate_up_proj``, whose rows are ``[gate; up]``), a rank's rows can straddle the two
+halves, which no placement of the packed shape describes. Such a tensor is gathered over the mesh
+dims that shard it into a copy in the packed layout; a load reads into the copy and
+:func:`write_back` puts the rank's shard of it back into the live tensor.
+
 Checkpoints written before (HF's layout at tp = 1; tp > 1 ones already hold the packed layout)
 still load where the parameter has HF's shape; at tp > 1 they are refused with one line.
 """
@@ -26,31 +32,40 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from hf_tp.styles.experts import Role, packed_params, stored_shape
 
+Copies = list[tuple[DTensor, DTensor, int]]  # (packed copy, live tensor, the packed dim)
+
 
 def checkpoint_layout(
-    state: dict[str, Any], model: nn.Module, saved: Metadata | None = None, where: Path | None = None
+    state: dict[str, Any],
+    model: nn.Module,
+    saved: Metadata | None = None,
+    where: Path | None = None,
+    copies: Copies | None = None,
 ) -> dict[str, Any]:
     """``state`` (``{"model": ..., "optim": ...}`` of :func:`hf_tp.checkpoint.dcp._train_state`) as
     the checkpoint holds it: packed parameters and their tensor state as packed-layout views of
     the live tensors. Every container not rebuilt here is shared with ``state``, so what DCP loads
     into it (tensors in place, the optimizer's param groups by value) reaches ``state``. ``saved``:
-    the metadata of the checkpoint about to be loaded (its layout decides for older checkpoints)."""
+    the metadata of the checkpoint about to be loaded (its layout decides for older checkpoints).
+    ``copies`` collects (packed copy, live tensor) of what could not be a view, for :func:`write_back`."""
     packed = packed_params(model)
     if not packed:
         return state
+    copies = [] if copies is None else copies
     out = dict(state)
-    out["model"] = {k: _stored(f"model.{k}", v, packed.get(k), saved, where) for k, v in state["model"].items()}
+    out["model"] = {k: _stored(f"model.{k}", v, packed.get(k), saved, where, copies) for k, v in state["model"].items()}
     optim = state.get("optim")
     if isinstance(optim, dict) and isinstance(optim.get("state"), dict):
         per_param = {}
         for name, values in optim["state"].items():
             if name in packed and isinstance(values, dict):
                 values = {
-                    m: _stored(f"optim.state.{name}.{m}", v, packed[name], saved, where) for m, v in values.items()
+                    m: _stored(f"optim.state.{name}.{m}", v, packed[name], saved, where, copies)
+                    for m, v in values.items()
                 }
             per_param[name] = values
         out["optim"] = {**optim, "state": per_param}
@@ -58,7 +73,12 @@ def checkpoint_layout(
 
 
 def _stored(
-    key: str, value: Any, packed: tuple[int, tuple[int, ...]] | None, saved: Metadata | None, where: Path | None
+    key: str,
+    value: Any,
+    packed: tuple[int, tuple[int, ...]] | None,
+    saved: Metadata | None,
+    where: Path | None,
+    copies: Copies,
 ) -> Any:
     """``value`` in the packed layout when it is a tensor of the parameter's HF shape (tp = 1),
     else as it is (already packed at tp > 1; a scalar ``step``; anything not packed). ``packed``:
@@ -76,7 +96,33 @@ def _stored(
                 f"halves {tuple(value.shape)}: resume it once at tp 1 and save, then any mesh loads that checkpoint"
             )
         return value
-    return value if old else split_view(value, dim)
+    if old:
+        return value
+    if isinstance(value, DTensor) and _sharded_from(value, dim):
+        copy = split_view(value.detach().redistribute(value.device_mesh, _unsharded_from(value, dim)), dim)
+        copies.append((copy, value, dim))
+        return copy
+    return split_view(value, dim)
+
+
+def write_back(copies: Copies) -> None:
+    """Put each rank's shard of the packed copies a load read into back into their live tensors."""
+    for copy, live, dim in copies:
+        local = copy.to_local().flatten(dim, dim + 1)
+        whole = DTensor.from_local(
+            local, copy.device_mesh, copy.placements, run_check=False, shape=live.shape, stride=live.stride()
+        )
+        with torch.no_grad():
+            live.detach().to_local().copy_(whole.redistribute(live.device_mesh, live.placements).to_local())
+
+
+def _sharded_from(tensor: DTensor, dim: int) -> bool:
+    return any(getattr(p, "dim", -1) >= dim for p in tensor.placements)
+
+
+def _unsharded_from(tensor: DTensor, dim: int) -> list:
+    """``tensor``'s placements with every shard at or after ``dim`` replaced by a replica."""
+    return [Replicate() if getattr(p, "dim", -1) >= dim else p for p in tensor.placements]
 
 
 def split_view(tensor: torch.Tensor, dim: int) -> torch.Tensor:

@@ -22,6 +22,9 @@ KEY_BIASES = ("k_proj.bias", "query_key_value.bias", "k_layernorm.bias", "k_norm
 
 
 MOVED_FLOOR = 1e-4
+# How closely both runs must agree on a gradient under the magnitude floor for it to count as
+# resolved: the AdamW check's own tolerance, which AdamW's updates then differ by at most.
+AGREE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,11 @@ def adam_error(
     elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the
     tensor's RMS gradient, scaled by the dtype's epsilon) are left out; at most ``max_unresolved``
     of a tensor may be (far less than one tp shard of it), or the tensor counts as failed
-    (``where`` says so). Given ``got_grads`` too, an
-    element whose gradient differs by over a tenth of itself is not resolved either (at most 1 in
-    100): a float64 model that computes parts in fp32 has fp32 round-off in its gradients.
+    (``where`` says so). Given ``got_grads`` too, a small gradient on which both runs agree to a
+    ``AGREE`` of itself is resolved (exact but small, not round-off: a tied LM head's rows of tokens the
+    batch lacks get the softmax tail), and an element whose gradient differs by over a tenth of itself
+    is not resolved (at most 1 in 100): a float64 model that computes parts in fp32 has fp32
+    round-off in its gradients.
 
     ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
     caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
@@ -151,6 +156,11 @@ def _resolved(
     scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
     floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
     resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
+    if got_grads is not None and name in got_grads:
+        # a small gradient that is no cancellation (a tied LM head's rows of tokens the batch lacks:
+        # the softmax tail) is as exact as a large one: where both runs agree on it to AGREE of
+        # itself, AdamW's updates (about lr times g over its running RMS) agree as closely
+        resolved |= AGREE * g.abs() >= (got_grads[name].to(g.device, g.dtype) - g).abs()
     unresolved = int((~resolved).sum())
     if unresolved > int(g.numel() * max_unresolved):
         return resolved, f"{name}: {unresolved} of {g.numel()} gradients are ~0"

@@ -6,6 +6,7 @@ AdamW and torch's gradient clipping, as one device trains the model.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -69,3 +70,15 @@ def reference_run(model: nn.Module, batch: dict[str, torch.Tensor], s: Settings)
         opt.zero_grad(set_to_none=True)
     trace.params = full_params(model, trainable_only=True)
     return trace
+
+
+def exact_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The first gradients of a float64 copy of ``model`` on ``batch``: what the fp32 reference's
+    own round-off is measured against (:mod:`hf_tp.verify.measured`)."""
+    twin = copy.deepcopy(model).double()
+    for module in twin.modules():  # torch's grouped_mm, transformers' default experts kernel, has no float64
+        if hasattr(module, "set_experts_implementation") and module._can_set_experts_implementation():
+            module.set_experts_implementation("eager")  # reaches its sub-models too
+            break
+    twin(**batch, use_cache=False).loss.backward()
+    return full_grads(twin)

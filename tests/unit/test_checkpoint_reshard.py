@@ -18,10 +18,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from transformers import CONFIG_MAPPING
 
 import hf_tp
 from hf_tp.checkpoint.dcp import _train_state, load_checkpoint, save_checkpoint
-from tests.helpers import full, full_params, run_threaded
+from hf_tp.compat import family_refusal
+from tests.family_grid import grid_config, grid_model
+from tests.helpers import batch, full, full_params, run_threaded
 from tests.parity import assert_weights_after_adam_close, train_steps
 from tests.unit.test_expert_parallel import _case
 
@@ -72,10 +75,28 @@ def _run(ref, data, layout, tmp: Path, index: int, resume: Path | None) -> dict:
 
 
 def test_moe_checkpoint_resumes_on_every_mesh(tmp_path: Path) -> None:
-    ref, data = _case("qwen3_moe", skewed=False)
-    want = train_steps(copy.deepcopy(ref), data, steps=len(CHAIN), lr=LR)
+    _resume_chain(*_case("qwen3_moe", skewed=False), CHAIN, tmp_path)
+
+
+@pytest.mark.skipif(
+    "minimax_m3_vl_text" not in CONFIG_MAPPING or bool(family_refusal("minimax_m3_vl_text")),
+    reason="this transformers serves no minimax_m3_vl_text",
+)
+def test_a_packed_dim_fsdp_shards_resumes_across_meshes(tmp_path: Path) -> None:
+    """MiniMax-M3's shared expert is a 2-D ``gate_up_proj`` Linear with ``[gate; up]`` rows: at
+    tp 1 x dp 2 FSDP2 shards that packed dim, so a rank's rows are no box of the packed layout.
+    The checkpoint holds it gathered; a load at tp 1 x dp 2 writes each rank's rows back."""
+    config = grid_config("minimax_m3_vl_text", vocab_size=300)
+    chain = ((1, 2, 1), (2, 1, 1), (1, 2, 1), (1, 1, 1))
+    _resume_chain(grid_model(config), batch(config.vocab_size, b=4, s=13, pad=None), chain, tmp_path)
+
+
+def _resume_chain(ref, data, chain, tmp_path: Path) -> None:
+    """Run ``chain``'s layouts in turn, each resuming from the one before: every load equals what
+    was saved, bit for bit, and the last weights those of as many uninterrupted single-rank steps."""
+    want = train_steps(copy.deepcopy(ref), data, steps=len(chain), lr=LR)
     previous = None
-    for index, layout in enumerate(CHAIN):
+    for index, layout in enumerate(chain):
         run = _run(ref, data, layout, tmp_path, index, previous and previous["path"])
         if previous is not None:
             assert sorted(run["loaded"]) == sorted(previous["after"])
