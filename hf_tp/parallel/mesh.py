@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hf_tp.layout import check_layout, check_world
+
 HSDP_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -26,19 +28,13 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
     With ``cp`` > 1 every rank of a cp x tp group is given the same full rows (a dp rank's
     rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.parallel.context`).
     """
-    if tp < 1 or dp < 1 or cp < 1:
-        raise ValueError(f"tp, cp and dp must be positive integers, got tp={tp}, cp={cp}, dp={dp}")
-    check_dp_replicate(dp, dp_replicate, cp)
+    check_layout(tp, dp, cp, dp_replicate=dp_replicate)
     if not dist.is_initialized():
         raise ValueError(
             "build_mesh needs an initialised process group: start the ranks with `hf-tp train`, "
             "`torchrun`, `accelerate launch` or accelerate.notebook_launcher"
         )
-    world = dist.get_world_size()
-    if tp * cp * dp != world:
-        if cp == 1:
-            raise ValueError(f"world size ({world}) must equal tp*dp ({tp}*{dp}={tp * dp})")
-        raise ValueError(f"world size ({world}) must equal tp*cp*dp ({tp}*{cp}*{dp}={tp * cp * dp})")
+    check_world(dist.get_world_size(), tp, dp, cp)
     device_type = device_type or default_device_type()
     if dp_replicate > 1:
         mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
@@ -49,24 +45,6 @@ def build_mesh(tp: int, dp: int = 1, device_type: str | None = None, cp: int = 1
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
     return mesh
-
-
-def check_dp_replicate(dp: int, dp_replicate: int, cp: int = 1, ep: int = 1) -> None:
-    """One line for an HSDP split that cannot be built: ``dp_replicate`` must be a positive divisor
-    of dp, and HSDP does not compose with context or expert parallelism here."""
-    if dp_replicate < 1 or dp % dp_replicate:
-        raise ValueError(
-            f"--dp-replicate must be a positive divisor of --dp ({dp}): dp = replicas x the FSDP shard group, "
-            f"got {dp_replicate}"
-        )
-    if dp_replicate > 1 and cp > 1:
-        raise ValueError(
-            "--dp-replicate does not combine with --cp yet: drop one (FSDP2 over dp x cp shards over both)"
-        )
-    if dp_replicate > 1 and ep > 1:
-        raise ValueError(
-            "--dp-replicate does not combine with --ep yet: drop one (ep borrows its ranks from all of dp)"
-        )
 
 
 def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:

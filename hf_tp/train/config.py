@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from hf_tp.layout import check_layout, row_multiple
+
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
@@ -170,12 +172,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
         self._validate_types()
+        check_layout(self.tp, self.dp, self.cp, self.ep, self.dp_replicate, flags=True)
         for name in (
-            "tp",
-            "dp",
-            "ep",
-            "cp",
-            "dp_replicate",
             "seq_len",
             "batch_size",
             "grad_accum",
@@ -186,16 +184,6 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.dp is not None and self.ep > 1 and (self.dp * self.cp) % self.ep:
-            if self.cp == 1:
-                raise ValueError(
-                    f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
-                )
-            raise ValueError(
-                f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
-                f"dp x cp, got {self.ep}"
-            )
-        self._validate_hsdp()
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
@@ -229,20 +217,6 @@ class TrainConfig:
             raise ValueError(
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
-
-    def _validate_hsdp(self) -> None:
-        """``--dp-replicate`` splits dp into replicas x a shard group: it must divide dp, and it
-        does not compose with cp or ep (both fold their ranks into the one FSDP2 dp mesh)."""
-        if self.dp_replicate == 1:
-            return
-        if self.dp is not None and self.dp % self.dp_replicate:
-            raise ValueError(
-                f"--dp-replicate must divide --dp ({self.dp}): dp = replicas x the FSDP shard group, "
-                f"got {self.dp_replicate}"
-            )
-        if self.cp > 1 or self.ep > 1:
-            other = "--cp" if self.cp > 1 else "--ep"
-            raise ValueError(f"--dp-replicate does not combine with {other} yet: drop one of them")
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),
@@ -346,7 +320,7 @@ class TrainConfig:
     def row_multiple(self) -> int:
         """Rows are padded to a multiple of this: tp (sequence parallelism), 2 x cp x tp with
         context parallelism (each cp rank keeps two equal chunks, each split over tp)."""
-        return (self.tp or 1) * (2 * self.cp if self.cp > 1 else 1)
+        return row_multiple(self.tp or 1, self.cp)
 
     @property
     def global_batch(self) -> int:

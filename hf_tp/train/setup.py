@@ -16,6 +16,7 @@ from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
+from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
@@ -26,7 +27,7 @@ from hf_tp.train.distributed import init_distributed, rank0_first, resolve_devic
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
-from hf_tp.train.metrics import flops_per_token, peak_flops
+from hf_tp.train.metrics import peak_flops, unrouted_expert_params
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective
@@ -106,7 +107,12 @@ def set_up(cfg: TrainConfig) -> Run:
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=fusable(model),
-        flops_per_token=flops_per_token(model.config, sum(p.numel() for p in model.parameters()), cfg.seq_len),
+        flops_per_token=model_flops_per_token(
+            model.config,
+            sum(p.numel() for p in model.parameters()),
+            cfg.seq_len,
+            unrouted_expert_params(model, model.config),
+        ),
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
         objective=objective,
