@@ -193,3 +193,9 @@ def test_bundled_moe_configs_build_the_published_parameter_count(name: str, bill
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == billions and "/" in label
+
+
+def test_mfu_numerator_is_the_traced_routed_work(estimates) -> None:
+    # training's 6N + 12LHS with the unrouted experts left out is what the traced step did (top-2 of 8)
+    est = estimates[(1, 4, 1)]
+    assert est.model_flops_per_token * BATCH * SEQ == pytest.approx(est.work.model_flops, rel=0.03)
