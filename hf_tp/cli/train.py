@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _model_and_data(p.add_argument_group("model and data"))
     add_eval_arguments(p.add_argument_group("held-out evaluation"), _default)
     add_objective_arguments(p.add_argument_group("objective (preference training: docs/post-training.md)"), _default)
-    _sizes_and_optimizer(p.add_argument_group("sizes and optimizer"))
+    sizes = p.add_argument_group("sizes and optimizer")
+    _sizes(sizes)
+    _auto_layout_flags(sizes)
+    _optimizer(sizes)
     _output_and_checkpoints(p.add_argument_group("output and checkpoints"))
     _speed_and_parallelism(p.add_argument_group("speed, precision and parallelism"))
     _launch(p.add_argument_group("launch (several nodes)"))
@@ -70,7 +73,7 @@ def _model_and_data(p) -> None:
     add_vision_arguments(p)
 
 
-def _sizes_and_optimizer(p) -> None:
+def _sizes(p) -> None:
     d = _default
     p.add_argument("--tp", type=int, metavar="N", help=f"tensor-parallel size; must fit the model's heads ({d('tp')})")
     p.add_argument("--dp", type=int, metavar="N", help=f"data-parallel (FSDP2) size; tp*dp processes run ({d('dp')})")
@@ -95,6 +98,10 @@ def _sizes_and_optimizer(p) -> None:
         help=f"HSDP: dp = R replicas x an FSDP2 group of dp/R ranks sharding the weights; gradients are "
         f"all-reduced across replicas once per step (put replicas across nodes); must divide --dp ({d('dp_replicate')})",
     )
+
+
+def _optimizer(p) -> None:
+    d = _default
     p.add_argument(
         "--batch-size",
         type=int,
@@ -139,6 +146,24 @@ def _sizes_and_optimizer(p) -> None:
         "--lora-target-modules",
         metavar="NAMES",
         help=f"all-linear or comma-separated projection names, e.g. q_proj,v_proj ({d('lora_target_modules')})",
+    )
+
+
+def _auto_layout_flags(p) -> None:
+    d = _default
+    p.add_argument(
+        "--layout",
+        choices=["manual", "auto"],
+        help="auto: choose --tp, --dp and activation checkpointing for --world ranks before launch: with --gpu "
+        "the fastest layout the estimate predicts that fits that GPU, else the largest tp the model allows "
+        f"({d('layout')})",
+    )
+    p.add_argument("--gpu", metavar="NAME", help="with --layout auto: the GPU to plan for, as hf-tp estimate --gpu")
+    p.add_argument(
+        "--world",
+        type=int,
+        metavar="N",
+        help="with --layout auto: the ranks to lay out (default: --nnodes x this node's GPUs; needed on CPU)",
     )
 
 
@@ -271,17 +296,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hf_tp.cli.auto_layout import auto_layout, check_request
     from hf_tp.demo import with_embedded_default
     from hf_tp.train.launch import launch, start_line
 
     in_rank = "WORLD_SIZE" in os.environ
     try:
         cfg = config_from_args(args)
+        check_request(cfg)
         cfg.resolve().validate()  # the numbers alone, before torch is imported
         from hf_tp.train.validate import device_type as find_device_type
-        from hf_tp.train.validate import prelaunch_checks
+        from hf_tp.train.validate import load_model_config, prelaunch_checks
 
         cfg = with_embedded_default(cfg)
+        if cfg.layout == "auto":
+            cfg = auto_layout(cfg, load_model_config(cfg.model, cfg.trust_remote_code))
         device_type = find_device_type(cfg) if in_rank else prelaunch_checks(cfg)
     except ValueError as exc:
         print(f"hf-tp train: error: {exc}", file=sys.stderr)

@@ -66,6 +66,7 @@ def sweep(
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
     cluster: Cluster | None = None,
+    grow: bool = True,
     **named,
 ) -> Sweep:
     """Estimate every valid (tp, dp) of ``world_size / cp`` ranks of ``spec`` (or of the
@@ -77,7 +78,8 @@ def sweep(
     it, and the per-rank batch (``batch_size`` at least) is doubled where memory allows
     (:func:`speed_sweep`); otherwise the smallest tp that fits, at ``batch_size``. ``ep``
     and ``cp`` stay fixed: splits whose dp ep does not divide, or whose 2 x cp x tp does not divide
-    ``seq_len``, are left out. ``progress`` gets one line before each simulation."""
+    ``seq_len``, are left out. ``grow=False`` keeps the batch as given (``hf-tp train --layout auto``).
+    ``progress`` gets one line before each simulation."""
     spec = spec or EstimateSpec(tp=1, dp=1, **named)
     validate(config, spec.replace(tp=1, dp=spec.ep, dp_replicate=1))  # sizes, positions, ep and cp, once
     if cluster is not None:
@@ -90,7 +92,7 @@ def sweep(
         return estimate_spec(config, spec.replace(**changes), model_name)
 
     if cluster is not None:
-        speed_sweep(result, splits, run, spec.activation_checkpointing, progress)
+        speed_sweep(result, splits, run, spec.activation_checkpointing, progress, grow)
         return result
     cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
     for i, (tp, dp) in enumerate(splits):
@@ -139,11 +141,17 @@ def layout_name(est: Estimate) -> str:
 
 
 def speed_sweep(
-    result: Sweep, splits: list[tuple[int, int]], run: Callable[..., Estimate], ac: bool, progress: Progress
+    result: Sweep,
+    splits: list[tuple[int, int]],
+    run: Callable[..., Estimate],
+    ac: bool,
+    progress: Progress,
+    grow: bool = True,
 ) -> None:
-    """Simulate ``splits`` (largest tp first), grow the batch of those that fit, recommend the fastest."""
+    """Simulate ``splits`` (largest tp first), grow the batch of those that fit (unless ``grow`` is
+    False), recommend the fastest."""
     simulate_splits(result, splits, run, ac, progress)
-    for est, speed in list(result.ranking()):  # fastest first, so the bound below prunes the most
+    for est, speed in list(result.ranking()) if grow else []:  # fastest first: the bound below prunes the most
         bound = compute_bound(est, speed)
         if bound <= result.best_speed():  # (the best layout's bound is above its own speed)
             result.skipped.append(

@@ -12,11 +12,13 @@ from typing import Any
 
 import yaml
 
-from hf_tp.layout import check_layout, row_multiple
+from hf_tp.gpus import get_gpu
+from hf_tp.layout import check_layout, check_positive, row_multiple
 
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
+LAYOUTS = ("manual", "auto")
 AUX_LOSS_OVER = ("step", "micro-batch")
 OBJECTIVES = ("sft", "dpo", "simpo")  # cross entropy; preference losses on pairs (hf_tp.objectives)
 
@@ -72,6 +74,11 @@ class TrainConfig:
     ep: int = 1  # expert parallelism (MoE models): ranks borrowed from dp that split the experts
     cp: int = 1  # context parallelism: each row's tokens split over cp ranks (long sequences)
     dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 group of dp / dp_replicate ranks
+    layout: str = "manual"  # "auto": hf-tp train chooses tp, dp (and activation checkpointing) before launch
+    gpu: str | None = None  # --layout auto: rank layouts by the estimate's predicted speed on this GPU (hf_tp.gpus)
+    world: int | None = None  # --layout auto: the ranks to lay out (default: --nnodes x this node's GPUs)
+    predicted_speed: float | None = None  # tokens/s, all ranks: set by --layout auto --gpu, logged as predicted_tokens_per_sec
+    predicted_mfu: float | None = None  # set by --layout auto --gpu; logged beside mfu
     sequence_parallel: bool = True
     loss_parallel: bool = True
     activation_checkpointing: bool = False
@@ -164,7 +171,8 @@ class TrainConfig:
     def resolve(self) -> TrainConfig:
         """Fill unset fields: the embedded-default profile without --model, the general one with."""
         profile = EMBEDDED_PROFILE if self.model is None else GENERAL_PROFILE
-        values = {k: (profile[k] if getattr(self, k) is None and k in profile else getattr(self, k)) for k in profile}
+        chosen = ("tp", "dp") if self.layout == "auto" else ()  # --layout auto fills them (hf_tp.cli.auto_layout)
+        values = {k: (profile[k] if getattr(self, k) is None else getattr(self, k)) for k in profile if k not in chosen}
         if self.model is None and self.device == "auto":
             values["device"] = "cpu"  # the tiny default gains nothing from a GPU
         return dataclasses.replace(self, **values)
@@ -173,6 +181,7 @@ class TrainConfig:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
         self._validate_types()
         check_layout(self.tp, self.dp, self.cp, self.ep, self.dp_replicate, flags=True)
+        self._validate_auto_layout()
         for name in (
             "seq_len",
             "batch_size",
@@ -217,6 +226,22 @@ class TrainConfig:
             raise ValueError(
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
+
+    def _validate_auto_layout(self) -> None:
+        """``--layout auto`` chooses tp and dp itself, of ``--world`` ranks (HSDP not among its choices);
+        ``--gpu`` and ``--world`` mean nothing without it."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.world is not None:
+            check_positive("world", self.world, flags=True)
+        if self.gpu is not None:
+            get_gpu(self.gpu)
+        if self.layout == "manual":
+            if self.gpu is not None or self.world is not None:
+                raise ValueError("--gpu and --world choose a layout: add --layout auto (or drop them)")
+            return
+        if self.dp_replicate > 1:
+            raise ValueError("--layout auto does not choose HSDP layouts: drop --dp-replicate or --layout auto")
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),
