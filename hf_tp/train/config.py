@@ -77,7 +77,9 @@ class TrainConfig:
     layout: str = "manual"  # "auto": hf-tp train chooses tp, dp (and activation checkpointing) before launch
     gpu: str | None = None  # --layout auto: rank layouts by the estimate's predicted speed on this GPU (hf_tp.gpus)
     world: int | None = None  # --layout auto: the ranks to lay out (default: --nnodes x this node's GPUs)
-    predicted_speed: float | None = None  # tokens/s, all ranks: set by --layout auto --gpu, logged as predicted_tokens_per_sec
+    predicted_speed: float | None = (
+        None  # tokens/s, all ranks: set by --layout auto --gpu, logged as predicted_tokens_per_sec
+    )
     predicted_mfu: float | None = None  # set by --layout auto --gpu; logged beside mfu
     sequence_parallel: bool = True
     loss_parallel: bool = True
