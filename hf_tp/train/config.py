@@ -192,9 +192,8 @@ class TrainConfig:
             "log_every",
             "nnodes",
         ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name), flags=True)
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
