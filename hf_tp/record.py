@@ -36,6 +36,7 @@ class ExpertShard:
     mesh: DeviceMesh  # ("dp_out", "ep", "tp")
     tokens_per_expert: torch.Tensor | None = None  # the last forward's load of this rank's experts
     a2a_rows: tuple[int, int] = (0, 0)  # rows that crossed the network, out and in
+    routing: Any = None  # how the dispatch sizes its all-to-alls (a hf_tp.parallel.routing.Routing)
 
 
 @dataclass

@@ -139,7 +139,8 @@ def trainer_worker(args) -> None:
     )
 
     from hf_tp.data import load_text_dataset, tokenize_dataset
-    from hf_tp.train.metrics import flops_per_token, peak_flops
+    from hf_tp.gpus import model_flops_per_token
+    from hf_tp.train.metrics import peak_flops
     from hf_tp.train.profile import StepProfiler
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
@@ -215,7 +216,7 @@ def trainer_worker(args) -> None:
             {
                 "tokens_per_sec": tps,
                 "peak_mem_mib": mem / 2**20,
-                "mfu": flops_per_token(model.config, nparams, args.seq) * tps / peak if peak else None,
+                "mfu": model_flops_per_token(model.config, nparams, args.seq) * tps / peak if peak else None,
             }
         )
     )

@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     from hf_tp.estimate.configs import resolve_model_config
-    from hf_tp.estimate.sweep import parse_memory
+    from hf_tp.estimate.spec import parse_memory
 
     gpu = parse_memory(args.gpu_memory)
     start = time.perf_counter()

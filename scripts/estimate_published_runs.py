@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from hf_tp.estimate.api import GiB, estimate
 from hf_tp.estimate.configs import resolve_model_config
-from hf_tp.estimate.gpus import get_gpu
 from hf_tp.estimate.speed import Cluster, predict
+from hf_tp.gpus import get_gpu
 
 TITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_A100 = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
@@ -70,7 +70,9 @@ RUNS = [
 def predict_run(run: Run) -> tuple[float, float, float, float, float]:
     """(predicted tokens/s per GPU, MFU, exposed comm share, peak GiB, simulation seconds) of ``run``."""
     config, name = resolve_model_config(run.model)
-    est = estimate(config, run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, name)
+    est = estimate(
+        config, run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, model_name=name
+    )
     speed = predict(est, Cluster(get_gpu(run.gpu)))
     return speed.tokens_per_second_per_gpu, speed.mfu, speed.exposed_comm_share, est.peak.total / GiB, est.seconds
 

@@ -29,7 +29,7 @@ import hf_tp
 from hf_tp.estimate import estimate
 from hf_tp.estimate.api import MemoryBreakdown, MiB
 from hf_tp.estimate.configs import resolve_model_config
-from hf_tp.estimate.measure import measure
+from hf_tp.estimate.step import measure
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other", "total")
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             args.batch_size,
             args.dtype,
             args.activation_checkpointing,
-            name,
+            model_name=name,
             **lora,
         )
     except ValueError as exc:

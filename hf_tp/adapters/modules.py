@@ -51,6 +51,15 @@ def num_experts(config) -> int | None:
     return None
 
 
+def experts_per_token(config) -> int | None:
+    """How many routed experts each token uses (top-k; families name the field differently), else None."""
+    for name in ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def expert_holders(module: nn.Module, config) -> list[str]:
     """Submodules of ``module`` that hold routed experts: an ``experts`` child, or own parameters
     stacked one per expert (3-D, leading dim the config's expert count)."""

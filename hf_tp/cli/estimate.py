@@ -32,8 +32,8 @@ rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
-    from hf_tp.estimate.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
+    from hf_tp.estimate.configs import bundled_models  # json files only: no torch for --help
+    from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
@@ -97,33 +97,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.api import estimate_spec
     from hf_tp.estimate.configs import resolve_model_config
     from hf_tp.estimate.images import image_load
-    from hf_tp.estimate.report import format_sweep
-    from hf_tp.estimate.report_speed import format_ranking
-    from hf_tp.estimate.sweep import parse_memory, sweep
+    from hf_tp.estimate.report import format_ranking, format_sweep
+    from hf_tp.estimate.spec import parse_memory
+    from hf_tp.estimate.sweep import sweep
 
     try:
         cluster = make_cluster(args)
         config, name = resolve_model_config(args.model)
-        common = dict(
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            dtype=args.dtype,
-            activation_checkpointing=args.activation_checkpointing,
-            model_name=name,
-            ep=args.ep,
-            cp=args.cp,
-            lora_r=args.lora_r,
-            lora_target_modules=args.lora_target_modules,
-        )
-        if args.objective != "sft":  # a micro-batch of B pairs is 2B rows (chosen, then rejected)
-            common["batch_size"] = 2 * args.batch_size
+        spec = spec_of(args)
         if args.gpu_memory is None and args.world_size is None:
             shape = (args.images_per_row, args.image_size, args.seq_len, args.batch_size, args.tp, args.dtype)
             images = image_load(config, *shape, projector_trains=not args.lora_r) if args.images_per_row else None
-            one = replace(estimate(config, args.tp, args.dp, dp_replicate=args.dp_replicate, **common), images=images)
+            one = replace(estimate_spec(config, spec, name), images=images)
             return print_single(one, cluster, args.json, _reference(args, one, config))
         if args.images_per_row:
             raise ValueError(
@@ -139,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 "--dp-replicate sizes one layout; the --gpu-memory/--world-size sweep does not try HSDP yet"
             )
         gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
-        world = args.world_size if args.world_size is not None else args.tp * args.cp * args.dp
+        world = args.world_size if args.world_size is not None else spec.world_size
         start = time.perf_counter()
 
         def progress(message: str) -> None:
@@ -148,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                     f"hf-tp estimate: [{time.perf_counter() - start:5.0f} s] {message} ...", file=sys.stderr, flush=True
                 )
 
-        result = sweep(config, world, gpu_memory=gpu, progress=progress, cluster=cluster, **common)
+        result = sweep(config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster)
     except ValueError as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -161,10 +149,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def spec_of(args: argparse.Namespace):
+    """The :class:`~hf_tp.estimate.spec.EstimateSpec` of the command line."""
+    from hf_tp.estimate.spec import EstimateSpec
+
+    return EstimateSpec(
+        tp=args.tp,
+        dp=args.dp,
+        seq_len=args.seq_len,
+        # a micro-batch of B preference pairs is 2B rows (chosen, then rejected)
+        batch_size=args.batch_size if args.objective == "sft" else 2 * args.batch_size,
+        dtype=args.dtype,
+        activation_checkpointing=args.activation_checkpointing,
+        ep=args.ep,
+        lora_r=args.lora_r,
+        lora_target_modules=args.lora_target_modules,
+        cp=args.cp,
+        dp_replicate=args.dp_replicate,
+    )
+
+
 def make_cluster(args: argparse.Namespace):
     """The named GPU cluster of ``--gpu``/``--inter-node-gbps``, or None without ``--gpu``."""
-    from hf_tp.estimate.gpus import get_gpu
     from hf_tp.estimate.speed import Cluster
+    from hf_tp.gpus import get_gpu
 
     if args.gpu is None:
         return None
@@ -185,8 +193,7 @@ def _reference(args: argparse.Namespace, est, config):
 def print_single(result, cluster, as_json: bool, reference=None) -> int:
     """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
     objective's reference model (``reference``, a :class:`hf_tp.estimate.reference.ReferenceCost`)."""
-    from hf_tp.estimate.report import format_estimate
-    from hf_tp.estimate.report_speed import format_speed
+    from hf_tp.estimate.report import format_estimate, format_speed
     from hf_tp.estimate.speed import predict
 
     speed = None if cluster is None else predict(result, cluster)

@@ -30,7 +30,7 @@ def subcommand_parser(prog: str, doc: str | None, epilog: str) -> argparse.Argum
 def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False) -> None:
     """``--model`` as ``hf-tp estimate`` resolves it, offline, and the layout sizes ``--tp``,
     ``--ep``, ``--cp`` (and ``--dp``): shared by ``hf-tp plan`` and ``hf-tp verify``."""
-    from hf_tp.estimate.bundled import bundled_models  # json files only: no torch for --help
+    from hf_tp.estimate.configs import bundled_models  # json files only: no torch for --help
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")

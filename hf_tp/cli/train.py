@@ -51,17 +51,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hf_tp.cli.auto_layout import auto_layout, check_request
     from hf_tp.demo import with_embedded_default
     from hf_tp.train.launch import launch, start_line
 
     in_rank = "WORLD_SIZE" in os.environ
     try:
         cfg = config_from_args(args)
+        check_request(cfg)
         cfg.resolve().validate()  # the numbers alone, before torch is imported
         from hf_tp.train.validate import device_type as find_device_type
-        from hf_tp.train.validate import prelaunch_checks
+        from hf_tp.train.validate import load_model_config, prelaunch_checks
 
         cfg = with_embedded_default(cfg)
+        if cfg.layout == "auto":
+            cfg = auto_layout(cfg, load_model_config(cfg.model, cfg.trust_remote_code))
         device_type = find_device_type(cfg) if in_rank else prelaunch_checks(cfg)
     except ValueError as exc:
         print(f"hf-tp train: error: {exc}", file=sys.stderr)

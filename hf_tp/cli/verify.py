@@ -53,13 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them."""
+    from hf_tp.layout import row_multiple
     from hf_tp.train.config import TrainConfig
 
     fields = {k: getattr(args, k) for k in SHARED}
     fields |= dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
     fields |= dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr)
     fields |= dict(master_port=args.master_port, max_steps=args.max_steps, lr=args.lr, output_dir=args.output_dir or "")
-    multiple = args.tp * (2 * args.cp if args.cp > 1 else 1)  # TrainConfig.row_multiple
+    multiple = row_multiple(args.tp, args.cp)
     seq_len = -(-args.seq_len // multiple) * multiple if multiple > 0 else args.seq_len
     return TrainConfig(**fields, seq_len=seq_len, dtype="fp32", report_to="none")
 

@@ -1,7 +1,7 @@
 """Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps.
 
 Names are imported on first use, so ``hf-tp estimate --help`` (which lists the bundled models
-through :mod:`hf_tp.estimate.bundled`) loads neither torch nor transformers.
+through :mod:`hf_tp.estimate.configs`) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from hf_tp.lazy import lazy_names
 # public name -> module that defines it
 _PUBLIC: dict[str, str | tuple[str, str]] = {
     "Cluster": "hf_tp.estimate.speed",
-    "CommStat": "hf_tp.estimate.comm",
+    "CommStat": "hf_tp.estimate.counters",
     "Estimate": "hf_tp.estimate.api",
-    "MemoryBreakdown": "hf_tp.estimate.api",
-    "MoEStats": "hf_tp.estimate.moe",
+    "EstimateSpec": "hf_tp.estimate.spec",
+    "MemoryBreakdown": "hf_tp.estimate.memory",
+    "MoEStats": "hf_tp.estimate.memory",
     "Speed": "hf_tp.estimate.speed",
-    "Sweep": "hf_tp.estimate.sweep",
-    "bundled_models": "hf_tp.estimate.bundled",
+    "Sweep": "hf_tp.estimate.layouts",
+    "bundled_models": "hf_tp.estimate.configs",
     "estimate": "hf_tp.estimate.api",
-    "get_gpu": "hf_tp.estimate.gpus",
-    "parse_memory": "hf_tp.estimate.sweep",
+    "estimate_spec": "hf_tp.estimate.api",
+    "get_gpu": "hf_tp.gpus",
+    "parse_memory": "hf_tp.estimate.spec",
     "predict": "hf_tp.estimate.speed",
     "resolve_model_config": "hf_tp.estimate.configs",
     "sweep": "hf_tp.estimate.sweep",

@@ -2,7 +2,7 @@
 
 The real program runs (the model built from its config, ``hf_tp.parallelize`` with FSDP2, one
 loss_parallel forward/backward, clipping and an AdamW step) on fake tensors and a fake process
-group of tp*dp ranks as rank 0. No weights are allocated and nothing is communicated; torch's
+group of tp*cp*dp ranks as rank 0. No weights are allocated and nothing is communicated; torch's
 ``MemTracker`` records every tensor the rank would hold, and a dispatch mode counts collectives.
 """
 
@@ -15,18 +15,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
-from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
-from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate.bounds import DataDependentBounds
-from hf_tp.estimate.comm import CommCounter, CommStat
-from hf_tp.estimate.groups import expert_groups, functional_groups, mesh_and_groups
+from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.images import ImageLoad
-from hf_tp.estimate.memory import GiB, MemoryBreakdown, MiB, PeakMemTracker
-from hf_tp.estimate.moe import MoEStats, RoutedRows, find_experts, moe_stats
-from hf_tp.estimate.simulate import simulation
+from hf_tp.estimate.memory import MemoryBreakdown, MoEStats, PeakMemTracker, RoutedRows, find_experts, moe_stats
+from hf_tp.estimate.simulate import expert_groups, functional_groups, mesh_and_groups, simulation
+from hf_tp.estimate.spec import EstimateSpec, GiB, MiB, validate
 from hf_tp.estimate.step import (
-    DTYPES,
     build_optimizer,
     init_optimizer_state,
     make_batch,
@@ -34,13 +30,13 @@ from hf_tp.estimate.step import (
     text_vocab_size,
     train_step,
 )
-from hf_tp.estimate.work import Work, WorkCounter
-from hf_tp.parallel.mesh import check_dp_replicate
+from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.passengers import in_tower, passenger_parameters
+from hf_tp.parallel.routing import BALANCED, set_routing
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.validate import check_mixed_precision, validate_model_config
+from hf_tp.train.metrics import unrouted_expert_params
 
-__all__ = ["Estimate", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "validate_inputs"]
+__all__ = ["Estimate", "EstimateSpec", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "estimate_spec"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +79,19 @@ class Estimate:
     dp_replicate: int = 1  # HSDP: dp = dp_replicate replicas x an FSDP2 shard group of dp / dp_replicate
     # image + text rows of a wrapper: what their images add, counted from the config (hf_tp.estimate.images)
     images: ImageLoad | None = None
+    model_flops_per_token: float = 0.0  # hf_tp.gpus.model_flops_per_token: the numerator of MFU
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp
+
+    @property
+    def spec(self) -> EstimateSpec:
+        """The layout and shape this estimate simulated (another batch or split: ``est.spec.replace(...)``)."""
+        return EstimateSpec(
+            self.tp, self.dp, self.seq_len, self.batch_size, self.dtype, self.activation_checkpointing, self.ep,
+            self.lora_r, self.lora_target_modules or "all-linear", self.cp, self.dp_replicate,
+        )  # fmt: skip
 
     def sent_bytes(self, dim: str) -> int:
         """Bytes one rank sends per step over mesh dim ``dim`` (ring algorithms)."""
@@ -105,118 +110,67 @@ class Estimate:
         return out
 
 
-def validate_inputs(
-    config: PretrainedConfig,
-    tp: int,
-    dp: int,
-    seq_len: int,
-    batch_size: int,
-    dtype: str,
-    ep: int = 1,
-    cp: int = 1,
-    dp_replicate: int = 1,
-) -> None:
-    """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
-    quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
-    config = full_precision(config)
-    for name, value in (
-        ("tp", tp),
-        ("dp", dp),
-        ("ep", ep),
-        ("cp", cp),
-        ("dp_replicate", dp_replicate),
-        ("seq_len", seq_len),
-        ("batch_size", batch_size),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got dtype={dtype!r}")
-    validate_model_config(config, tp, seq_len, seq_len_name="seq_len", ep=ep, ep_name="ep")
-    check_mixed_precision(config, dtype)
-    check_dp_replicate(dp, dp_replicate, cp, ep)
-    if num_experts(config) and (refusal := moe_estimate_refusal(dtype)):
-        raise UnsupportedRelease(refusal)
-    if (dp * cp) % ep:
-        what = "dp x cp" if cp > 1 else "dp"
-        raise ValueError(
-            f"ep must divide {what} ({dp * cp}): expert parallelism borrows its ranks from {what}, got ep={ep}"
-        )
-    if cp > 1 and seq_len % (2 * cp * tp):
-        raise ValueError(
-            f"seq_len ({seq_len}) must be a multiple of 2*cp*tp ({2 * cp * tp}): each cp rank keeps two equal "
-            "chunks of a row, each split over tp"
-        )
+def estimate(config: PretrainedConfig, *shape, model_name: str | None = None, **named) -> Estimate:
+    """Simulate one training step of ``config`` and return one rank's memory and comms: the
+    :class:`~hf_tp.estimate.spec.EstimateSpec` of ``shape`` and ``named`` (``tp, dp, seq_len,
+    batch_size``, then ``dtype``, ``ep``, ``cp``, ``lora_r``, ...) through :func:`estimate_spec`."""
+    return estimate_spec(config, EstimateSpec(*shape, **named), model_name)
 
 
-def estimate(
-    config: PretrainedConfig,
-    tp: int,
-    dp: int,
-    seq_len: int,
-    batch_size: int,
-    dtype: str = "bf16",
-    activation_checkpointing: bool = False,
-    model_name: str | None = None,
-    ep: int = 1,
-    lora_r: int = 0,
-    lora_target_modules: str = "all-linear",
-    cp: int = 1,
-    dp_replicate: int = 1,
-) -> Estimate:
-    """Simulate one training step of ``config`` at (tp, dp) and return one rank's memory and comms.
+def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
+    """Simulate one training step of ``config`` laid out and shaped as ``spec``.
 
-    ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each
-    MoE layer's experts over ep of the dp (x cp) ranks, all-to-alls simulated with balanced routing
-    (:func:`hf_tp.parallel.expert_parallel.balanced_routing`); ``cp`` > 1 splits each row's tokens
-    over cp ranks; ``dp_replicate`` > 1 is HSDP: the state sharded over the dp / dp_replicate ranks of a
-    replica, gradients all-reduced across replicas. ``lora_r`` > 0 sizes ``hf-tp train --lora-r``'s run
-    (``lora_target_modules``: ``all-linear`` or comma-separated names): the frozen base in the compute dtype,
-    fp32 adapters with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer; no GPU or network. A
-    multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and projector whole over tp,
-    FSDP2 over dp, the tower frozen); its step is text-only (no image activations).
+    At ``spec.ep`` > 1 the all-to-alls are simulated with balanced routing
+    (:data:`hf_tp.parallel.routing.BALANCED`, installed on the experts: fake tensors have no routing).
+    A LoRA run is sized as ``hf-tp train --lora-r`` runs it: the frozen base in the compute dtype,
+    fp32 adapters with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer; no GPU or
+    network. A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and
+    projector whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image
+    activations).
     """
-    validate_inputs(config, tp, dp, seq_len, batch_size, dtype, ep, cp, dp_replicate)
-    config = _checked_for_training(config, lora_r, lora_target_modules)
+    validate(config, spec)
+    config = _checked_for_training(config, spec.lora_r, spec.lora_target_modules)
     start = time.perf_counter()
-    with simulation(tp * cp * dp):
-        mesh, groups = mesh_and_groups(tp, cp, dp, dp_replicate)
+    with simulation(spec.world_size):
+        mesh, groups = mesh_and_groups(spec.tp, spec.cp, spec.dp, spec.dp_replicate)
         fake = FakeTensorMode()
         with fake:
-            model = model_from_config(config, mesh, dtype, activation_checkpointing, ep, lora_r, lora_target_modules)
+            model = model_from_config(config, mesh, spec)
             optimizer = build_optimizer(model)
             init_optimizer_state(model, optimizer)
-            batch = make_batch(text_vocab_size(config), batch_size, seq_len)
+            batch = make_batch(text_vocab_size(config), spec.batch_size, spec.seq_len)
         num_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        tower, projector = _passenger_params(model, config)
         experts = find_experts(model, config)
-        counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, cp))
-        peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, dp, config, experts, counter)
+        set_routing(experts, BALANCED)
+        counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, spec.cp))
+        peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, spec.dp, config, experts, counter)
+        tower, projector = _passenger_params(model, config)
+        flops = model_flops_per_token(config, num_params, spec.seq_len, unrouted_expert_params(model, config))
     return Estimate(
         model=model_name or getattr(config, "name_or_path", "") or config.model_type,
         model_type=config.model_type,
         num_params=num_params,
-        tp=tp,
-        dp=dp,
-        ep=ep,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
+        tp=spec.tp,
+        dp=spec.dp,
+        ep=spec.ep,
+        seq_len=spec.seq_len,
+        batch_size=spec.batch_size,
+        dtype=spec.dtype,
+        activation_checkpointing=spec.activation_checkpointing,
         peak=peak,
         state=state,
         comms=counter.stats(),
         moe=moe,
         seconds=time.perf_counter() - start,
         work=work,
-        lora_r=lora_r,
-        lora_target_modules=lora_target_modules if lora_r else "",
-        trainable_params=trainable,
-        cp=cp,
-        dp_replicate=dp_replicate,
+        lora_r=spec.lora_r,
+        lora_target_modules=spec.lora_target_modules if spec.lora_r else "",
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        cp=spec.cp,
+        dp_replicate=spec.dp_replicate,
         tower_params=tower,
         projector_params=projector,
+        model_flops_per_token=flops,
     )
 
 

@@ -1,7 +1,9 @@
 """Model configs for estimates: bundled short names, local dirs/files, or Hub ids.
 
 The bundled configs (``hf_tp/estimate/models/*.json``) hold the published shapes of a few common
-models, so ``hf-tp estimate --model llama-3.1-8b`` works offline and without Hub access.
+models, so ``hf-tp estimate --model llama-3.1-8b`` works offline and without Hub access. Listing
+them (:func:`bundled_models`, for ``--help``) reads json only: transformers is imported on first
+use of a config.
 """
 
 from __future__ import annotations
@@ -9,16 +11,27 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import CONFIG_MAPPING, PretrainedConfig
-
-from hf_tp.estimate.bundled import bundled_models
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["bundled_config", "bundled_models", "config_from_dict", "resolve_model_config"]
 
 
+def bundled_models() -> dict[str, str]:
+    """Short name -> Hub id of every bundled config, sorted by short name."""
+    out = {}
+    for entry in sorted(resources.files("hf_tp.estimate").joinpath("models").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            out[entry.name[: -len(".json")]] = json.loads(entry.read_text()).get("_name_or_path", "")
+    return out
+
+
 def config_from_dict(data: dict) -> PretrainedConfig:
     """A transformers config object from the contents of a ``config.json``."""
+    from transformers import CONFIG_MAPPING
+
     model_type = data.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"config.json has model_type {model_type!r}, which transformers does not know")

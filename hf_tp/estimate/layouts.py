@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_tp.estimate.api import Estimate, GiB
+from hf_tp.estimate.api import Estimate
+from hf_tp.estimate.spec import GiB
 from hf_tp.estimate.speed import Cluster, Speed, predict
 
 # What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers

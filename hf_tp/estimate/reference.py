@@ -26,9 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import PretrainedConfig
 
 from hf_tp.estimate.api import Estimate, MemoryBreakdown, MiB
-from hf_tp.estimate.groups import mesh_and_groups
 from hf_tp.estimate.memory import PeakMemTracker
-from hf_tp.estimate.simulate import simulation
+from hf_tp.estimate.simulate import mesh_and_groups, simulation
 from hf_tp.estimate.step import make_batch, model_from_config, text_vocab_size
 from hf_tp.parallel.logps import sequence_log_probs
 from hf_tp.train.loss import loss_context
@@ -91,7 +90,8 @@ def _no_grad_forward_peak(est: Estimate, config: PretrainedConfig) -> int:
         mesh, _ = mesh_and_groups(est.tp, est.cp, est.dp, est.dp_replicate)
         fake = FakeTensorMode()
         with fake:
-            model = model_from_config(config, mesh, est.dtype, False, est.ep).requires_grad_(False).eval()
+            frozen = est.spec.replace(activation_checkpointing=False, lora_r=0)  # a no-grad copy of the base
+            model = model_from_config(config, mesh, frozen).requires_grad_(False).eval()
             batch = make_batch(text_vocab_size(config), est.batch_size, est.seq_len)
         tracker = PeakMemTracker()
         tracker.track_external(model)

@@ -1,7 +1,7 @@
 """Step time, tokens/s per GPU and MFU of an estimated training step on a named GPU cluster.
 
-An analytical model over what the traced step counted (:class:`hf_tp.estimate.work.Work`, the
-collectives of :class:`hf_tp.estimate.comm.CommStat`):
+An analytical model over what the traced step counted (:class:`hf_tp.estimate.counters.Work`, the
+collectives of :class:`hf_tp.estimate.counters.CommStat`):
 
 - compute = matmul FLOPs / (peak x matmul efficiency) + attention FLOPs x 1/2 (causal; all of
   them under cp, whose masked kernel computes every score) / (peak x attention efficiency) +
@@ -9,6 +9,8 @@ collectives of :class:`hf_tp.estimate.comm.CommStat`):
 - a collective = calls x NCCL's ring latency + bytes one rank sends / the bandwidth of the
   slowest link its ring crosses (a group that spans nodes with ``k`` members per node uses ``k``
   NICs); an all-to-all sends its cross-node share over the NICs and the rest over the node's link;
+- MFU: :func:`hf_tp.gpus.model_flops_per_token` (6N + 12 L H S, training's definition) x tokens/s
+  per GPU / the GPU's peak, so an estimate's MFU and a run's metrics.jsonl ``mfu`` compare;
 - exposed: tensor-parallel, context-parallel, expert-parallel and norm collectives sit on the
   critical path; FSDP's
   (dp) all-gathers and reduce-scatters hide behind compute except the first all-gather and the
@@ -20,8 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hf_tp.estimate.api import Estimate
-from hf_tp.estimate.comm import CommStat
-from hf_tp.estimate.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY
+from hf_tp.estimate.counters import CommStat
+from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY, mfu
 
 # NCCL's own cost model (src/graph/tuning.cc), ring algorithm, Simple protocol (large messages):
 # a base latency per call and a latency per ring step on each kind of hop, in seconds.
@@ -184,7 +186,7 @@ def predict(est: Estimate, cluster: Cluster) -> Speed:
         seconds=seconds,
         comm={dim: sum(t.values()) for dim, t in comm.items()},
         tokens_per_second_per_gpu=tokens / step,
-        mfu=est.work.model_flops / (step * cluster.gpu.peak_flops(est.dtype)),
+        mfu=mfu(est.model_flops_per_token, tokens / step, cluster.gpu.peak_flops(est.dtype)),
         assumptions=assumptions(est, cluster),
     )
 
@@ -208,7 +210,8 @@ def assumptions(est: Estimate, cluster: Cluster) -> list[str]:
         "Exposed: TP/SP, CP, EP all-to-all and norm collectives entirely (no async TP); FSDP2's all-gathers and "
         "reduce-scatters hide behind compute except the first and the last and any excess over compute.",
         "Not modelled: kernel launch gaps, NCCL slowing concurrent compute, stragglers, data loading, "
-        "uneven expert routing. MFU = model FLOPs (no recompute, full attention) / (step x peak).",
+        "uneven expert routing. MFU = 6N + 12LHS FLOPs per token (routed experts as top-k of them; hf-tp train's "
+        "definition) x tokens/s per GPU / peak.",
         *layout_assumptions(est, cluster),
     ]
 
@@ -228,7 +231,8 @@ def layout_assumptions(est: Estimate, cluster: Cluster) -> list[str]:
     if est.lora_r:
         out.append(
             f"LoRA r={est.lora_r} on {est.lora_target_modules}: the frozen base computes no weight gradients (the "
-            "traced step does ~4 FLOPs per base parameter and token, not 6, and MFU counts those) and FSDP2 "
+            "traced step does ~4 FLOPs per base parameter and token, not 6, while MFU counts 6, as hf-tp train's "
+            "does) and FSDP2 "
             "reduce-scatters only the adapters' gradients (the base is still all-gathered, in the compute dtype)."
         )
     return out

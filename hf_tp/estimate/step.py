@@ -1,10 +1,19 @@
 """One training step as ``hf-tp train`` runs it, shared by the estimate (fake tensors) and the
-real-memory measurement (real tensors), so the two measure the same program."""
+real-memory measurement (:func:`measure`, real tensors), so the two measure the same program.
+
+:func:`measure` runs the step on real tensors in an initialised process group (gloo, or NCCL on
+GPUs), with torch's ``MemTracker`` in eager mode and, for reference, the process's peak resident
+set size (Linux ``/proc``), which also counts allocator and library overhead.
+"""
 
 from __future__ import annotations
 
 import copy
+import re
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -14,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
+from hf_tp.estimate.memory import MemoryBreakdown, PeakMemTracker
+from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
@@ -23,23 +34,13 @@ from hf_tp.train import model as train_model
 from hf_tp.train import optim as train_optim
 from hf_tp.train.config import TrainConfig
 
-DTYPES = ("bf16", "fp32")
 
-
-def model_from_config(
-    config: PretrainedConfig,
-    mesh: DeviceMesh,
-    dtype: str,
-    activation_checkpointing: bool,
-    ep: int = 1,
-    lora_r: int = 0,
-    lora_target_modules: str = "all-linear",
-) -> nn.Module:
-    """fp32 master weights from ``config``, parallelized over the ("dp", "tp") mesh like the loop does
-    (``ep`` ranks of dp splitting the experts).
+def model_from_config(config: PretrainedConfig, mesh: DeviceMesh, spec: EstimateSpec) -> nn.Module:
+    """fp32 master weights from ``config``, parallelized over ``mesh`` like the loop does (``spec.ep``
+    ranks of dp splitting the experts, ``spec.activation_checkpointing``).
 
     bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights and gradient reductions).
-    ``lora_r`` > 0: peft LoRA adapters on ``lora_target_modules`` as ``hf-tp train --lora-r`` wraps
+    ``spec.lora_r`` > 0: peft LoRA adapters on ``spec.lora_target_modules`` as ``hf-tp train --lora-r`` wraps
     them, the frozen base stored in the compute dtype, the adapters in fp32. A multimodal wrapper
     is built as its ``*ForConditionalGeneration`` class, as ``hf-tp train`` builds it: parallelize
     replicates its vision tower and projector over tp, shards them over dp and freezes the tower.
@@ -52,19 +53,17 @@ def model_from_config(
         # its adapter builds it on the meta device once (cached per config): not under fake tensors
         with unset_fake_temporarily():
             get_adapter(model.config)
-    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
-    if lora_r:
+    compute = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
+    if spec.lora_r:
         # peft moves each new module to its base layer's device and dtype, here already theirs (one
         # device, fp32): a no-op, except that Module.to() cannot swap fake tensors, so it is skipped
         with mock.patch.object(nn.Module, "to", lambda module, *args, **kwargs: module):
-            peft_model = train_model.with_lora(
-                model, TrainConfig(lora_r=lora_r, lora_target_modules=lora_target_modules)
-            )
+            lora = TrainConfig(lora_r=spec.lora_r, lora_target_modules=spec.lora_target_modules)
+            peft_model = train_model.with_lora(model, lora)
         freeze_in_dtype(model, compute)
     mp = train_model.mixed_precision(compute)
-    parallelize(
-        peft_model if lora_r else model, mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing, ep=ep
-    )
+    ac = spec.activation_checkpointing
+    parallelize(peft_model if spec.lora_r else model, mesh, mp_policy=mp, activation_checkpointing=ac, ep=spec.ep)
     return model  # (a LoRA model in place: the loop too steps the HF model inside the peft model)
 
 
@@ -138,3 +137,84 @@ def train_step(
     if after_optimizer_step is not None:
         after_optimizer_step()
     optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One rank's tracked memory for a real step, plus resident-memory figures (None off Linux)."""
+
+    peak: MemoryBreakdown
+    state: MemoryBreakdown
+    rss_peak_delta: int | None  # peak RSS during the tracked steps, minus RSS before the model was built
+    seconds: float
+    cuda_peak: int | None = None  # torch.cuda.max_memory_allocated over the tracked steps (GPU runs)
+
+
+def _status_kib(field: str) -> int | None:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", status.read_text(), re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False if not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def measure(config: PretrainedConfig, mesh: DeviceMesh, *shape, steps: int = 1, seed: int = 0, **named) -> Measurement:
+    """:func:`measure_spec` of the :class:`EstimateSpec` of ``mesh``'s (tp, dp) and ``shape``/``named``
+    (``seq_len, batch_size, dtype, activation_checkpointing``, then ``ep``, ``lora_r``, ...)."""
+    return measure_spec(config, mesh, EstimateSpec(mesh["tp"].size(), mesh["dp"].size(), *shape, **named), steps, seed)
+
+
+def measure_spec(
+    config: PretrainedConfig, mesh: DeviceMesh, spec: EstimateSpec, steps: int = 1, seed: int = 0
+) -> Measurement:
+    """Build the model on real tensors on the mesh's device (CPU, or this rank's GPU), run ``steps``
+    tracked training steps, report this rank.
+
+    ``mesh`` is the ("dp", "tp") mesh of an initialised process group, laid out as ``spec`` (``ep`` of
+    its dp ranks splitting the experts; ``lora_r`` > 0: a LoRA run as the estimate sizes it). The optimizer state is
+    created before tracking starts, as in the estimate. On a GPU the caching allocator's own peak
+    (``torch.cuda.max_memory_allocated``, reset after the optimizer state exists) is reported too.
+    """
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    cuda = mesh.device_type == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rss_before = _status_kib("VmRSS")
+    with device:  # factory functions (the model's weights, the batch) allocate on the mesh's device
+        model = model_from_config(config, mesh, spec)
+        optimizer = build_optimizer(model)
+        init_optimizer_state(model, optimizer)
+        batch = make_batch(text_vocab_size(config), spec.batch_size, spec.seq_len)
+    can_reset = _reset_peak_rss()  # the steps' peak, not the model build's temporary copies
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tracker = PeakMemTracker()
+    tracker.track_external(model, optimizer)
+    after: list[dict] = []
+    with tracker:
+        for _ in range(steps):
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the same modules otherwise
+            after_step = lambda: after.append(tracker.get_tracker_snapshot("current"))  # noqa: E731
+            train_step(model, optimizer, batch, mesh["dp"].size(), after_optimizer_step=after_step)
+    rss_peak = _status_kib("VmHWM")
+    cuda_peak = torch.cuda.max_memory_allocated() if cuda else None
+    rss_delta = None
+    if can_reset and rss_before is not None and rss_peak is not None:
+        rss_delta = (rss_peak - rss_before) * 1024
+    return Measurement(
+        peak=MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak")),
+        state=MemoryBreakdown.from_snapshot(after[-1]),
+        rss_peak_delta=rss_delta,
+        seconds=time.perf_counter() - start,
+        cuda_peak=cuda_peak,
+    )

@@ -1,71 +1,45 @@
 """Choosing (tp, dp) for a number of GPUs: estimate every valid split, keep the ones that fit.
 
 With a named GPU (``cluster``), the splits that fit are ranked by predicted tokens/s per GPU
-(:mod:`hf_tp.estimate.sweep_speed`: activation checkpointing where a split needs it, the per-rank
-batch grown into the memory left). Without one, the rule: among the splits whose peak fits, the
+(:func:`speed_sweep`, below). Without one, the rule: among the splits whose peak fits, the
 smallest tp. Tensor parallelism puts collectives of the activations (all-gather + reduce-scatter,
 twice per layer, forward and backward) on the critical path of every layer, and their volume grows
 with the tokens; FSDP's parameter all-gathers and gradient reduce-scatters overlap with compute and
 do not depend on the tokens. So tp is worth its cost only when memory requires it. ``cp`` and
 ``ep`` are fixed for a sweep: the splits are of world_size / cp ranks.
+
+The search on a named GPU (:func:`speed_sweep`): which layouts to simulate, ranked by predicted
+tokens/s. Three dimensions besides the (tp, dp) split (``cp`` and ``ep`` stay as given):
+
+- tp groups wider than a node are left out (TP's per-layer collectives would cross the network);
+- activation checkpointing is simulated where a layout does not fit without it, unless its speed
+  without recompute (an upper bound) already loses to a layout that fits;
+- the per-rank batch is doubled, up to :data:`MAX_BATCH_FACTOR` x the given one, into the memory a
+  fitting layout leaves. Larger batches only amortise more (FSDP's traffic hides behind more
+  compute, per-call latencies spread over more tokens), so each layout gets its largest batch that
+  fits, found in at most :data:`BATCH_TRIES` simulations: a first guess from the peak's activations
+  and temporaries (the parts that grow with the batch), then a straight line through the two
+  simulated peaks. A layout is not grown when even an unlimited batch could not beat the best one
+  (its matmul and attention time per token alone is slower).
 """
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Callable
 
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
-from hf_tp.estimate.api import Estimate, GiB, estimate, validate_inputs
-from hf_tp.estimate.layouts import FRAGMENTATION, RANK_RULE, RESERVED_BYTES, RULE, Sweep, fits
-from hf_tp.estimate.speed import Cluster
-from hf_tp.estimate.sweep_speed import speed_sweep
+from hf_tp.estimate.api import Estimate, estimate_spec
+from hf_tp.estimate.layouts import Sweep, fits, headroom, usable_peak
+from hf_tp.estimate.spec import EstimateSpec, validate
+from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
+from hf_tp.layout import row_multiple
 
-__all__ = [
-    "FRAGMENTATION",
-    "RANK_RULE",
-    "RESERVED_BYTES",
-    "RULE",
-    "Sweep",
-    "candidate_splits",
-    "fits",
-    "parse_memory",
-    "recommend",
-    "sweep",
-]
+MAX_BATCH_FACTOR = 8
+BATCH_TRIES = 2
 
-_UNITS = {
-    "": GiB,
-    "b": 1,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-
-
-def parse_memory(text: str) -> int:
-    """Bytes in ``"80GiB"``, ``"141GB"`` (decimal), ``"80G"``/``"80Gi"`` (binary) or ``"80"`` (GiB)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"--gpu-memory '{text}' is not a memory size; write it like 80GiB, 141GB or 80")
-    return int(float(match.group(1)) * _UNITS[unit])
+Progress = Callable[[str], None] | None
 
 
 def candidate_splits(config: PretrainedConfig, world_size: int, ep: int = 1) -> list[tuple[int, int]]:
@@ -86,52 +60,45 @@ def candidate_splits(config: PretrainedConfig, world_size: int, ep: int = 1) -> 
 def sweep(
     config: PretrainedConfig,
     world_size: int,
-    seq_len: int,
-    batch_size: int,
-    dtype: str = "bf16",
-    activation_checkpointing: bool = False,
+    spec: EstimateSpec | None = None,
+    *,
     gpu_memory: int | None = None,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
-    ep: int = 1,
     cluster: Cluster | None = None,
-    cp: int = 1,
-    lora_r: int = 0,
-    lora_target_modules: str = "all-linear",
+    grow: bool = True,
+    **named,
 ) -> Sweep:
-    """Estimate every valid (tp, dp) of ``world_size / cp`` ranks and recommend one.
+    """Estimate every valid (tp, dp) of ``world_size / cp`` ranks of ``spec`` (or of the
+    :class:`EstimateSpec` of ``named``: ``seq_len``, ``batch_size``, ``dtype``, ``ep``, ``cp``, ...;
+    its tp and dp are the sweep's to choose) and recommend one.
 
     With ``cluster`` (its GPU's memory unless ``gpu_memory`` is given) the fastest layout that fits
     is recommended: a split that does not fit without activation checkpointing is also tried with
-    it, and the per-rank batch (``batch_size`` at least) is doubled where memory allows; otherwise
-    the smallest tp that fits, at ``batch_size``. ``ep`` and ``cp`` stay fixed: splits whose dp ep
-    does not divide, or whose 2 x cp x tp does not divide ``seq_len``, are left out. ``lora_r`` > 0
-    sweeps a LoRA run. ``progress`` gets one line before each simulation."""
-    validate_inputs(config, 1, ep, seq_len, batch_size, dtype, ep, cp)  # sizes, positions, ep and cp, once
+    it, and the per-rank batch (``batch_size`` at least) is doubled where memory allows
+    (:func:`speed_sweep`); otherwise the smallest tp that fits, at ``batch_size``. ``ep``
+    and ``cp`` stay fixed: splits whose dp ep does not divide, or whose 2 x cp x tp does not divide
+    ``seq_len``, are left out. ``grow=False`` keeps the batch as given (``hf-tp train --layout auto``).
+    ``progress`` gets one line before each simulation."""
+    spec = spec or EstimateSpec(tp=1, dp=1, **named)
+    validate(config, spec.replace(tp=1, dp=spec.ep, dp_replicate=1))  # sizes, positions, ep and cp, once
     if cluster is not None:
-        cluster.gpu.peak_flops(dtype)  # a GPU without a published peak for dtype fails before simulating
+        cluster.gpu.peak_flops(spec.dtype)  # a GPU without a published peak for dtype fails before simulating
         gpu_memory = gpu_memory or cluster.gpu.memory_bytes
-    result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=ep, cluster=cluster, cp=cp)
-    splits = cp_splits(config, world_size, seq_len, ep, cp, result.skipped)
-    run = functools.partial(
-        estimate,
-        config,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        dtype=dtype,
-        model_name=model_name,
-        ep=ep,
-        cp=cp,
-        lora_r=lora_r,
-        lora_target_modules=lora_target_modules,
-    )
+    result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=spec.ep, cluster=cluster, cp=spec.cp)
+    splits = cp_splits(config, world_size, spec.seq_len, spec.ep, spec.cp, result.skipped)
+
+    def run(**changes) -> Estimate:
+        return estimate_spec(config, spec.replace(**changes), model_name)
+
     if cluster is not None:
-        speed_sweep(result, splits, run, activation_checkpointing, progress)
+        speed_sweep(result, splits, run, spec.activation_checkpointing, progress, grow)
         return result
+    cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
     for i, (tp, dp) in enumerate(splits):
         if progress is not None:
-            progress(f"simulating tp={tp}{f' x cp={cp}' if cp > 1 else ''} x dp={dp} (split {i + 1} of {len(splits)})")
-        result.estimates.append(run(tp=tp, dp=dp, activation_checkpointing=activation_checkpointing))
+            progress(f"simulating tp={tp}{cp} x dp={dp} (split {i + 1} of {len(splits)})")
+        result.estimates.append(run(tp=tp, dp=dp))
     result.recommended = recommend(result.estimates, gpu_memory)
     return result
 
@@ -146,7 +113,7 @@ def cp_splits(
     if cp == 1:
         return candidate_splits(config, world_size, ep)
     splits = [(tp, dp) for tp, dp in candidate_splits(config, world_size // cp) if (dp * cp) % ep == 0]
-    kept = [(tp, dp) for tp, dp in splits if seq_len % (2 * cp * tp) == 0]
+    kept = [(tp, dp) for tp, dp in splits if seq_len % row_multiple(tp, cp) == 0]
     skipped += [
         f"tp={tp} x cp={cp} x dp={dp}: seq_len {seq_len} is not a multiple of 2*cp*tp ({2 * cp * tp})"
         for tp, dp in splits
@@ -166,3 +133,105 @@ def recommend(estimates: list[Estimate], gpu_memory: int | None) -> Estimate | N
         return None
     fitting = [e for e in estimates if fits(e, gpu_memory)]
     return min(fitting, key=lambda e: e.tp) if fitting else None
+
+
+def layout_name(est: Estimate) -> str:
+    """``tp=2 x dp=4`` (``tp=2 x cp=2 x dp=4`` with context parallelism)."""
+    return f"tp={est.tp}{f' x cp={est.cp}' if est.cp > 1 else ''} x dp={est.dp}"
+
+
+def speed_sweep(
+    result: Sweep,
+    splits: list[tuple[int, int]],
+    run: Callable[..., Estimate],
+    ac: bool,
+    progress: Progress,
+    grow: bool = True,
+) -> None:
+    """Simulate ``splits`` (largest tp first), grow the batch of those that fit (unless ``grow`` is
+    False), recommend the fastest."""
+    simulate_splits(result, splits, run, ac, progress)
+    for est, speed in list(result.ranking()) if grow else []:  # fastest first: the bound below prunes the most
+        bound = compute_bound(est, speed)
+        if bound <= result.best_speed():  # (the best layout's bound is above its own speed)
+            result.skipped.append(
+                f"{layout_name(est)} at a batch above {est.batch_size}: at most {bound:,.0f} tokens/s per GPU "
+                "(its matmul and attention time alone), below the best that fits"
+            )
+            continue
+        grow_batch(result, est, run, progress)
+    ranked = result.ranking()
+    result.recommended = ranked[0][0] if ranked else None
+
+
+def simulate_splits(
+    result: Sweep, splits: list[tuple[int, int]], run: Callable[..., Estimate], ac: bool, progress: Progress
+) -> None:
+    """Each split at the given batch, again with activation checkpointing where it does not fit
+    (unless its speed without recompute already loses); tp wider than a node left out."""
+    cluster, memory = result.cluster, result.gpu_memory
+    node = cluster.gpu.gpus_per_node
+    kept = [s for s in splits if s[0] <= node] or splits
+    cp = f" x cp={result.cp}" if result.cp > 1 else ""
+    result.skipped += [
+        f"tp={tp}{cp} x dp={dp}: a tp group wider than a node ({node} GPUs)"
+        for tp, dp in splits
+        if (tp, dp) not in kept
+    ]
+    for i, (tp, dp) in enumerate(reversed(kept)):
+        where = f"(split {i + 1} of {len(kept)})"
+        _say(progress, f"simulating tp={tp}{cp} x dp={dp}{', activation checkpointing' if ac else ''} {where}")
+        est = run(tp=tp, dp=dp, activation_checkpointing=ac)
+        result.estimates.append(est)
+        if ac or fits(est, memory):
+            continue
+        bound = predict(est, cluster).tokens_per_second_per_gpu
+        if result.ranking() and bound <= result.best_speed():
+            result.skipped.append(
+                f"{layout_name(est)} with activation checkpointing: at most {bound:,.0f} tokens/s per GPU "
+                f"(its speed without recompute), below the best that fits"
+            )
+            continue
+        _say(progress, f"simulating tp={tp}{cp} x dp={dp}, activation checkpointing {where}")
+        result.estimates.append(run(tp=tp, dp=dp, activation_checkpointing=True))
+
+
+def compute_bound(est: Estimate, speed: Speed) -> float:
+    """Tokens/s per GPU that ``est``'s layout cannot exceed at any batch: its matmul and attention
+    time per token does not shrink with the batch, and everything else only adds to it."""
+    busy = speed.seconds.get("matmul", 0.0) + speed.seconds.get("attention", 0.0)
+    return tokens_per_gpu(est) / busy if busy else float("inf")
+
+
+def grow_batch(result: Sweep, est: Estimate, run: Callable[..., Estimate], progress: Progress) -> None:
+    """Simulate ``est``'s layout at the largest doubled batch its memory allows (see the module
+    docstring); every simulated batch joins ``result``, fitting or not."""
+    memory, b0 = result.gpu_memory, est.batch_size
+    candidates = [b0 * 2**k for k in range(1, MAX_BATCH_FACTOR.bit_length())]
+    per_row = (est.peak.activations + est.peak.temporary) / b0  # first guess: bytes per added sequence
+    for _ in range(BATCH_TRIES):
+        target = next_batch(est, candidates, per_row, memory)
+        if target is None:
+            return
+        _say(
+            progress,
+            f"simulating {layout_name(est)}{', activation checkpointing' if est.activation_checkpointing else ''}, "
+            f"batch {target} ({headroom(est, memory):.1f} GiB left at batch {b0})",
+        )
+        grown = run(tp=est.tp, dp=est.dp, activation_checkpointing=est.activation_checkpointing, batch_size=target)
+        result.estimates.append(grown)
+        ok = fits(grown, memory)
+        candidates = [b for b in candidates if (b > target if ok else b < target)]
+        per_row = max(0.0, (grown.peak.total - est.peak.total) / (target - b0))
+
+
+def next_batch(est: Estimate, candidates: list[int], per_row: float, gpu_memory: int) -> int | None:
+    """The largest of ``candidates`` whose peak, ``est``'s plus ``per_row`` bytes per added
+    sequence, fits ``gpu_memory`` (None if none does)."""
+    fitting = [b for b in candidates if usable_peak(est.peak.total + (b - est.batch_size) * per_row, gpu_memory) >= 0]
+    return max(fitting, default=None)
+
+
+def _say(progress: Progress, message: str) -> None:
+    if progress is not None:
+        progress(message)

@@ -13,6 +13,7 @@ from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases
 from hf_tp.inference.generate import generate as parallel_generate
+from hf_tp.layout import check_dp_replicate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
@@ -26,7 +27,7 @@ from hf_tp.parallel.lora import (
 )
 from hf_tp.parallel.loss import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
-from hf_tp.parallel.mesh import check_dp_replicate, cp_mesh, fsdp_mesh, split_mesh
+from hf_tp.parallel.mesh import cp_mesh, fsdp_mesh, split_mesh
 from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
@@ -170,7 +171,7 @@ def _check(
     check_plan_paths(model, adapter, opts)
     cp = cp_mesh(mesh)
     if fsdp_mesh(mesh) is not None:
-        check_dp_replicate(dp_mesh.size(), mesh["dp_replicate"].size(), ep=ep)
+        check_dp_replicate(dp_mesh.size(), mesh["dp_replicate"].size(), ep=ep)  # (hf_tp.layout)
     check_wrapper(model, adapter, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())

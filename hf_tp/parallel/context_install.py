@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.source import source_tree
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.layout import row_multiple
 from hf_tp.parallel.context import (
     ATTENTION_NAME,
     ContextState,
@@ -70,7 +71,9 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     from transformers import AttentionInterface
 
     config = decoder_config(model)
-    state = ContextState(mesh=cp_mesh, base=config._attn_implementation or "eager", multiple=2 * cp_mesh.size() * tp)
+    state = ContextState(
+        mesh=cp_mesh, base=config._attn_implementation or "eager", multiple=row_multiple(tp, cp_mesh.size())
+    )
     state.documents = masks_documents(model.get_decoder())
     AttentionInterface.register(ATTENTION_NAME, cp_attention)
     config._attn_implementation = ATTENTION_NAME  # (a wrapper's vision tower keeps its own kernel)

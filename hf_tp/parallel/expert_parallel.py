@@ -23,17 +23,16 @@ Per MoE layer and micro-batch, after the router (which every rank runs on its ow
 Both all-to-alls are differentiable (``all_to_all_single_autograd``): backward sends the
 gradients the opposite way.
 
-:func:`balanced_routing` replaces the data-dependent counts by an even split, for ``hf-tp
-estimate`` only (fake tensors have no values); every real run takes the path above.
+:mod:`hf_tp.parallel.routing` sizes the all-to-alls: from the router's choices (every real run),
+or, installed by ``hf-tp estimate`` on the experts it simulates, as if routing were even (fake
+tensors have no values to count).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
 import types
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,38 +42,11 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hf_tp.layout import check_expert_ranks
+from hf_tp.parallel.routing import MEASURED
 from hf_tp.record import ExpertShard, facts, facts_of, record_of
 from hf_tp.styles.experts import region_view
 from hf_tp.styles.lora_params import adopt_param_wrappers, peft_base, with_lora
-
-_balanced = False  # set only inside balanced_routing()
-
-
-@contextlib.contextmanager
-def balanced_routing() -> Iterator[None]:
-    """Dispatch as if every expert received the same number of (token, choice) rows: for
-    simulations on fake tensors (``hf-tp estimate``), never for training.
-
-    The real dispatch reads the exchanged counts back to Python, which fake tensors cannot
-    answer. Here each rank sends ``tokens * top_k / ep`` rows to every ep rank (a remainder one
-    row each to the first ranks) and every choice counts. The count exchange and the ids
-    all-to-all still run, so the collectives are the real program's; the row all-to-alls are
-    their size under perfectly even routing (real routing is uneven: a hot rank moves more).
-    The switch is process-wide (every thread), and undone on exit.
-    """
-    global _balanced
-    if _balanced:
-        raise RuntimeError("balanced_routing() is already active")
-    _balanced = True
-    try:
-        yield
-    finally:
-        _balanced = False
-
-
-def _even_split(total: int, parts: int) -> list[int]:
-    """``total`` rows over ``parts`` destinations, the remainder one each to the first ones."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -84,13 +56,9 @@ def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     of a row hold distinct tokens, as dp ranks do, and FSDP2 averages over both (the loss's backward
     scales by cp, :mod:`hf_tp.parallel.context`), so an ep group may span them alike."""
     names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 1:
-        dp, tp, what = 1, mesh.size(), "dp"
-    else:
-        dp, tp = mesh["dp"].size() * (mesh["cp"].size() if "cp" in names else 1), mesh["tp"].size()
-        what = "dp x cp" if "cp" in names else "dp"
-    if ep < 1 or dp % ep:
-        raise ValueError(f"ep must divide {what} ({dp}): expert parallelism borrows its ranks from {what}, got ep={ep}")
+    cp = mesh["cp"].size() if "cp" in names else 1
+    dp, tp = (1, mesh.size()) if mesh.ndim == 1 else (mesh["dp"].size() * cp, mesh["tp"].size())
+    check_expert_ranks(dp // cp, cp, ep)
     ranks = mesh.mesh.tolist()  # (tolist, not tensor ops: also answers inside hf-tp estimate's fake mode)
     for _ in range(mesh.ndim - 1):
         ranks = [r for row in ranks for r in row]
@@ -168,6 +136,7 @@ def apply_expert_parallel(
             experts.register_parameter(name, new)
             params.append(new)
         shard = facts(experts).experts = ExpertShard(rank * local, local, ep_mesh)  # apply_fsdp: over dp_out
+        shard.routing = MEASURED  # how the dispatch sizes its all-to-alls (hf_tp.parallel.routing)
         record = record_of(model)
         if record is not None:
             record.experts[path] = shard
@@ -213,28 +182,19 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh, shard: ExpertShard):
         flat_expert = top_k_index.reshape(-1)
         flat_token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
         weights = top_k_weights.reshape(-1)
-        if not _balanced:  # (balanced: every choice counts)
-            keep = flat_expert < local * ep  # some routers mark unused choices with an id past the last expert
+        routing = shard.routing
+        keep = routing.kept(flat_expert, local * ep)
+        if keep is not None:
             flat_expert, flat_token, weights = flat_expert[keep], flat_token[keep], weights[keep]
         dest = torch.div(flat_expert, local, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         flat_expert, flat_token, weights, dest = flat_expert[order], flat_token[order], weights[order], dest[order]
         me = dist.get_rank(group)
-        if _balanced:
-            even = _even_split(flat_expert.shape[0], ep)
-            send = torch.tensor(even, dtype=torch.int64, device=dest.device)
-        else:
-            send = torch.bincount(dest, minlength=ep)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        # balanced: every rank splits its rows alike, so each sends this rank even[me]
-        send_sizes, recv_sizes = (even, [even[me]] * ep) if _balanced else (send.tolist(), recv.tolist())
+        send_sizes, recv_sizes = routing.sizes(dest, ep, group)
         ids = torch.empty(sum(recv_sizes), dtype=flat_expert.dtype, device=flat_expert.device)
         dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
         rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
-        shard.tokens_per_expert = (  # this rank's experts' load
-            torch.tensor(_even_split(len(ids), local)) if _balanced else torch.bincount(ids, minlength=local)
-        )
+        shard.tokens_per_expert = routing.load(ids, local)  # this rank's experts' load
         # rows that crossed the network, out and in (benchmarks and the estimate read it)
         shard.a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
         total = self.num_experts if hasattr(self, "num_experts") else None

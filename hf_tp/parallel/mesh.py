@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hf_tp.layout import check_layout, check_world
+
 HSDP_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -32,19 +34,13 @@ def build_mesh(
     """
     if pp > 1:
         return _pipeline_mesh(tp, dp, device_type, cp, dp_replicate, pp)
-    if tp < 1 or dp < 1 or cp < 1:
-        raise ValueError(f"tp, cp and dp must be positive integers, got tp={tp}, cp={cp}, dp={dp}")
-    check_dp_replicate(dp, dp_replicate, cp)
+    check_layout(tp, dp, cp, dp_replicate=dp_replicate)
     if not dist.is_initialized():
         raise ValueError(
             "build_mesh needs an initialised process group: start the ranks with `hf-tp train`, "
             "`torchrun`, `accelerate launch` or accelerate.notebook_launcher"
         )
-    world = dist.get_world_size()
-    if tp * cp * dp != world:
-        if cp == 1:
-            raise ValueError(f"world size ({world}) must equal tp*dp ({tp}*{dp}={tp * dp})")
-        raise ValueError(f"world size ({world}) must equal tp*cp*dp ({tp}*{cp}*{dp}={tp * cp * dp})")
+    check_world(dist.get_world_size(), tp, dp, cp)
     device_type = device_type or default_device_type()
     if dp_replicate > 1:
         mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
@@ -62,7 +58,7 @@ def _pipeline_mesh(tp: int, dp: int, device_type: str | None, cp: int, dp_replic
     outermost, so a stage's dp x tp ranks are adjacent and only the stage boundaries cross nodes."""
     if cp > 1:
         raise ValueError("--pp does not combine with --cp yet: drop one (stages would need the cp token split)")
-    check_dp_replicate(dp, dp_replicate, cp)
+    check_layout(tp, dp, cp, dp_replicate=dp_replicate)
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is None:
         raise ValueError(
@@ -90,24 +86,6 @@ def pp_size(mesh: DeviceMesh) -> int:
     """The size of the ``pp`` dim of ``mesh``'s root mesh (1 without pipeline parallelism)."""
     root = mesh._get_root_mesh()
     return root["pp"].size() if "pp" in (root.mesh_dim_names or ()) else 1
-
-
-def check_dp_replicate(dp: int, dp_replicate: int, cp: int = 1, ep: int = 1) -> None:
-    """One line for an HSDP split that cannot be built: ``dp_replicate`` must be a positive divisor
-    of dp, and HSDP does not compose with context or expert parallelism here."""
-    if dp_replicate < 1 or dp % dp_replicate:
-        raise ValueError(
-            f"--dp-replicate must be a positive divisor of --dp ({dp}): dp = replicas x the FSDP shard group, "
-            f"got {dp_replicate}"
-        )
-    if dp_replicate > 1 and cp > 1:
-        raise ValueError(
-            "--dp-replicate does not combine with --cp yet: drop one (FSDP2 over dp x cp shards over both)"
-        )
-    if dp_replicate > 1 and ep > 1:
-        raise ValueError(
-            "--dp-replicate does not combine with --ep yet: drop one (ep borrows its ranks from all of dp)"
-        )
 
 
 def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:

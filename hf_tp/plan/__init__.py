@@ -3,7 +3,7 @@
 Modules, each importing only those below it:
   build         plan_for: resolve the model, run parallelize's checks, describe layers and top
   top, layers   the top level; one decoder layer's rows and collectives, layers grouped by kind
-  collectives   the collectives a plan's styles make, sized (hf_tp.estimate.comm's record)
+  collectives   the collectives a plan's styles make, sized (hf_tp.estimate.counters's record)
   styles        a ParallelStyle in words, and where it places each parameter
   text, record  the printed report; the typed record (plain data, no torch)
 """

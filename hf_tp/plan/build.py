@@ -46,11 +46,11 @@ def plan_for(
     backward of ``batch_size`` rows of ``seq_len`` tokens. Takes a model (not yet parallelized),
     a config, or what ``hf-tp plan --model`` takes (bundled name, local folder, cached Hub id).
     Raises ``ValueError`` (one line) for a model or layout hf_tp refuses."""
+    from hf_tp.layout import check_positive
     from hf_tp.train.validate import validate_model_config
 
-    for flag, value in (("tp", tp), ("ep", ep), ("cp", cp), ("seq-len", seq_len), ("batch-size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"--{flag} must be a positive integer, got {value!r}")
+    for dim, value in (("tp", tp), ("ep", ep), ("cp", cp), ("seq_len", seq_len), ("batch_size", batch_size)):
+        check_positive(dim, value, flags=True)
     model, config, label = _resolve(model_or_config)
     validate_model_config(config, tp, seq_len, ep=ep)
     adapter = get_adapter(config)

@@ -7,8 +7,8 @@ forward and reduce-scatters their gradient in the backward; a row-parallel proje
 reduce-scatters its output to sequence shards (backward: all-gathers the gradient); a gathered
 column-parallel projection all-gathers its output; a block that runs whole all-gathers its input
 and hands back a slice (backward: all-gathers the output gradient). Sizes as
-:mod:`hf_tp.estimate.comm` counts them (the full-size buffer) and sums them
-(:class:`~hf_tp.estimate.comm.CommStat`, with the bytes one rank sends in a ring).
+:mod:`hf_tp.estimate.counters` counts them (the full-size buffer) and sums them
+(:class:`~hf_tp.estimate.counters.CommStat`, with the bytes one rank sends in a ring).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hf_tp.estimate.comm import _RING_FACTOR, CommStat
+from hf_tp.estimate.counters import _RING_FACTOR, CommStat
 from hf_tp.plan.record import Collective
 from hf_tp.plan.styles import Part
 

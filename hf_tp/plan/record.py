@@ -35,7 +35,7 @@ class ModuleRow:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of a forward or a backward, sized as ``hf_tp.estimate.comm`` counts them:
+    """One collective of a forward or a backward, sized as ``hf_tp.estimate.counters`` counts them:
     ``nbytes`` is the full-size buffer (an all-gather's output, a reduce-scatter's input)."""
 
     op: str  # all_gather | reduce_scatter | all_reduce | all_to_all

@@ -16,6 +16,7 @@ import yaml
 
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.data.columns import column_renames
+from hf_tp.layout import row_multiple
 from hf_tp.train.config_checks import ConfigChecks, parse_profile_steps
 from hf_tp.train.setting import coerce_setting, value_types
 from hf_tp.train.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, Objective
@@ -100,7 +101,8 @@ class TrainConfig(
     def resolve(self) -> TrainConfig:
         """Fill unset fields: the embedded-default profile without --model, the general one with."""
         profile = EMBEDDED_PROFILE if self.model is None else GENERAL_PROFILE
-        values = {k: (profile[k] if getattr(self, k) is None and k in profile else getattr(self, k)) for k in profile}
+        chosen = ("tp", "dp") if self.layout == "auto" else ()  # --layout auto fills them (hf_tp.cli.auto_layout)
+        values = {k: (profile[k] if getattr(self, k) is None else getattr(self, k)) for k in profile if k not in chosen}
         if self.model is None and self.device == "auto":
             values["device"] = "cpu"  # the tiny default gains nothing from a GPU
         return dataclasses.replace(self, **values)
@@ -160,7 +162,7 @@ class TrainConfig(
     def row_multiple(self) -> int:
         """Rows are padded to a multiple of this: tp (sequence parallelism), 2 x cp x tp with
         context parallelism (each cp rank keeps two equal chunks, each split over tp)."""
-        return (self.tp or 1) * (2 * self.cp if self.cp > 1 else 1)
+        return row_multiple(self.tp or 1, self.cp)
 
     @property
     def global_batch(self) -> int:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
+from hf_tp.gpus import get_gpu
+from hf_tp.layout import check_layout, check_positive
 from hf_tp.train.pipeline_settings import check_pipeline_settings
 from hf_tp.train.setting import is_a, type_words
 from hf_tp.train.settings_data import OBJECTIVES
-from hf_tp.train.settings_run import AUX_LOSS_OVER, DEVICES, DTYPES, REPORTERS
+from hf_tp.train.settings_run import AUX_LOSS_OVER, DEVICES, DTYPES, LAYOUTS, REPORTERS
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -38,12 +40,9 @@ class ConfigChecks:
     def validate(self) -> None:
         """Checks that need nothing but the numbers (the model's are checked on load)."""
         self._validate_types()
+        check_layout(self.tp, self.dp, self.cp, self.ep, self.dp_replicate, flags=True)
+        self._validate_auto_layout()
         for name in (
-            "tp",
-            "dp",
-            "ep",
-            "cp",
-            "dp_replicate",
             "pp",
             "pp_virtual_stages",
             "seq_len",
@@ -53,19 +52,8 @@ class ConfigChecks:
             "log_every",
             "nnodes",
         ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.dp is not None and self.ep > 1 and (self.dp * self.cp) % self.ep:
-            if self.cp == 1:
-                raise ValueError(
-                    f"--ep must divide --dp ({self.dp}): expert parallelism borrows its ranks from dp, got {self.ep}"
-                )
-            raise ValueError(
-                f"--ep must divide --dp x --cp ({self.dp * self.cp}): expert parallelism borrows its ranks from "
-                f"dp x cp, got {self.ep}"
-            )
-        self._validate_hsdp()
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name), flags=True)
         check_pipeline_settings(self)
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
@@ -101,19 +89,21 @@ class ConfigChecks:
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
             )
 
-    def _validate_hsdp(self) -> None:
-        """``--dp-replicate`` splits dp into replicas x a shard group: it must divide dp, and it
-        does not compose with cp or ep (both fold their ranks into the one FSDP2 dp mesh)."""
-        if self.dp_replicate == 1:
+    def _validate_auto_layout(self) -> None:
+        """``--layout auto`` chooses tp and dp itself, of ``--world`` ranks (HSDP not among its choices);
+        ``--gpu`` and ``--world`` mean nothing without it."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.world is not None:
+            check_positive("world", self.world, flags=True)
+        if self.gpu is not None:
+            get_gpu(self.gpu)
+        if self.layout == "manual":
+            if self.gpu is not None or self.world is not None:
+                raise ValueError("--gpu and --world choose a layout: add --layout auto (or drop them)")
             return
-        if self.dp is not None and self.dp % self.dp_replicate:
-            raise ValueError(
-                f"--dp-replicate must divide --dp ({self.dp}): dp = replicas x the FSDP shard group, "
-                f"got {self.dp_replicate}"
-            )
-        if self.cp > 1 or self.ep > 1:
-            other = "--cp" if self.cp > 1 else "--ep"
-            raise ValueError(f"--dp-replicate does not combine with {other} yet: drop one of them")
+        if self.dp_replicate > 1:
+            raise ValueError("--layout auto does not choose HSDP layouts: drop --dp-replicate or --layout auto")
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),

@@ -204,6 +204,8 @@ def _metrics_record(run: Run, step: int, batches: StepBatches, done: _StepDone, 
     }
     if run.peak_flops is not None:
         record["mfu"] = run.flops_per_token * batches.tokens / dt / (run.peak_flops * dist.get_world_size())
+    if run.cfg.predicted_speed is not None:  # hf-tp train --layout auto --gpu's plan, beside the measurement
+        record.update(predicted_tokens_per_sec=run.cfg.predicted_speed, predicted_mfu=run.cfg.predicted_mfu)
     record.update(peak_memory_mib(run.device))
     return record
 

@@ -12,31 +12,35 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-# Dense bf16 peak FLOP/s per GPU (vendor data sheets), for MFU; unknown devices report no MFU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+from hf_tp.gpus import gpu_of_device
 
 
-def flops_per_token(model_config, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM's formula as torchtitan reports it: 6N + 12 L H S.
+def unrouted_expert_params(model, config) -> int:
+    """Parameters of the routed experts one token does not use, (1 - top_k / experts) of every
+    experts module's weights (0 for a dense model): what :func:`hf_tp.gpus.model_flops_per_token`
+    leaves out of N. Counted from the model (DTensors count their global size)."""
+    from hf_tp.adapters import get_adapter
+    from hf_tp.adapters.modules import experts_per_token, num_experts
+    from hf_tp.parallel.expert_parallel import experts_modules
 
-    N counts the parameters that take part in matrix products: all but the input embedding (a
-    lookup). ``num_params`` counts a tied embedding/lm_head matrix once; it still does the output
-    projection, so it is added back (otherwise a tied model's MFU would omit its lm_head, about
-    a third of Qwen2-0.5B's work).
-    """
-    model_config = getattr(model_config, "text_config", None) or model_config  # a multimodal wrapper's language model
-    embed = model_config.vocab_size * model_config.hidden_size
-    n = num_params - embed
-    if getattr(model_config, "tie_word_embeddings", False):
-        n += embed
-    return 6 * n + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
+    adapter = get_adapter(config)
+    text = adapter.layers_config(config)
+    total, top_k = num_experts(text), experts_per_token(text)
+    if not adapter.moe or not total or not top_k or top_k >= total:
+        return 0
+    weights = sum(
+        p.numel() for _, m in experts_modules(model, adapter.layers_path, adapter.experts) for p in m.parameters()
+    )
+    return int(weights * (1 - top_k / total))
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The dense bf16 peak of this CUDA device from :data:`hf_tp.gpus.GPUS`, matched by its exact
+    name; None on CPU, in fp32 or on a GPU the table does not list (no MFU is reported then)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    gpu = gpu_of_device(torch.cuda.get_device_name(device))
+    return None if gpu is None else gpu.bf16_flops
 
 
 def peak_memory_mib(device: torch.device) -> dict[str, float]:

@@ -35,6 +35,11 @@ def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> 
 
 def parameter_count(pipe: Pipeline, device: torch.device) -> int:
     """The whole model's parameter count (every stage's, summed over the pp ranks; collective)."""
-    count = torch.tensor(float(sum(p.numel() for p in pipe.parameters())), device=device, dtype=torch.float64)
+    return summed_over_stages(sum(p.numel() for p in pipe.parameters()), pipe, device)
+
+
+def summed_over_stages(value: int, pipe: Pipeline, device: torch.device) -> int:
+    """``value``, a count of this rank's stages, summed over the pp ranks (collective)."""
+    count = torch.tensor(float(value), device=device, dtype=torch.float64)
     dist.all_reduce(count, group=pipe.group)
     return int(count.item())

@@ -12,6 +12,7 @@ from hf_tp.train.setting import setting
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
+LAYOUTS = ("manual", "auto")
 AUX_LOSS_OVER = ("step", "micro-batch")
 MIN_LR_RATIO = 0.1
 
@@ -40,6 +41,22 @@ class SizesAndOptimizer:
         "all-reduced across replicas once per step (put replicas across nodes); must divide --dp",
         metavar="R",
     )
+    layout: str = setting(
+        "manual",
+        "auto: choose --tp, --dp and activation checkpointing for --world ranks before launch: with --gpu "
+        "the fastest layout the estimate predicts that fits that GPU, else the largest tp the model allows",
+        choices=LAYOUTS,
+    )
+    gpu: str | None = setting(None, "with --layout auto: the GPU to plan for, as hf-tp estimate --gpu", metavar="NAME")
+    world: int | None = setting(
+        None,
+        "with --layout auto: the ranks to lay out (default: --nnodes x this node's GPUs; needed on CPU)",
+        metavar="N",
+    )
+    predicted_speed: float | None = setting(
+        None, "tokens/s of all ranks that --layout auto --gpu predicts; logged as predicted_tokens_per_sec", names=None
+    )
+    predicted_mfu: float | None = setting(None, "the MFU --layout auto --gpu predicts; logged beside mfu", names=None)
     batch_size: int | None = setting(
         None,
         "sequences per dp rank per micro-step; the global batch is batch x dp x grad-accum",

@@ -16,6 +16,7 @@ from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
+from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
@@ -28,13 +29,13 @@ from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.loss import CrossEntropy
-from hf_tp.train.metrics import flops_per_token, peak_flops
+from hf_tp.train.metrics import peak_flops, unrouted_expert_params
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
 from hf_tp.train.pair_evaluation import PairEvalSet
-from hf_tp.train.pipeline_run import build_pipeline, parameter_count
+from hf_tp.train.pipeline_run import build_pipeline, parameter_count, summed_over_stages
 from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
@@ -106,6 +107,9 @@ def set_up(cfg: TrainConfig) -> Run:
         eval_set.bind(objective, dp_mesh_of(mesh).get_group())
     opt = build_optimizer((pipeline or model).parameters(), cfg.lr, cfg.weight_decay, device)
     params = parameter_count(pipeline, device) if pipeline else sum(p.numel() for p in model.parameters())
+    unrouted = unrouted_expert_params(model, model.config)
+    if pipeline:  # each stage holds its layers' experts
+        unrouted = summed_over_stages(unrouted, pipeline, device)
     run = Run(
         cfg=cfg,
         out=out,
@@ -120,7 +124,7 @@ def set_up(cfg: TrainConfig) -> Run:
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=not pipeline and fusable(model),
-        flops_per_token=flops_per_token(model.config, params, cfg.seq_len),
+        flops_per_token=model_flops_per_token(model.config, params, cfg.seq_len, unrouted),
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
         objective=objective,

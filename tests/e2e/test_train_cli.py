@@ -85,12 +85,12 @@ def chat_setup(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> None:
     """Chat data (assistant-only labels, documents packed with their own masks), three mesh shapes
-    and plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss. (A
+    (one chosen by --layout auto) and plain single-process HF: one loss curve, one grad-norm curve, one held-out eval loss. (A
     single-rank launch: the reference run of tests/e2e/test_checkpoint.py.)"""
     model_dir, data = chat_setup
     runs = {
         "tp2_dp2_b2": ["--tp", "2", "--dp", "2", "--batch-size", "2"],
-        "tp4_dp1_b4": ["--tp", "4", "--dp", "1", "--batch-size", "4"],
+        "auto_tp4_dp1_b4": ["--layout", "auto", "--world", "4", "--batch-size", "4"],  # 4 heads: tp 4 chosen
         "tp1_dp2_b1_accum2": ["--tp", "1", "--dp", "2", "--batch-size", "1", "--grad-accum", "2"],
     }
     # A held-out 25% of the conversations, its first 3 global batches evaluated after steps 3 and 6:
@@ -103,6 +103,9 @@ def test_mesh_shapes_and_plain_hf_give_one_loss_curve(chat_setup, tmp_path) -> N
             "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), *COMMON, *held_out, *flags
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
+        if name.startswith("auto"):  # --layout auto picks, prints and runs (no --gpu: the largest valid tp)
+            assert "--layout auto on 4 ranks (no --gpu: nothing predicted): tp 4 x dp 1" in proc.stdout
+            assert "runner-up: tp 2 x dp 2" in proc.stdout and "launching 4 ranks = tp 4 x dp 1" in proc.stdout
         evals[name] = {r["step"]: r["eval_loss"] for r in metrics(out) if r.get("split") == "eval"}
         rows = [r for r in metrics(out) if r.get("split") != "eval"]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

@@ -23,7 +23,7 @@ from transformers.masking_utils import (
 )
 
 import hf_tp
-from hf_tp.estimate.api import validate_inputs
+from hf_tp.estimate.spec import EstimateSpec, validate
 from hf_tp.parallel.context import ContextState, Layout
 from hf_tp.parallel.context_install import masks_documents, packed_documents
 from hf_tp.train.config import TrainConfig
@@ -169,7 +169,7 @@ def test_estimate_cp_counts_the_kv_gathers() -> None:
     assert est["world_size"] == 4 and est["cp"] == 2
     assert gathers and gathers[0]["count"] == 2 * 16  # K and V, each of the 16 layers
     with pytest.raises(ValueError, match=r"seq_len \(124\) must be a multiple of 2\*cp\*tp \(8\)"):
-        validate_inputs(tiny_config("llama"), 2, 1, 124, 1, "bf16", cp=2)
+        validate(tiny_config("llama"), EstimateSpec(2, 1, 124, 1, "bf16", cp=2))
 
 
 @pytest.mark.large_estimate
@@ -182,7 +182,7 @@ def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
     assert at4.sent_bytes("ep") > 0 and at4.sent_bytes("cp") > 0 and at4.sent_bytes("dp_out") == 0
     assert at2.sent_bytes("dp_out") > 0
     with pytest.raises(ValueError, match=r"ep must divide dp x cp \(4\): .* from dp x cp, got ep=8"):
-        validate_inputs(tiny_moe(), 1, 2, 64, 1, "bf16", ep=8, cp=2)
+        validate(tiny_moe(), EstimateSpec(1, 2, 64, 1, "bf16", ep=8, cp=2))
 
 
 def test_one_additive_mask_serves_every_layer() -> None:

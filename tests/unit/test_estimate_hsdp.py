@@ -33,9 +33,9 @@ def test_hsdp_state_is_sharded_over_the_shard_group_only() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(dp=4, dp_replicate=3), r"--dp-replicate must be a positive divisor of --dp \(4\): .* got 3"),
+        (dict(dp=4, dp_replicate=3), r"dp_replicate must divide dp \(4\): .* got dp_replicate=3"),
         (dict(dp=4, dp_replicate=0), r"dp_replicate must be a positive integer, got dp_replicate=0"),
-        (dict(dp=2, cp=2, dp_replicate=2), r"--dp-replicate does not combine with --cp yet: drop one .*"),
+        (dict(dp=2, cp=2, dp_replicate=2), r"dp_replicate does not combine with cp yet: drop one .*"),
     ],
 )
 def test_bad_hsdp_inputs_fail_early(kwargs: dict, message: str) -> None:

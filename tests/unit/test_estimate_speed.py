@@ -9,13 +9,13 @@ from transformers import LlamaConfig
 
 from hf_tp.cli.estimate import main
 from hf_tp.estimate.api import Estimate, GiB, estimate
-from hf_tp.estimate.comm import CommStat
-from hf_tp.estimate.gpus import GPUS, get_gpu
+from hf_tp.estimate.counters import CommStat, Work, WorkCounter
+from hf_tp.estimate.layouts import Sweep
 from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.report_speed import format_ranking
+from hf_tp.estimate.report import format_ranking
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
-from hf_tp.estimate.sweep import Sweep, sweep
-from hf_tp.estimate.work import Work, WorkCounter
+from hf_tp.estimate.sweep import sweep
+from hf_tp.gpus import GPUS, get_gpu
 
 H100 = get_gpu("h100-sxm")
 NVLINK = 450e9 * 0.80  # bytes/s one direction, at the published NCCL efficiency
@@ -29,25 +29,29 @@ def tiny_llama() -> LlamaConfig:
     )  # fmt: skip
 
 
-def make(tp=1, dp=1, comms=(), peak_gib=10.0, ac=False, **work) -> Estimate:
+def make(tp=1, dp=1, comms=(), peak_gib=10.0, ac=False, flops_per_token=0.0, **work) -> Estimate:
     mem = MemoryBreakdown(activations=int(peak_gib * GiB))
-    return Estimate("m", "llama", 10**9, tp, dp, 1, 4096, 2, "bf16", ac, mem, mem, list(comms), work=Work(**work))
+    return Estimate(
+        "m", "llama", 10**9, tp, dp, 1, 4096, 2, "bf16", ac, mem, mem, list(comms), work=Work(**work),
+        model_flops_per_token=flops_per_token,
+    )  # fmt: skip
 
 
 def test_pure_matmul_runs_at_the_published_matmul_efficiency() -> None:
     flops = 10**15
-    speed = predict(make(matmul_flops=flops), Cluster(H100))
+    speed = predict(make(matmul_flops=flops, flops_per_token=flops / (4096 * 2)), Cluster(H100))
     step = flops / (989.4e12 * 0.803)
     assert speed.step_seconds == pytest.approx(step)
     assert speed.tokens_per_second_per_gpu == pytest.approx(4096 * 2 / step)
-    assert speed.mfu == pytest.approx(0.803)  # every FLOP is a model FLOP
+    assert speed.mfu == pytest.approx(0.803)  # every FLOP counted by 6N + 12LHS
     assert speed.exposed_comm_share == pytest.approx(0.0)
 
 
 def test_attention_is_counted_causal_and_recompute_is_not_model_flops() -> None:
-    speed = predict(make(attention_flops=4 * 10**14, matmul_flops=10**15, recompute_flops=2 * 10**14), Cluster(H100))
+    work = dict(attention_flops=4 * 10**14, matmul_flops=10**15, recompute_flops=2 * 10**14)
+    speed = predict(make(flops_per_token=1.2e15 / (4096 * 2), **work), Cluster(H100))
     assert speed.seconds["attention"] == pytest.approx(2e14 / (989.4e12 * 0.35))
-    assert speed.mfu == pytest.approx(1.2e15 / (speed.step_seconds * 989.4e12))
+    assert speed.mfu == pytest.approx(1.2e15 / (speed.step_seconds * 989.4e12))  # MFU: model FLOPs per token only
 
 
 def test_memory_bound_kernels_run_at_hbm_bandwidth() -> None:
@@ -129,6 +133,9 @@ def test_traced_step_counts_6n_flops_and_recompute_is_excluded_from_model_flops(
     assert plain.work.recompute_flops == 0 and ac.work.recompute_flops > 0
     assert ac.work.model_flops == plain.work.model_flops
     assert ac.work.matmul_flops + ac.work.attention_flops > plain.work.model_flops
+    # MFU's numerator (training's 6N + 12LHS) is the traced step's model FLOPs: the two MFUs compare
+    assert plain.model_flops_per_token * tokens == pytest.approx(plain.work.model_flops, rel=0.02)
+    assert ac.model_flops_per_token == plain.model_flops_per_token
 
 
 @pytest.mark.large_estimate

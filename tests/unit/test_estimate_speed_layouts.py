@@ -10,15 +10,13 @@ import pytest
 
 from hf_tp.cli.estimate import main
 from hf_tp.estimate.api import Estimate, GiB, estimate
-from hf_tp.estimate.comm import CommStat
-from hf_tp.estimate.gpus import get_gpu
+from hf_tp.estimate.counters import CommStat, Work
 from hf_tp.estimate.layouts import Sweep, fits
 from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.report_speed import format_ranking
+from hf_tp.estimate.report import format_ranking
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
-from hf_tp.estimate.sweep import sweep
-from hf_tp.estimate.sweep_speed import grow_batch, speed_sweep
-from hf_tp.estimate.work import Work
+from hf_tp.estimate.sweep import grow_batch, speed_sweep, sweep
+from hf_tp.gpus import get_gpu
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
 from tests.unit.test_estimate_moe import tiny_moe
 
@@ -92,7 +90,9 @@ def test_lora_step_skips_base_weight_gradients_and_their_reduce_scatter() -> Non
     assert scatter[8].bytes == pytest.approx(4 * lora.trainable_params, rel=0.05)  # fp32 adapter gradients only
     assert scatter[0].bytes == pytest.approx(4 * full.num_params, rel=0.05)
     speed = predict(lora, Cluster(H100))
-    assert speed.mfu == pytest.approx(lora.work.model_flops / (speed.step_seconds * PEAK))
+    # MFU counts 6N + 12LHS per token (training's definition), not the ~4N the LoRA step does
+    assert speed.mfu == pytest.approx(lora.model_flops_per_token * 2 * 128 / (speed.step_seconds * PEAK))
+    assert lora.model_flops_per_token == pytest.approx(full.model_flops_per_token, rel=0.05)
     assert any(line.startswith("LoRA r=8 on all-linear") for line in speed.assumptions)
 
 

@@ -5,7 +5,6 @@ on a rank. Logits, loss, every gradient (experts and routers), AdamW weights."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -15,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
-from hf_tp.parallel import expert_parallel
+from hf_tp.parallel import expert_parallel, routing
 from hf_tp.record import facts_of, record_of
 from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import batch, run_threaded
@@ -174,6 +173,10 @@ def test_the_dispatch_keeps_no_more_routed_rows_for_backward_than_hf_experts() -
 
     def rank_fn(rank: int, ep: int, models: list) -> None:
         model = hf_tp.parallelize(models[rank], hf_tp.build_mesh(tp=1, dp=2, device_type="cpu"), ep=ep)
+        experts = [m for _, m in expert_parallel.experts_modules(model, "model.layers", ("mlp.experts",))]
+        if ep > 1:  # training dispatches by the router's counts; each rank receives as many rows as it sends here
+            assert all(facts_of(m).experts.routing is routing.MEASURED for m in experts)
+            routing.set_routing(experts, routing.BALANCED)
         shapes = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +190,6 @@ def test_the_dispatch_keeps_no_more_routed_rows_for_backward_than_hf_experts() -
 
     for ep in (1, 2):
         models = [copy.deepcopy(ref) for _ in range(2)]
-        with expert_parallel.balanced_routing() if ep > 1 else contextlib.nullcontext():
-            run_threaded(2, lambda rank, ep=ep, models=models: rank_fn(rank, ep, models))
+        run_threaded(2, lambda rank, ep=ep, models=models: rank_fn(rank, ep, models))
     assert kept[(1, 0)] == kept[(1, 1)] == 2, kept
     assert kept[(2, 0)] <= 2 and kept[(2, 1)] <= 2, kept

@@ -19,7 +19,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 import hf_tp
 from hf_tp.cli.main import main
 from hf_tp.compat import family_refusal
-from hf_tp.estimate.comm import CommCounter
+from hf_tp.estimate.counters import CommCounter
 from hf_tp.plan import ModelPlan, plan_for
 from hf_tp.plan.collectives import summary
 from hf_tp.plan.text import layer_ranges

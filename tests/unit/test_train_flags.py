@@ -31,7 +31,7 @@ PUBLIC_FLAGS = {
         "--objective", "--beta", "--label-smoothing", "--simpo-gamma", "--precompute-ref",
     ),
     "sizes and optimizer": (
-        "--tp", "--dp", "--ep", "--cp", "--dp-replicate", "--batch-size", "--grad-accum", "--max-steps", "--lr",
+        "--tp", "--dp", "--ep", "--cp", "--dp-replicate", "--layout", "--gpu", "--world", "--batch-size", "--grad-accum", "--max-steps", "--lr",
         "--warmup-steps", "--weight-decay", "--max-grad-norm", "--aux-loss-over", "--seed", "--lora-r",
         "--lora-alpha", "--lora-dropout", "--lora-target-modules",
     ),
