@@ -8,18 +8,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.checkpoint.load import materialize_and_load
+from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.model import parallelize_settings, unparallelized_model
+from hf_tp.train.model import compute_dtype, init_lora, parallelize_settings, unparallelized_model, with_lora
 
 
 def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> Pipeline:
     """Build the model on the meta device, cut this rank's stages from it and parallelize each over
-    ``mesh`` without its ``pp`` dim, then read each stage's shards from the files."""
+    ``mesh`` without its ``pp`` dim, then read each stage's shards from the files. ``--lora-r``:
+    the adapters are added to the whole model, and each stage keeps its share of the whole
+    model's initial adapters (the same at any pp)."""
     model, model_dir, fused = unparallelized_model(cfg, device)
+    lora = with_lora(model, cfg)
+    if cfg.lora_r:
+        freeze_in_dtype(lora, compute_dtype(cfg, device))
+    adapters = lora_init_state(model, cfg.seed) if cfg.lora_r else None  # drawn in the whole model's order
     pipe = pipeline_parallelize(
-        model,
+        lora,
         mesh,
         schedule=cfg.pp_schedule,
         microbatches=cfg.pipeline_microbatches,
@@ -30,6 +37,8 @@ def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> 
     if fused is not None:
         for stage_model in pipe.models:
             materialize_and_load(stage_model, model_dir, device, fused)
+    for stage_model in pipe.models if adapters is not None else ():
+        init_lora(stage_model, adapters)
     return pipe
 
 
