@@ -87,8 +87,11 @@ class PipelineCase:
         targets = int((data["labels"][:, 1:] != -100).sum())
         got = []
         for _ in range(self.resume["at"] if self.resume else self.steps):
+            routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
             with loss_context(self.tp > 1):
-                loss = pipe.step(mine, targets, self.dp)
+                loss = pipe.step(mine, targets, self.dp, routing.totals if routing else None)
+            if routing:  # this rank's share of the aux loss
+                loss += model.config.router_aux_loss_coef * routing.term
             dist.all_reduce(loss, group=mesh["pp"].get_group())
             dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
             got.append(loss.item())

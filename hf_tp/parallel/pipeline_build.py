@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.adapters import get_adapter
 from hf_tp.parallel.api import parallelize
-from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
@@ -38,18 +37,12 @@ def pipeline_parallelize(
     every name (adapters' included) and :func:`hf_tp.parallelize` gives it LoRA's plans; the
     :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
 
-    Refused here (one line each): expert and context parallelism, a MoE's aux loss (its
-    load-balancing product spans every stage's routers), tied embeddings, multimodal wrappers,
+    Refused here (one line each): expert and context parallelism, tied embeddings, multimodal wrappers,
     and families whose forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
     if parallelize_kwargs.get("ep", 1) > 1:
         raise ValueError("--pp does not combine with --ep yet: drop one")
-    if standard_aux_loss(model):
-        raise ValueError(
-            "--pp: this MoE model adds the router aux loss, whose load-balancing product spans every stage's routers "
-            "(not exact per stage yet): set output_router_logits=False (--router-aux-loss-coef 0) or train with --pp 1"
-        )
     adapter = get_adapter(model.config)
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
@@ -58,7 +51,9 @@ def pipeline_parallelize(
     ids = [rank + v * pp for v in range(virtual_stages)]
     stage_mesh = mesh[stage_dims(mesh)]
     tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
-    models = [cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids)]
+    models = [
+        cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids, strict=True)
+    ]
     tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
     for top, stage_model in zip(tops, models, strict=True):
@@ -66,7 +61,11 @@ def pipeline_parallelize(
         stage_model.generate = _no_generate  # one stage alone cannot decode
         stages.append(StageModule(stage_model, tp_mesh))
     device = device or next(iter(models[0].parameters())).device
-    return Pipeline(stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device)
+    dp_mesh = split_mesh(stage_mesh)[0]
+    route_group = dp_mesh.get_group() if dp_mesh is not None else None
+    return Pipeline(
+        stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
+    )
 
 
 def _no_generate(*args, **kwargs):
