@@ -12,6 +12,7 @@ micro-batches' gradients unscaled, so a step's gradient is exactly the single-de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ class Pipeline:
         for model in self.models:
             yield from model.parameters()
 
-    @property
+    @cached_property
     def has_aux(self) -> bool:
         """The model adds transformers' router aux loss: :meth:`step` needs :meth:`route`'s counts."""
         return standard_aux_loss(self.models[0])
