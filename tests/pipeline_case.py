@@ -18,9 +18,10 @@ from hf_tp.checkpoint.dcp import save as save_checkpoint
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.loss import loss_context
-from hf_tp.verify.compare import adam_error
+from hf_tp.verify.compare import adam_error, full_grads
 from tests.family_grid import grid_config, grid_model
-from tests.helpers import FAMILY_SETTINGS, batch, full_params, tiny_config, tiny_model
+from tests.helpers import FAMILY_SETTINGS, assert_close_dict, batch, full_params, tiny_config, tiny_model
+from tests.lora_grid import lora
 from tests.parity import assert_weights_after_adam_close
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -43,33 +44,37 @@ class PipelineCase:
     dtype: str = "float32"
     overrides: dict = field(default_factory=dict)
     resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
+    lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
 
-    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict]:
-        """(untouched model copy, batch, reference losses, start params, final params): plain HF
-        on the whole batch (every rank builds the same one from the same seeds)."""
+    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict]:
+        """(untouched model copy, batch, reference losses, start params, final params, first
+        step's gradients): plain HF (or peft) on the whole batch (every rank builds the same one
+        from the same seeds)."""
         if self.family in FAMILY_SETTINGS:
             config = tiny_config(self.family, num_hidden_layers=self.layers, **self.overrides)
             ref = tiny_model(config, dtype=DTYPES[self.dtype])
         else:  # the family grid's settings (MoE sizes, float64, eager experts)
             config = grid_config(self.family, num_hidden_layers=self.layers, **self.overrides)
             ref = grid_model(config)
+        model = lora(ref, r=self.lora) if self.lora else ref  # the peft model holds ref, adapters added in place
         data = batch(config.vocab_size, b=self.b, s=self.s, pad="right")
-        model, start = copy.deepcopy(ref), full_params(ref)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-        losses = []
+        model, start = copy.deepcopy(model), full_params(ref)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
+        losses, grads = [], {}
         for _ in range(self.steps):
             loss = ref(**data, use_cache=False).loss
             loss.backward()
             losses.append(loss.item())
+            grads = grads or full_grads(ref)
             opt.step()
             opt.zero_grad()
-        return model, data, losses, start, full_params(ref)
+        return model, data, losses, start, full_params(ref), grads
 
     def check(self) -> tuple[float, float]:
         """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
         weight this rank holds after the steps; returns the largest relative loss difference and
         this rank's largest weight difference relative to its AdamW update."""
-        model, data, want, start, end = self.reference()
+        model, data, want, start, end, want_grads = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
         mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
         pipe = pipeline_parallelize(
@@ -82,11 +87,18 @@ class PipelineCase:
         targets = int((data["labels"][:, 1:] != -100).sum())
         got = []
         for _ in range(self.resume["at"] if self.resume else self.steps):
+            routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
             with loss_context(self.tp > 1):
-                loss = pipe.step(mine, targets, self.dp)
+                loss = pipe.step(mine, targets, self.dp, routing.totals if routing else None)
+            if routing:  # this rank's share of the aux loss
+                loss += model.config.router_aux_loss_coef * routing.term
             dist.all_reduce(loss, group=mesh["pp"].get_group())
             dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
             got.append(loss.item())
+            if self.lora and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
+                grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
+                assert grads and all(".lora_" in n for n in grads), sorted(grads)
+                assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
             opt.step()
             opt.zero_grad()
         if self.resume:

@@ -120,6 +120,7 @@ def materialize_and_load(
     # A LoRA model: the factors are not in the files (initialised by the caller); a wrapped base
     # projection's weight is the file's under its own name (peft adds ``.base_layer``).
     state = {k.replace(".base_layer.", "."): v for k, v in get_model_state_dict(model).items() if ".lora_" not in k}
+    fused = {k: v for k, v in fused.items() if k in state}  # a pipeline stage holds some layers' experts only
     in_file = file_keys(model, set(index))
     tied_alias = "lm_head.weight" if tied else None
     missing = sorted(k for k in state if k not in in_file and k != tied_alias and k not in fused)

@@ -12,6 +12,7 @@ micro-batches' gradients unscaled, so a step's gradient is exactly the single-de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
+from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
 from hf_tp.pipeline_checks import MULTI_STAGE
 
 SCHEDULES = {
@@ -46,17 +49,33 @@ class StageModule(nn.Module):
         self.first, self.last = model.hf_tp_stage
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.seq_len = 0  # the step's row length, set before each step (rebuilds the tp shards' global shape)
+        self.routing: torch.Tensor | None = None  # a MoE step's [counts..., rows] (hf_tp.parallel.pipeline_aux)
+        self.aux_scale = 0.0  # what the aux terms' gradients are scaled by (coef x weight x dp)
+        self.routers = holds_routers(model)
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if self.routing is None or not self.routers:
+            return self.run(x, **kwargs)[0]
+        out, logits = self.run(x, output_router_logits=True, **kwargs)
+        if not any(layer is not None for layer in logits or ()):
+            return out  # no router on this stage
+        term = router_aux_term(self.model, logits, routing_mask, None, self.routing)
+        return SideLoss.apply(out, term, self.aux_scale)
+
+    def run(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, tuple | None]:
+        """(this stage's output, its routers' logits when ``output_router_logits`` is passed)."""
+        if kwargs.get("output_router_logits") and not self.routers:
+            kwargs["output_router_logits"] = False
         key = "input_ids" if self.first else "inputs_embeds"
         if not self.first and self.tp_mesh is not None:
             shape = (x.shape[0], self.seq_len, x.shape[2])
             stride = (shape[1] * shape[2], shape[2], 1)
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
         # Always the model's own forward (FSDP2's root unit gathers the embedding and norm there)
-        logits = self.model(**{key: x}, use_cache=False, **kwargs).logits
+        result = self.model(**{key: x}, use_cache=False, **kwargs)
+        routers = getattr(result, "router_logits", None)
         if self.last:
-            return logits
+            return result.logits, routers
         head = self.model.lm_head  # a HeadGap: the hidden states it was given are this stage's output
         out, head.seen = head.seen, None
         if isinstance(out, DTensor):
@@ -66,7 +85,7 @@ class StageModule(nn.Module):
                     f"got {out.placements}: drop --no-sequence-parallel"
                 )
             out = out.to_local()
-        return out
+        return out, routers
 
 
 @dataclass
@@ -80,6 +99,7 @@ class Pipeline:
     schedule: str
     microbatches: int
     device: torch.device
+    route_group: dist.ProcessGroup | None = None  # the stages' dp group (a MoE's routing counts over it)
 
     @property
     def models(self) -> list[nn.Module]:
@@ -94,11 +114,35 @@ class Pipeline:
         for model in self.models:
             yield from model.parameters()
 
-    def step(self, batch: dict[str, torch.Tensor], num_items: int, dp: int) -> torch.Tensor:
+    @cached_property
+    def has_aux(self) -> bool:
+        """The model adds transformers' router aux loss: :meth:`step` needs :meth:`route`'s counts."""
+        return standard_aux_loss(self.models[0])
+
+    def route(self, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
+        """The routing counts of every stage and dp rank over ``micro_batches`` and this rank's
+        share of their aux loss (collective; see :func:`hf_tp.parallel.pipeline_aux.route`)."""
+        return route(self, micro_batches)
+
+    def step(
+        self,
+        batch: dict[str, torch.Tensor],
+        num_items: int,
+        dp: int,
+        routing: torch.Tensor | None = None,
+        aux_weight: float = 1.0,
+    ) -> torch.Tensor:
         """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
         rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
         batch's targets) on the last stage's ranks, 0 on the others. Gradients are the global batch
-        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum)."""
+        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum).
+
+        ``routing`` (a MoE with transformers' aux loss: the ``totals`` of :meth:`route` over the
+        rows the aux loss spans): each stage's gradients also get its layers' share of
+        ``router_aux_loss_coef * aux_weight`` times the aux loss (whose value :meth:`route` gives:
+        the returned loss is the cross entropy's alone)."""
+        if routing is not None and (mask := routing_mask(batch)) is not None:
+            batch = {**batch, "routing_mask": mask}
         batch = {k: v for k, v in batch.items() if k != "row_lengths"}
         input_ids, labels = batch.pop("input_ids"), batch.pop("labels")
         last_model = self.models[-1]
@@ -107,9 +151,11 @@ class Pipeline:
             vocab = last_model.config.get_text_config().vocab_size
             return last_model.loss_function(logits, target, vocab, num_items_in_batch=num_items) * dp
 
+        coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
         runtime = []
         for module, index in zip(self.stages, self.stage_ids, strict=True):
             module.seq_len = input_ids.shape[1]
+            module.routing, module.aux_scale = routing, coef * dp
             runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
         cls = SCHEDULES[self.schedule]
         target = runtime if self.schedule in MULTI_STAGE else runtime[0]
@@ -120,4 +166,6 @@ class Pipeline:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp
+        for module in self.stages:
+            module.routing = None
         return total

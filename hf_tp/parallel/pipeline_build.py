@@ -3,13 +3,14 @@ parallelize each over the rest of the mesh."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.adapters import get_adapter
 from hf_tp.parallel.api import parallelize
-from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
@@ -32,20 +33,16 @@ def pipeline_parallelize(
     and :func:`hf_tp.parallelize` each over ``mesh`` without its pp dim. ``model`` itself becomes
     this rank's last stage (the others are copies of it, cut before any is parallelized).
 
-    Refused here (one line each): LoRA, expert and context parallelism, a MoE's aux loss (its
-    load-balancing product spans every stage's routers), tied embeddings, multimodal wrappers,
+    A peft LoRA model is copied whole and each copy's HF model cut in place, so a stage keeps
+    every name (adapters' included) and :func:`hf_tp.parallelize` gives it LoRA's plans; the
+    :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
+
+    Refused here (one line each): expert and context parallelism, tied embeddings, multimodal wrappers,
     and families whose forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
-    _, peft = unwrap_peft(model)
-    if peft:
-        raise ValueError("--pp does not combine with LoRA yet: train the adapters with --pp 1")
+    outer, model = model, unwrap_peft(model)[0]
     if parallelize_kwargs.get("ep", 1) > 1:
         raise ValueError("--pp does not combine with --ep yet: drop one")
-    if standard_aux_loss(model):
-        raise ValueError(
-            "--pp: this MoE model adds the router aux loss, whose load-balancing product spans every stage's routers "
-            "(not exact per stage yet): set output_router_logits=False (--router-aux-loss-coef 0) or train with --pp 1"
-        )
     adapter = get_adapter(model.config)
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
@@ -53,15 +50,22 @@ def pipeline_parallelize(
     cuts = balanced_cuts(costs, pp * virtual_stages)
     ids = [rank + v * pp for v in range(virtual_stages)]
     stage_mesh = mesh[stage_dims(mesh)]
-    models = [cut_stage(model, adapter, cuts[i], copy_model=k < len(ids) - 1) for k, i in enumerate(ids)]
+    tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
+    models = [
+        cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids, strict=True)
+    ]
     tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
-    for stage_model in models:
-        parallelize(stage_model, stage_mesh, **parallelize_kwargs)
+    for top, stage_model in zip(tops, models, strict=True):
+        parallelize(top, stage_mesh, **parallelize_kwargs)
         stage_model.generate = _no_generate  # one stage alone cannot decode
         stages.append(StageModule(stage_model, tp_mesh))
     device = device or next(iter(models[0].parameters())).device
-    return Pipeline(stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device)
+    dp_mesh = split_mesh(stage_mesh)[0]
+    route_group = dp_mesh.get_group() if dp_mesh is not None else None
+    return Pipeline(
+        stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
+    )
 
 
 def _no_generate(*args, **kwargs):

@@ -117,7 +117,7 @@ def _check_stream_passthrough(model: nn.Module, adapter: Adapter) -> None:
     x = torch.zeros(1, 2, model.config.get_text_config().hidden_size, dtype=next(model.parameters()).dtype)
     try:
         with torch.no_grad():
-            probe(inputs_embeds=x, use_cache=False)
+            probe(inputs_embeds=x, use_cache=False, **_no_routers(model))
     except Exception as exc:  # noqa: BLE001 - any failure means the stage cut is not safe
         raise ValueError(
             f"--pp: {model.config.model_type}'s forward does not run on hidden states fed as inputs_embeds "
@@ -129,6 +129,12 @@ def _check_stream_passthrough(model: nn.Module, adapter: Adapter) -> None:
             f"--pp: {model.config.model_type}'s forward changes the hidden states outside its decoder layers "
             "(an embedding scale, dropout or norm), which every stage would apply again; train it with --pp 1"
         )
+
+
+def _no_routers(model: nn.Module) -> dict:
+    """``output_router_logits=False`` for a MoE that records them (the probe has no router, and HF's
+    aux loss fails on none)."""
+    return {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
 
 
 def _gapped_copy(model: nn.Module, adapter: Adapter) -> nn.Module:

@@ -29,6 +29,7 @@ from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
 from hf_tp.train.loss import loss_context, step_routing
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
+from hf_tp.train.pipeline_run import pipeline_micro_loss, pipeline_routing
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
 
@@ -125,19 +126,23 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     # A MoE's aux loss: over the whole step's rows of every dp rank, the router's counts found
     # first (each micro-step's term is then its share: weight 1); or, --aux-loss-over micro-batch,
     # over each micro-step's rows, the micro-steps weighing equally (1/grad_accum).
-    routing = (
-        step_routing(model, batches.micro_batches, run.route_group)
-        if micro > 1 and cfg.aux_loss_over == "step"
-        else None
-    )
-    weight = 1.0 if routing is not None else 1 / micro
+    over_step = micro == 1 or cfg.aux_loss_over == "step"
+    if run.pipeline is not None:  # --pp: every stage's routers, routed through the pipeline first
+        routing = pipeline_routing(run.pipeline, batches.micro_batches, over_step)
+    else:
+        routing = step_routing(model, batches.micro_batches, run.route_group) if micro > 1 and over_step else None
+    weight = 1.0 if over_step else 1 / micro
     sums: dict[str, torch.Tensor] = {}  # the objective's metric totals over this rank's examples
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
         if run.pipeline is not None:  # --pp: torch's schedule runs forward and backward of every stage
             _set_grad_sync(run.pipeline.models, m == micro - 1)
             with loss_context(cfg.loss_parallel):
-                local_loss += run.pipeline.step(batch, batches.num_targets, cfg.dp).float()
+                loss, aux = pipeline_micro_loss(run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m)
+            local_loss += loss.float()
+            if aux is not None:
+                aux_sum += aux * weight
+                has_aux = True
             continue
         with loss_context(cfg.loss_parallel):
             out = run.objective.micro_loss(model, batch, batches, aux_weight=weight, routing=routing)
@@ -160,6 +165,8 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
         dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.pipeline.group)
     if has_aux:  # the ranks' terms add up to the global batch's aux loss
         dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.dp_group)
+        if run.pipeline is not None:  # each stage's layers' share
+            dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.pipeline.group)
     metrics = _global_means(sums, batches.num_examples, run.dp_group)
     stages = run.pipeline.group if run.pipeline is not None else None  # every stage's gradients in one norm
     grad_norm = clip_grad_norm((run.pipeline or model).parameters(), cfg.max_grad_norm, stages=stages)

@@ -63,7 +63,7 @@ def build_parallel_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.devic
     if get_adapter(config).language_model and dist.get_rank() == 0:  # a multimodal wrapper: say what trains
         print(describe_passengers(model, get_adapter(config)), file=sys.stderr, flush=True)
     if cfg.lora_r:
-        init_lora(model, cfg.seed)
+        init_lora(model, lora_init_state(model, cfg.seed))
     return model
 
 
@@ -125,9 +125,10 @@ def with_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def init_lora(model: torch.nn.Module, seed: int) -> None:
-    """Every rank's LoRA factors from the same full initial state (:func:`lora_init_state`),
-    each rank keeping its shards."""
-    set_model_state_dict(
-        model, lora_init_state(model, seed), options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+def init_lora(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every rank's LoRA factors from the same full initial ``state`` (:func:`lora_init_state` of
+    the whole model), each rank keeping its shards of the factors ``model`` holds (a pipeline
+    stage holds some layers' only)."""
+    names = {name for name, _ in model.named_parameters()}
+    state = {k: v for k, v in state.items() if k in names}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -8,18 +8,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.checkpoint.load import materialize_and_load
+from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.parallel.pipeline import Pipeline
+from hf_tp.parallel.pipeline_aux import Routing
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.config import TrainConfig
-from hf_tp.train.model import parallelize_settings, unparallelized_model
+from hf_tp.train.model import compute_dtype, init_lora, parallelize_settings, unparallelized_model, with_lora
 
 
 def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> Pipeline:
     """Build the model on the meta device, cut this rank's stages from it and parallelize each over
-    ``mesh`` without its ``pp`` dim, then read each stage's shards from the files."""
+    ``mesh`` without its ``pp`` dim, then read each stage's shards from the files. ``--lora-r``:
+    the adapters are added to the whole model, and each stage keeps its share of the whole
+    model's initial adapters (the same at any pp)."""
     model, model_dir, fused = unparallelized_model(cfg, device)
+    lora = with_lora(model, cfg)
+    if cfg.lora_r:
+        freeze_in_dtype(lora, compute_dtype(cfg, device))
+    adapters = lora_init_state(model, cfg.seed) if cfg.lora_r else None  # drawn in the whole model's order
     pipe = pipeline_parallelize(
-        model,
+        lora,
         mesh,
         schedule=cfg.pp_schedule,
         microbatches=cfg.pipeline_microbatches,
@@ -30,6 +38,8 @@ def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> 
     if fused is not None:
         for stage_model in pipe.models:
             materialize_and_load(stage_model, model_dir, device, fused)
+    for stage_model in pipe.models if adapters is not None else ():
+        init_lora(stage_model, adapters)
     return pipe
 
 
@@ -43,3 +53,29 @@ def summed_over_stages(value: int, pipe: Pipeline, device: torch.device) -> int:
     count = torch.tensor(float(value), device=device, dtype=torch.float64)
     dist.all_reduce(count, group=pipe.group)
     return int(count.item())
+
+
+def pipeline_routing(pipe: Pipeline, micro_batches: list[dict[str, torch.Tensor]], over_step: bool) -> Routing | None:
+    """A MoE's routing over the whole step's micro-batches (the aux loss over the step: ``over_step``),
+    found before any of them trains; None without transformers' aux loss or with it per micro-step."""
+    return pipe.route(micro_batches) if pipe.has_aux and over_step else None
+
+
+def pipeline_micro_loss(
+    pipe: Pipeline,
+    batch: dict[str, torch.Tensor],
+    num_targets: int,
+    dp: int,
+    routing: Routing | None,
+    weight: float,
+    index: int,
+) -> tuple[torch.Tensor, float | None]:
+    """(loss, aux) of micro-step ``index`` over the pipeline: this rank's cross entropy plus, for a
+    MoE with transformers' aux loss, ``router_aux_loss_coef * weight`` times this rank's share of
+    it; ``aux`` that unweighted share (None without one, or when the step's ``routing`` was counted
+    at micro-step 0). Without the step's ``routing`` the aux loss is this micro-step's rows'."""
+    own = routing if routing is not None else (pipe.route([batch]) if pipe.has_aux else None)
+    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight)
+    if own is None or (routing is not None and index > 0):
+        return loss, None
+    return loss + pipe.models[0].config.router_aux_loss_coef * weight * own.term, own.term

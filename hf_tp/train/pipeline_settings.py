@@ -28,7 +28,6 @@ def check_pipeline_settings(cfg: Any) -> None:
     refused = {
         "--cp": cfg.cp > 1,  # stages would need the cp token split
         "--ep": cfg.ep > 1,
-        "--lora-r": bool(cfg.lora_r),
         "--compile": cfg.compile,
         f"--objective {cfg.objective}": cfg.objective != "sft",
         "--eval-dataset/--eval-split": cfg.has_eval,

@@ -1,6 +1,7 @@
 """Pipeline parallelism (``--pp``) with torch's schedules in real processes (torch's threaded
 process group has no point-to-point send/recv): the loss curve and every weight after a few AdamW
-steps equal plain single-process HF's, also across a checkpoint resumed without pp."""
+steps equal plain single-process HF's (a MoE's loss with its router aux loss, a peft LoRA model's
+adapter gradients), also across a checkpoint resumed without pp."""
 
 from __future__ import annotations
 
@@ -16,14 +17,20 @@ pytestmark = pytest.mark.e2e
 # each stage's layers must keep their own attention type and mask.
 _GEMMA3_WINDOWS = {"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]}
 
-# One launch of 4 ranks (pp2 x tp2 or pp2 x dp2 each): every schedule, a MoE, sliding windows, HSDP.
+_AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+# One launch of 4 ranks (pp2 x tp2 or pp2 x dp2 each): every schedule, MoEs with the router aux loss,
+# LoRA, sliding windows, HSDP.
 CASES = [
     # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp)
     {"family": "llama", "schedule": "1f1b", "tp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
     {"family": "qwen2", "schedule": "gpipe", "dp": 2},
     {"family": "qwen2", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2},
     {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2},
-    {"family": "qwen3_moe", "schedule": "1f1b", "tp": 2},
+    # the router aux loss (coef 0.5: its gradients weigh): counted through the pipeline, each stage its layers' share
+    {"family": "qwen3_moe", "schedule": "1f1b", "tp": 2, "overrides": _AUX},
+    {"family": "mixtral", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2, "overrides": _AUX},
+    {"family": "llama", "schedule": "1f1b", "tp": 2, "lora": 4},  # peft LoRA (all-linear): adapter gradients too
     {"family": "gemma3_text", "schedule": "1f1b", "dp": 2, "dtype": "float64", "overrides": _GEMMA3_WINDOWS},
     {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
 ]
