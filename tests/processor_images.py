@@ -62,8 +62,37 @@ def gemma3_ids(config, processor) -> None:
     config.boi_token_index, config.eoi_token_index = tok.boi_token_id, tok.eoi_token_id
 
 
-# model_type -> (its processor built offline, setting the config's image token ids from the processor)
-PROCESSORS: dict[str, tuple[Callable, Callable]] = {"gemma3": (gemma3_processor, gemma3_ids)}
+def idefics3_processor():
+    """Idefics3Processor: the PIL image processor at the tiny tower's 28x28, unsplit, one image
+    token per image (2x2 patches of 14, pixel-shuffled by 2) between its fake tokens."""
+    import transformers
+    from transformers import Idefics3Processor
+
+    tokenizer = chat_tokenizer()
+    tiles = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<global-img>", *tiles]})
+    pil = getattr(transformers, "Idefics3ImageProcessorPil", None) or transformers.Idefics3ImageProcessor
+    edge = {"longest_edge": 28}
+    return Idefics3Processor(
+        image_processor=pil(do_image_splitting=False, size=edge, max_image_size=edge),
+        tokenizer=tokenizer,
+        image_seq_len=1,
+        chat_template=TEMPLATE,
+    )
+
+
+def idefics3_ids(config, processor) -> None:
+    config.image_token_id = processor.image_token_id
+
+
+# model_type -> (its processor built offline, setting the config's image token ids from the
+# processor). SmolVLM's own SmolVLMProcessor takes a video processor, which transformers builds
+# only with torchvision: its wrapper gets Idefics3's, which lays images out as SmolVLM's does.
+PROCESSORS: dict[str, tuple[Callable, Callable]] = {
+    "gemma3": (gemma3_processor, gemma3_ids),
+    "idefics3": (idefics3_processor, idefics3_ids),
+    "smolvlm": (idefics3_processor, idefics3_ids),
+}
 
 
 class _InOrder:

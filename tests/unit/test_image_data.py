@@ -202,3 +202,13 @@ def test_gemma3_labels_skip_the_soft_image_tokens_not_its_begin_token(tmp_path) 
     ids, labels = rows[0]["input_ids"], rows[0]["labels"]
     assert ids.count(tok.image_token_id) == 4 and tok.boi_token_id in ids
     assert [t for t in labels if t != IGNORE_INDEX] == [t for t in ids if t != tok.image_token_id]
+
+
+def test_processor_rows_train_a_parallel_smolvlm_as_plain_hf(tmp_path) -> None:
+    # Idefics3's processor (SmolVLM's own needs torchvision) saved with a tiny SmolVLM and reloaded:
+    # its rows through hf_tp's data path (a ghost row at tp2 x dp2) give plain HF's loss and
+    # every trainable gradient at tp2 and tp2 x dp2 (Gemma 3's: scripts/image_grid.py --processors).
+    from tests.processor_images import processor_parity
+
+    diffs = processor_parity("smolvlm", tmp_path)
+    assert max(diffs.values()) <= 1e-6, diffs
