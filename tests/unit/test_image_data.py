@@ -186,3 +186,33 @@ def test_dp_rank_without_images_gets_a_ghost_row_and_plain_hf_gradients(processo
             torch.testing.assert_close(got[name], w, rtol=0, atol=1e-6 * w.abs().max().item(), msg=name)
 
     run_threaded(4, rank_fn)
+
+
+def test_gemma3_labels_skip_the_soft_image_tokens_not_its_begin_token(tmp_path) -> None:
+    # Gemma3Processor names its begin-image token as image_token and expands it to the tokenizer's
+    # soft tokens: with every token a target, the soft tokens are never targets, the begin token is.
+    from tests.processor_images import gemma3_processor
+
+    processor = gemma3_processor()
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 1), counts=(1,)))
+    rows = encode_image_dataset(
+        load_text_dataset(str(path)), processor, seq_len=64, assistant_only=False, label="x", base_dir=tmp_path
+    )[0]
+    tok = processor.tokenizer
+    ids, labels = rows[0]["input_ids"], rows[0]["labels"]
+    assert ids.count(tok.image_token_id) == 4 and tok.boi_token_id in ids
+    assert [t for t in labels if t != IGNORE_INDEX] == [t for t in ids if t != tok.image_token_id]
+
+
+def test_processor_rows_train_a_parallel_smolvlm_as_plain_hf(tmp_path) -> None:
+    # Idefics3's processor (SmolVLM's own needs torchvision) saved with a tiny SmolVLM and reloaded:
+    # its rows through hf_tp's data path (a ghost row at tp2 x dp2) give plain HF's loss and
+    # every trainable gradient at tp2 and tp2 x dp2 (Gemma 3's: scripts/image_grid.py --processors).
+    from tests.processor_images import PROCESSORS, processor_parity
+
+    try:
+        PROCESSORS["smolvlm"][0]()
+    except ImportError as exc:  # transformers 5.17's Idefics3ImageProcessorPil requires torchvision
+        pytest.skip(f"this transformers builds Idefics3's processor only with torchvision: {str(exc).strip()[:80]}")
+    diffs = processor_parity("smolvlm", tmp_path)
+    assert max(diffs.values()) <= 1e-6, diffs

@@ -115,8 +115,11 @@ def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 
 def image_token_id(processor: Any) -> int | None:
-    """The id of the processor's image placeholder token (never a target), if it names one."""
-    found = getattr(processor, "image_token_id", None)
+    """The id of the image placeholder token the processor expands to (never a target), if it names
+    one: the tokenizer's where it names one (Gemma 3's processor names its begin-image token, which
+    stays text, and expands it to the tokenizer's soft image tokens), else the processor's."""
+    found = getattr(getattr(processor, "tokenizer", None), "image_token_id", None)
+    found = found if found is not None else getattr(processor, "image_token_id", None)
     token = getattr(processor, "image_token", None)
     if found is None and isinstance(token, str):
         found = processor.tokenizer.convert_tokens_to_ids(token)
