@@ -95,3 +95,13 @@ def check_cp_rows(seq_len: int, tp: int, cp: int, name: str = "seq_len") -> None
             f"{name} ({seq_len}) must be a multiple of 2*cp*tp ({row_multiple(tp, cp)}): each cp rank keeps two "
             "equal chunks of a row, each split over tp"
         )
+
+
+def check_compile(compile: bool, activation_checkpointing: bool, tp: int) -> None:
+    """torch.compile of a decoder layer that HF checkpoints, under tp, fails in torch's compiler
+    (its AOT autograd saves the DTensors' DeviceMesh for backward): one line before anything runs."""
+    if compile and activation_checkpointing and tp > 1:
+        raise ValueError(
+            "compile with activation checkpointing fails under tensor parallelism in this torch (its compiler "
+            "saves a DeviceMesh for the checkpointed layer's backward): drop --compile or --activation-checkpointing"
+        )

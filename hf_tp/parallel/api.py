@@ -13,7 +13,7 @@ from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases
 from hf_tp.inference.generate import generate as parallel_generate
-from hf_tp.layout import check_dp_replicate
+from hf_tp.layout import check_compile, check_dp_replicate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
@@ -68,8 +68,8 @@ def parallelize(
     says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
     """
     outer, vision = model, train_vision_tower
-    check_compile(compile, activation_checkpointing, split_mesh(mesh)[1].size())
     model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
+    check_compile(compile, activation_checkpointing, tp_mesh.size())  # (hf_tp.layout)
     record = record_of(model)  # attached by _check, once every check passed
     if activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -214,16 +214,6 @@ def _generate(model: nn.Module, inputs=None, **kwargs):
             "hf_tp.generate(model, input_ids, ...) documents what it takes"
         )
     return parallel_generate(model, input_ids, **kwargs)
-
-
-def check_compile(compile: bool, activation_checkpointing: bool, tp: int) -> None:
-    """torch.compile of a decoder layer that HF checkpoints, under tp, fails in torch's compiler
-    (its AOT autograd saves the DTensors' DeviceMesh for backward): one line before anything runs."""
-    if compile and activation_checkpointing and tp > 1:
-        raise ValueError(
-            "compile with activation checkpointing fails under tensor parallelism in this torch (its compiler "
-            "saves a DeviceMesh for the checkpointed layer's backward): drop --compile or --activation-checkpointing"
-        )
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -7,7 +7,7 @@ import math
 
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.gpus import get_gpu
-from hf_tp.layout import check_layout, check_positive
+from hf_tp.layout import check_compile, check_layout, check_positive
 from hf_tp.train.pipeline_settings import check_pipeline_settings
 from hf_tp.train.setting import is_a, type_words
 from hf_tp.train.settings_data import OBJECTIVES
@@ -42,6 +42,7 @@ class ConfigChecks:
         self._validate_types()
         check_layout(self.tp, self.dp, self.cp, self.ep, self.dp_replicate, flags=True)
         self._validate_auto_layout()
+        check_compile(self.compile, self.activation_checkpointing, self.tp or 1)
         for name in (
             "pp",
             "pp_virtual_stages",

@@ -173,6 +173,12 @@ ROWS = [
         train("--tp", "1", "--dp", "2", "--cp", "2", "--dp-replicate", "2"),
         E + r"--dp-replicate does not combine with --cp yet: drop one of them",
     ),
+    Row(
+        "compile-with-recompute-under-tp",
+        train("--tp", "2", "--dp", "1", "--compile", "--activation-checkpointing"),
+        E + r"compile with activation checkpointing fails under tensor parallelism in this torch .*: drop --compile "
+        r"or --activation-checkpointing",
+    ),
     Row("lr-negative", train("--lr", "-1"), E + r"--lr must be positive, got -1\.0"),
     Row("lr-nan", train("--lr", "nan"), E + r"--lr must be a finite number, got nan"),
     # finding 6: --lr inf was accepted and trained to NaN at step 2
