@@ -16,11 +16,10 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
-from hf_tp.estimate.bounds import DataDependentBounds
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.images import ImageLoad
 from hf_tp.estimate.memory import MemoryBreakdown, MoEStats, PeakMemTracker, RoutedRows, find_experts, moe_stats
-from hf_tp.estimate.simulate import expert_groups, functional_groups, mesh_and_groups, simulation
+from hf_tp.estimate.simulate import DataDependentBounds, expert_groups, functional_groups, mesh_and_groups, simulation
 from hf_tp.estimate.spec import EstimateSpec, GiB, MiB, validate
 from hf_tp.estimate.step import (
     build_optimizer,

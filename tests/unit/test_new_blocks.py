@@ -132,7 +132,7 @@ def test_qwen4_estimate_takes_the_indexers_nonzero_at_its_bound() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_tp.estimate.api import estimate
-    from hf_tp.estimate.bounds import DataDependentBounds
+    from hf_tp.estimate.simulate import DataDependentBounds
 
     with FakeTensorMode(), DataDependentBounds():
         assert torch.nonzero(torch.zeros(3, 5)).shape == (15, 2)
