@@ -105,6 +105,8 @@ class ConfigChecks:
             return
         if self.dp_replicate > 1:
             raise ValueError("--layout auto does not choose HSDP layouts: drop --dp-replicate or --layout auto")
+        if self.pp > 1:
+            raise ValueError("--layout auto does not choose pipeline layouts: drop --pp or --layout auto")
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),

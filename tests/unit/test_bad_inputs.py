@@ -174,6 +174,11 @@ ROWS = [
         E + r"--dp-replicate does not combine with --cp yet: drop one of them",
     ),
     Row(
+        "layout-auto-with-pp",
+        train("--layout", "auto", "--world", "4", "--pp", "2"),
+        E + r"--layout auto does not choose pipeline layouts: drop --pp or --layout auto",
+    ),
+    Row(
         "compile-with-recompute-under-tp",
         train("--tp", "2", "--dp", "1", "--compile", "--activation-checkpointing"),
         E + r"compile with activation checkpointing fails under tensor parallelism in this torch .*: drop --compile "
