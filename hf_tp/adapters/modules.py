@@ -51,11 +51,25 @@ def num_experts(config) -> int | None:
     return None
 
 
+# The names families give their top-k (a list per layer in some: its first entry)
+TOP_K_FIELDS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_topk",
+    "moe_k",
+    "experts_per_token",
+    "top_k",
+    "top_k_experts",
+)
+
+
 def experts_per_token(config) -> int | None:
     """How many routed experts each token uses (top-k; families name the field differently), else None."""
-    for name in ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k"):
+    for name in TOP_K_FIELDS:
         value = getattr(config, name, None)
-        if isinstance(value, int):
+        if isinstance(value, list | tuple) and value:
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.modules import experts_per_token
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
@@ -26,8 +27,6 @@ from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.record import ModelPlan
 from hf_tp.plan.top import describe_top
 from hf_tp.record import record_of
-
-TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "experts_per_token", "top_k", "top_k_experts")
 
 
 def plan_for(
@@ -165,13 +164,7 @@ def _dtype(text: PretrainedConfig, config: PretrainedConfig) -> torch.dtype:
 
 
 def _top_k(config: PretrainedConfig) -> int:
-    for field in TOP_K_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, list | tuple) and value:
-            value = value[0]
-        if isinstance(value, int) and value > 0:
-            return value
-    return 1
+    return experts_per_token(config) or 1
 
 
 def _label(config: PretrainedConfig, index: int, moe: bool, moe_model: bool) -> tuple[str, str]:
