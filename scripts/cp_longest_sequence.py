@@ -56,7 +56,7 @@ def extrapolated(config, cp: int, ac: bool, seq: int) -> dict[str, float]:
 
 def longest(config, cp: int, ac: bool, gpu: int, cap: int, say) -> tuple[int, dict | None]:
     """The longest fitting seq_len (0 if not even STEP fits) and its extrapolated figures."""
-    from hf_tp.estimate.layouts import usable_peak
+    from hf_tp.estimate.sweep import usable_peak
 
     def ok(seq: int):
         got = extrapolated(config, cp, ac, seq)

@@ -99,9 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hf_tp.estimate.api import estimate_spec
     from hf_tp.estimate.configs import resolve_model_config
-    from hf_tp.estimate.images import image_load
     from hf_tp.estimate.report import format_ranking, format_sweep
-    from hf_tp.estimate.spec import parse_memory
+    from hf_tp.estimate.spec import image_load, parse_memory
     from hf_tp.estimate.sweep import sweep
 
     try:
@@ -182,17 +181,17 @@ def make_cluster(args: argparse.Namespace):
 
 
 def _reference(args: argparse.Namespace, est, config):
-    """What a preference objective's reference adds (:mod:`hf_tp.estimate.reference`), or None."""
+    """What a preference objective's reference adds (:mod:`hf_tp.estimate.api`), or None."""
     if args.objective == "sft":
         return None
-    from hf_tp.estimate.reference import reference_cost
+    from hf_tp.estimate.api import reference_cost
 
     return reference_cost(est, config, args.objective, args.precompute_ref)
 
 
 def print_single(result, cluster, as_json: bool, reference=None) -> int:
     """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
-    objective's reference model (``reference``, a :class:`hf_tp.estimate.reference.ReferenceCost`)."""
+    objective's reference model (``reference``, a :class:`hf_tp.estimate.api.ReferenceCost`)."""
     from hf_tp.estimate.report import format_estimate, format_speed
     from hf_tp.estimate.speed import predict
 

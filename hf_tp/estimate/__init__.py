@@ -17,7 +17,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "MemoryBreakdown": "hf_tp.estimate.memory",
     "MoEStats": "hf_tp.estimate.memory",
     "Speed": "hf_tp.estimate.speed",
-    "Sweep": "hf_tp.estimate.layouts",
+    "Sweep": "hf_tp.estimate.sweep",
     "bundled_models": "hf_tp.estimate.configs",
     "estimate": "hf_tp.estimate.api",
     "estimate_spec": "hf_tp.estimate.api",

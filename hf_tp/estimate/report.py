@@ -4,11 +4,10 @@ layout's predicted speed and a sweep's ranking by it."""
 from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate
-from hf_tp.estimate.layouts import RANK_RULE, RULE, Sweep, fits, headroom
 from hf_tp.estimate.memory import BALANCED_NOTE_LINES
 from hf_tp.estimate.spec import GiB, MiB
 from hf_tp.estimate.speed import Cluster, Speed
-from hf_tp.estimate.sweep import layout_name
+from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits, headroom, layout_name
 
 _CATEGORIES = (
     ("parameters", "parameters"),

@@ -11,8 +11,8 @@ import pytest
 from hf_tp.cli import auto_layout
 from hf_tp.cli.main import main
 from hf_tp.estimate import sweep as sweep_module
-from hf_tp.estimate.layouts import Sweep
 from hf_tp.estimate.speed import Cluster
+from hf_tp.estimate.sweep import Sweep
 from hf_tp.gpus import get_gpu
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loop import _metrics_record

@@ -12,11 +12,10 @@ from transformers import LlamaConfig
 import hf_tp
 from hf_tp.cli.main import main
 from hf_tp.estimate import bundled_models, estimate, resolve_model_config
-from hf_tp.estimate.layouts import RESERVED_BYTES
 from hf_tp.estimate.memory import GiB, MiB
 from hf_tp.estimate.spec import parse_memory
 from hf_tp.estimate.step import measure
-from hf_tp.estimate.sweep import recommend, sweep
+from hf_tp.estimate.sweep import RESERVED_BYTES, recommend, sweep
 
 # Published shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied).
 SHAPES = {

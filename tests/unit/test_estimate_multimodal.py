@@ -10,7 +10,7 @@ import pytest
 
 from hf_tp.cli.main import main
 from hf_tp.estimate import estimate
-from hf_tp.estimate.images import image_load
+from hf_tp.estimate.spec import image_load
 from tests.image_grid import image_config
 from tests.wrapper_grid import wrapper_config
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_tp.cli.main import main
-from hf_tp.estimate.api import estimate
-from hf_tp.estimate.reference import reference_cost
+from hf_tp.estimate.api import estimate, reference_cost
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 - a fixture
 
 

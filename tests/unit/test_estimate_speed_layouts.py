@@ -11,11 +11,10 @@ import pytest
 from hf_tp.cli.estimate import main
 from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work
-from hf_tp.estimate.layouts import Sweep, fits
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.report import format_ranking
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
-from hf_tp.estimate.sweep import grow_batch, speed_sweep, sweep
+from hf_tp.estimate.sweep import Sweep, fits, grow_batch, speed_sweep, sweep
 from hf_tp.gpus import get_gpu
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
 from tests.unit.test_estimate_moe import tiny_moe
