@@ -130,3 +130,36 @@ def test_a_later_step_is_judged_with_the_moment_it_carries() -> None:
     got_g1 = g1.clone()
     got_g1[5] = 1e-11
     assert "are ~0" in adam_error(want, want, start, [{"w": g1}, {"w": g2}], [{"w": got_g1}, {"w": got_g2}]).where
+
+
+def test_the_flags_shared_with_train_are_trains() -> None:
+    """``hf-tp verify``'s layout, LoRA and launch flags are generated from TrainConfig's fields, as
+    ``hf-tp train``'s are: the same names, help and choices; not given, TrainConfig's defaults."""
+    from hf_tp.cli.formatting import subcommand_parser
+    from hf_tp.cli.train import build_parser
+    from hf_tp.cli.verify import TRAIN_FLAGS, add_arguments, config_from_args
+    from hf_tp.train.config import TrainConfig
+
+    verify = subcommand_parser("hf-tp verify", None, "")
+    add_arguments(verify)
+
+    def actions(parser) -> dict:
+        return {(a.dest, tuple(a.option_strings)): (a.help, a.choices, a.const) for a in parser._actions}
+
+    train, mine = actions(build_parser()), actions(verify)
+    shared = {key: value for key, value in train.items() if key[0] in TRAIN_FLAGS}
+    assert {dest for dest, _ in shared} == set(TRAIN_FLAGS)  # (sequence / loss parallel: their --no- flag)
+    assert {key: mine.get(key) for key in shared} == shared
+    cfg = config_from_args(verify.parse_args(["--model", "m", "--cp", "2", "--no-loss-parallel"]))
+    default = TrainConfig()
+    assert (cfg.tp, cfg.dp, cfg.cp, cfg.max_steps, cfg.lr, cfg.seq_len, cfg.loss_parallel) == (
+        2,
+        1,
+        2,
+        3,
+        1e-3,
+        32,
+        False,
+    )
+    assert all(getattr(cfg, f) == getattr(default, f) for f in TRAIN_FLAGS if f not in ("cp", "loss_parallel"))
+    assert config_from_args(verify.parse_args(["--model", "m", "--tp", "2", "--cp", "3"])).seq_len == 36  # 2*cp*tp
