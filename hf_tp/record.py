@@ -3,8 +3,10 @@
 :class:`ParallelRecord` sits on the HF model ``parallelize`` changed (the one attribute ``hf_tp``;
 :func:`record_of` finds it through a peft model or ``torch.compile``'s wrapper too): its meshes,
 the plans and their styles, the expert shards, the context-parallel state, LoRA, the dropout
-streams, the fused partial-gradient reduction, the weights kept whole. Generate, checkpoints,
-the loop, verify and the estimate read it; "already parallelized" is a check on it.
+streams, the fused partial-gradient reduction, the weights kept whole, a pipeline stage's cut
+(:class:`StageRecord`), the methods replaced on modules and the class swaps styles make
+(:func:`reclass`). Generate, checkpoints, the loop, verify and the estimate read it; "already
+parallelized" is a check on it.
 
 Facts a hook needs about one module (a MoE region's roles, packed expert shapes, peft's
 parameter wrappers, this rank's experts, the cp state an attention call reads) are
