@@ -26,7 +26,6 @@ MOVED_FLOOR = 1e-4
 # How closely both runs must agree on a gradient under the magnitude floor for it to count as
 # resolved: the AdamW check's own tolerance, which AdamW's updates then differ by at most.
 AGREE = 1e-3
-ADAM_BETA1 = ADAMW_BETAS[0]  # how much of its earlier gradients AdamW's first moment keeps each step
 
 
 @dataclass(frozen=True)
@@ -127,12 +126,13 @@ def adam_error(
     round-off in its gradients.
 
     ``grads`` / ``got_grads``: the first step's gradients, or every step's (a list, oldest first,
-    as the optimizer saw them): then each step's update is judged by what drives it, AdamW's first
-    moment (the step's gradient plus the earlier ones decayed by beta1), with the rules above
-    applied to it, its round-off floor and the two runs' differences decayed alike (at one step,
-    exactly the rules above). A gradient near zero at a later step is no round-off update while
-    the moment carries a resolved earlier one. ``judged``: how many of the last steps moved
-    ``start`` to the weights compared (default: all; a resumed step is the last one of three).
+    as the optimizer saw them): then each step's update, AdamW's first moment over the root of its
+    second (both decayed sums of the steps so far), is judged by the rules above with that root in
+    place of |g| and the first moment's round-off floor and the two runs' first-moment difference
+    in place of the gradient's (at one step, exactly the rules above). A gradient near zero at a
+    later step is no round-off update while the moments carry resolved earlier ones.
+    ``judged``: how many of the last steps moved ``start`` to the weights compared (default: all;
+    a resumed step is the last one of three).
 
     ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
     caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
@@ -180,25 +180,29 @@ def _resolved(
     first = len(grads) - (judged or len(grads))
     like = next(g[name] for g in grads if name in g)
     floor = 1e-5 * torch.finfo(like.dtype).eps / torch.finfo(torch.float32).eps
-    moment, apart, low = (torch.zeros(like.shape, dtype=torch.float64, device=like.device) for _ in range(3))
+    beta1, beta2 = ADAMW_BETAS
+    square, apart, low = (torch.zeros(like.shape, dtype=torch.float64, device=like.device) for _ in range(3))
     noisy = torch.zeros_like(resolved)
     for t, step in enumerate(grads):
-        g = step[name].double() if name in step else torch.zeros_like(moment)  # (no gradient this step: zero)
+        g = step[name].double() if name in step else torch.zeros_like(square)  # (no gradient this step: zero)
         scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
-        moment, low = ADAM_BETA1 * moment + g, ADAM_BETA1 * low + floor * scale
+        square = beta2 * square + (1 - beta2) * g * g  # AdamW's second moment: what an update is divided by
+        low = beta1 * low + (1 - beta1) * floor * scale  # the first moment's round-off
         if both:
             other = got_grads[t][name].to(g.device, g.dtype) if name in got_grads[t] else torch.zeros_like(g)
-            apart = ADAM_BETA1 * apart + (other - g)  # how far apart the two runs' moments are
+            apart = beta1 * apart + (1 - beta1) * (other - g)  # how far apart the two runs' first moments are
         if t < first:
             continue
-        m, noise = moment.abs(), apart.abs()
-        ok = (m == 0) | (m >= low)  # exact zeros (absent tokens' rows) are exact
+        # the update is the first moment over the RMS (bias-corrected); what moves it is the first
+        # moment's error over that RMS (at the first step: the gradient's error over the gradient)
+        rms, noise = (square / (1 - beta2 ** (t + 1))).sqrt(), apart.abs() / (1 - beta1 ** (t + 1))
+        ok = (rms == 0) | (rms >= low / (1 - beta1 ** (t + 1)))  # exact zeros (absent tokens' rows) are exact
         if both:
             # a small gradient that is no cancellation (a tied LM head's rows of tokens the batch lacks:
             # the softmax tail) is as exact as a large one: where both runs agree on it to AGREE of
             # itself, AdamW's updates (about lr times g over its running RMS) agree as closely
-            ok |= AGREE * m >= noise
-            noisy |= ok & (m != 0) & (m < 10 * noise)
+            ok |= AGREE * rms >= noise
+            noisy |= ok & (rms != 0) & (rms < 10 * noise)
         resolved &= ok
     unresolved = int((~resolved).sum())
     if unresolved > int(w.numel() * max_unresolved):
