@@ -176,7 +176,9 @@ def _resolved(
     resolved = torch.ones_like(w, dtype=torch.bool)
     if not grads or not any(name in g for g in grads):  # a parameter used without gradient has none: all resolved
         return resolved, None
+    # the layout's gradients where it has them at the same steps (else the reference's rules alone, as before)
     both = got_grads is not None and len(got_grads) == len(grads)
+    both = both and all((name in g) == (name in h) for g, h in zip(grads, got_grads, strict=True))
     first = len(grads) - (judged or len(grads))
     like = next(g[name] for g in grads if name in g)
     floor = 1e-5 * torch.finfo(like.dtype).eps / torch.finfo(torch.float32).eps
@@ -189,7 +191,7 @@ def _resolved(
         square = beta2 * square + (1 - beta2) * g * g  # AdamW's second moment: what an update is divided by
         low = beta1 * low + (1 - beta1) * floor * scale  # the first moment's round-off
         if both:
-            other = got_grads[t][name].to(g.device, g.dtype) if name in got_grads[t] else torch.zeros_like(g)
+            other = got_grads[t][name].to(g.device, g.dtype) if name in got_grads[t] else g
             apart = beta1 * apart + (1 - beta1) * (other - g)  # how far apart the two runs' first moments are
         if t < first:
             continue
