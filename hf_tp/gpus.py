@@ -46,8 +46,8 @@ class GPU:
     link: str
     link_efficiency: float
     gpus_per_node: int
-    matmul_efficiency: float
-    attention_efficiency: float
+    matmul_efficiency: float | None  # None: none published (the speed model refuses the GPU; MFU still works)
+    attention_efficiency: float | None
     hbm_efficiency: float = HBM_EFFICIENCY
     device_names: tuple[str, ...] = ()  # torch.cuda.get_device_name's exact answers for this GPU
 
@@ -89,6 +89,17 @@ GPUS: dict[str, GPU] = {
         GPU("b200", "NVIDIA B200 180GB, HGX node of 8 with NVLink 5 switches", 2250 * TFLOPS, None, 8.0e12,
             180 * GB, gpus_per_node=8, matmul_efficiency=0.776, attention_efficiency=FLASH2_HOPPER,
             device_names=("NVIDIA B200",), **_nvlink(900)),
+        # H800 / A800: the H100 SXM's / A100 SXM's die, SMs and clocks with NVLink cut to 400 GB/s both ways
+        GPU("h800", "NVIDIA H800 SXM5 80GB, HGX node of 8 with NVSwitch (NVLink 400 GB/s)", 989.4 * TFLOPS,
+            66.9 * TFLOPS, 3.35e12, 80 * 2**30, gpus_per_node=8, matmul_efficiency=0.803,
+            attention_efficiency=FLASH2_HOPPER, device_names=("NVIDIA H800",), **_nvlink(200)),
+        GPU("a800-80gb", "NVIDIA A800 SXM4 80GB, HGX node of 8 with NVSwitch (NVLink 400 GB/s)", 312 * TFLOPS,
+            19.5 * TFLOPS, 2.039e12, 80 * 2**30, gpus_per_node=8, matmul_efficiency=0.869,
+            attention_efficiency=FLASH2_AMPERE, device_names=("NVIDIA A800-SXM4-80GB",), **_nvlink(200)),
+        GPU("l40s", "NVIDIA L40S 48GB (GDDR6), 8 per node over PCIe Gen4 (no NVLink)", 362.05 * TFLOPS,
+            91.6 * TFLOPS, 0.864e12, 48 * GB, link_bandwidth=32 * GB, link="PCIe Gen4",
+            link_efficiency=PCIE_EFFICIENCY, gpus_per_node=8, matmul_efficiency=None, attention_efficiency=None,
+            device_names=("NVIDIA L40S",)),
     )
 }  # fmt: skip
 
@@ -96,10 +107,17 @@ DEFAULT_INTER_NODE_GBPS = 400.0  # one 400 Gb/s InfiniBand NDR / RoCE NIC per GP
 
 
 def get_gpu(name: str) -> GPU:
-    """The named GPU (case-insensitive), or a ValueError listing the names."""
+    """The named GPU (case-insensitive) for the speed model, or a ValueError listing the names (or
+    saying that the GPU's efficiencies are not published)."""
     gpu = GPUS.get(name.lower().strip())
     if gpu is None:
         raise ValueError(f"unknown --gpu '{name}'; known GPUs: {', '.join(GPUS)}")
+    if gpu.matmul_efficiency is None or gpu.attention_efficiency is None:
+        raise ValueError(
+            f"--gpu {gpu.name}: no published maximum achievable matmul or attention FLOP/s for the {gpu.name}, which "
+            f"the speed model needs; leave --gpu out or name another (training's MFU on it still uses its "
+            f"{gpu.bf16_flops / TFLOPS:g} TFLOP/s dense bf16 peak)"
+        )
     return gpu
 
 

@@ -3,8 +3,10 @@
 :class:`ParallelRecord` sits on the HF model ``parallelize`` changed (the one attribute ``hf_tp``;
 :func:`record_of` finds it through a peft model or ``torch.compile``'s wrapper too): its meshes,
 the plans and their styles, the expert shards, the context-parallel state, LoRA, the dropout
-streams, the fused partial-gradient reduction, the weights kept whole. Generate, checkpoints,
-the loop, verify and the estimate read it; "already parallelized" is a check on it.
+streams, the fused partial-gradient reduction, the weights kept whole, a pipeline stage's cut
+(:class:`StageRecord`), the methods replaced on modules and the class swaps styles make
+(:func:`reclass`). Generate, checkpoints, the loop, verify and the estimate read it; "already
+parallelized" is a check on it.
 
 Facts a hook needs about one module (a MoE region's roles, packed expert shapes, peft's
 parameter wrappers, this rank's experts, the cp state an attention call reads) are
@@ -39,6 +41,26 @@ class ExpertShard:
     routing: Any = None  # how the dispatch sizes its all-to-alls (a hf_tp.parallel.routing.Routing)
 
 
+@dataclass(frozen=True)
+class StageRecord:
+    """A pipeline stage: the model cut to some of its decoder layers
+    (:func:`hf_tp.parallel.pipeline_split.cut_stage`), the modules other stages run left as gaps."""
+
+    layers: range  # the decoder layers this stage runs
+    of: int  # the model's decoder layers
+    gaps: tuple[str, ...] = ()  # paths (from the model) of the parameter-less gaps other stages run
+
+    @property
+    def first(self) -> bool:
+        """The stage takes token ids (it holds the embedding)."""
+        return self.layers.start == 0
+
+    @property
+    def last(self) -> bool:
+        """The stage returns the logits (it holds the final norm and ``lm_head``)."""
+        return self.layers.stop == self.of
+
+
 @dataclass
 class ModuleFacts:
     """What parallelize recorded about one module, for code that holds only the module."""
@@ -49,6 +71,8 @@ class ModuleFacts:
     packed: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # leaf -> (dim, HF shape)
     lora: dict[str, nn.Module] = field(default_factory=dict)  # leaf -> peft's ParamWrapper adding to it
     cp: Any = None  # the model's ContextState (attention modules, the decoder)
+    stage: StageRecord | None = None  # a pipeline stage's cut (the model; set before parallelize)
+    reclassed: str = ""  # the class a style swapped for its own subclass (:func:`reclass`)
 
     def empty(self) -> bool:
         return self == ModuleFacts()
@@ -102,6 +126,8 @@ class ParallelRecord:
         str, ...
     ] = ()  # a multimodal wrapper's modules outside its language model: whole on every tp rank
     overrides: tuple[str, ...] = ()  # "path.method": methods parallelize replaced on one module (generate, ...)
+    classes: tuple[str, ...] = ()  # "path: Old -> New": modules a style gave a subclass of its own (:func:`reclass`)
+    stage: StageRecord | None = None  # a pipeline stage (hf_tp.pipeline_parallelize), else None
     complete: bool = False  # parallelize returned (until then it is being filled in)
 
     def size(self, dim: str) -> int:
@@ -126,6 +152,24 @@ def overridden_methods(model: nn.Module) -> tuple[str, ...]:
                 continue
             out.append(f"{path}.{name}" if path else name)
     return tuple(out)
+
+
+def reclass(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
+    """Give ``module`` the class ``cls`` (a subclass of its own keeping its parameters and
+    state-dict keys, with its own forward), recorded in its facts so the record lists it."""
+    found = facts(module)
+    found.reclassed = found.reclassed or type(module).__name__
+    module.__class__ = cls
+    return module
+
+
+def replaced_classes(model: nn.Module) -> tuple[str, ...]:
+    """``path: Old -> New`` of every module of ``model`` that :func:`reclass` changed."""
+    return tuple(
+        f"{path}: {f.reclassed} -> {type(m).__name__}"
+        for path, m in model.named_modules()
+        if (f := _FACTS.get(m)) is not None and f.reclassed
+    )
 
 
 def attach(model: nn.Module, record: ParallelRecord) -> None:

@@ -42,8 +42,10 @@ _BUILDING = threading.Lock()
 def serial_meta_builds() -> Iterator[None]:
     """accelerate's ``init_empty_weights`` patches ``nn.Module.register_parameter`` for the whole
     process while one rank builds its meta model: rank threads must not run anything else then
-    (separate processes, as launched, never share it)."""
-    real = train_model.build_empty
+    (separate processes, as launched, never share it). ``from_pretrained`` (the whole-model load of
+    files that need a weight conversion) patches it too: two rank threads in it at once could
+    leave the patch installed for the rest of the process (every later tied model untied)."""
+    real, real_load = train_model.build_empty, train_model.model_from_pretrained
 
     def build_empty(config):
         dist.barrier()
@@ -52,7 +54,14 @@ def serial_meta_builds() -> Iterator[None]:
         dist.barrier()
         return model
 
-    with mock.patch.object(train_model, "build_empty", build_empty):
+    def model_from_pretrained(*args, **kwargs):
+        with _BUILDING:
+            return real_load(*args, **kwargs)
+
+    with (
+        mock.patch.object(train_model, "build_empty", build_empty),
+        mock.patch.object(train_model, "model_from_pretrained", model_from_pretrained),
+    ):
         yield
 
 

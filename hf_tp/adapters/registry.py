@@ -9,6 +9,10 @@ architecture means writing one small file that calls :func:`register_adapter`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter
@@ -20,6 +24,7 @@ from hf_tp.adapters.wrapper import refuse, text_config_of, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
 
 _REGISTRY: dict[str, Adapter] = {}
+_CHANGE: contextvars.ContextVar[Callable[[Adapter], Adapter] | None] = contextvars.ContextVar("change", default=None)
 HOW_TO_REGISTER = (
     "hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/llama.py)"
 )
@@ -55,7 +60,21 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
     """The adapter for a config: the registered one for its ``model_type``, else the generic plan
     derived from its model (:mod:`hf_tp.adapters.generic`), else a ``ValueError`` saying why.
     A bare ``model_type`` string finds registered adapters only (deriving needs the config)."""
-    return _adapter(config_or_type, in_wrapper=False)
+    adapter = _adapter(config_or_type, in_wrapper=False)
+    change = _CHANGE.get()
+    return adapter if change is None else change(adapter)
+
+
+@contextlib.contextmanager
+def changed_adapters(change: Callable[[Adapter], Adapter]) -> Iterator[None]:
+    """Inside the block, :func:`get_adapter` returns ``change(adapter)``, in this thread (a context
+    variable: the rank threads of one process each see their own). ``hf-tp verify``'s injected
+    faults use it to build a layout with a wrong plan (:mod:`hf_tp.verify.faults`)."""
+    token = _CHANGE.set(change)
+    try:
+        yield
+    finally:
+        _CHANGE.reset(token)
 
 
 def _adapter(config_or_type: PretrainedConfig | str, *, in_wrapper: bool) -> Adapter:

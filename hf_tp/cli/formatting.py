@@ -27,9 +27,10 @@ def subcommand_parser(prog: str, doc: str | None, epilog: str) -> argparse.Argum
     return argparse.ArgumentParser(prog=prog, description=doc, epilog=epilog, formatter_class=HelpFormatter)
 
 
-def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False) -> None:
+def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False, ep_cp: bool = True) -> None:
     """``--model`` as ``hf-tp estimate`` resolves it, offline, and the layout sizes ``--tp``,
-    ``--ep``, ``--cp`` (and ``--dp``): shared by ``hf-tp plan`` and ``hf-tp verify``."""
+    ``--ep``, ``--cp`` (and ``--dp``): shared by ``hf-tp plan`` and ``hf-tp verify`` (which takes
+    ``--ep`` and ``--cp`` as ``hf-tp train`` does, from its settings: ``ep_cp=False``)."""
     from hf_tp.estimate.configs import bundled_models  # json files only: no torch for --help
 
     names = ", ".join(bundled_models())
@@ -37,5 +38,6 @@ def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False) -> Non
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     if dp:
         p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (ranks borrowed from dp)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each row's tokens split over cp ranks")
+    if ep_cp:
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel size for MoE models (ranks borrowed from dp)")
+        p.add_argument("--cp", type=int, default=1, help="context-parallel size: each row's tokens split over cp ranks")

@@ -12,9 +12,11 @@ Offline: the config comes from a local folder, the Hub cache or a bundled name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
@@ -27,42 +29,57 @@ EPILOG = """examples:
 Exit code: 0 every check passed, 1 a check failed, 2 the model or layout was refused. The weights
 are random and the model small: it checks the layout's arithmetic, not a trained model's quality."""
 
-# flag -> TrainConfig field, for the flags verify shares with hf-tp train
-SHARED = ("model", "tp", "dp", "cp", "ep", "lora_r", "lora_alpha", "lora_target_modules", "seed", "device")
+# The flags verify shares with hf-tp train: generated from TrainConfig's fields (help, names, choices
+# and defaults in one place: hf_tp/train/settings_run.py), each meaning what it means for a training run.
+TRAIN_FLAGS = (
+    "ep",
+    "cp",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "seed",
+    "device",
+    "sequence_parallel",
+    "loss_parallel",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+)
+# verify's own (their defaults or meaning differ from train's): the model as estimate resolves it,
+# tp 2 and dp 1, and the short run it compares
+OWN = ("model", "tp", "dp", "max_steps", "lr")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_and_layout(p, dp=True)
-    p.add_argument("--lora-r", type=int, default=0, help="check LoRA adapters of this rank (peft); 0: full training")
-    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x r)")
-    p.add_argument("--lora-target-modules", default="all-linear", help="LoRA targets, as hf-tp train takes them")
+    from hf_tp.cli.train_flags import add_field_flags
+    from hf_tp.train.config import TrainConfig
+    from hf_tp.train.setting import value_types
+
+    add_model_and_layout(p, dp=True, ep_cp=False)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per row (rounded up to what the layout needs)")
     p.add_argument("--max-steps", type=int, default=3, help="AdamW steps compared")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where the ranks run")
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", help="check tp without SP")
-    p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false", help="replicated logits")
     p.add_argument("--output-dir", help="folder for the model, checkpoint and export (default: a temporary one)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes; run the same command on each")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master-port", type=int, help="port on node 0 (default: a free one)")
     p.add_argument("--verbose", action="store_true", help="the launcher's own output and every rank's error")
+    shared = p.add_argument_group("layout, LoRA and launch: as hf-tp train takes them")
+    hints = typing.get_type_hints(TrainConfig)
+    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name in TRAIN_FLAGS:
+        add_field_flags(shared, by_name[name], value_types(hints[name]))
 
 
 def config_from_args(args: argparse.Namespace):
-    """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them."""
+    """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them.
+    A shared flag not given takes its TrainConfig default."""
     from hf_tp.layout import row_multiple
     from hf_tp.train.config import TrainConfig
 
-    fields = {k: getattr(args, k) for k in SHARED}
-    fields |= dict(sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
-    fields |= dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr)
-    fields |= dict(master_port=args.master_port, max_steps=args.max_steps, lr=args.lr, output_dir=args.output_dir or "")
-    multiple = row_multiple(args.tp, args.cp)
+    fields = {k: getattr(args, k) for k in (*OWN, *TRAIN_FLAGS) if getattr(args, k) is not None}
+    cfg = TrainConfig(**fields, output_dir=args.output_dir or "", dtype="fp32", report_to="none")
+    multiple = row_multiple(cfg.tp, cfg.cp)
     seq_len = -(-args.seq_len // multiple) * multiple if multiple > 0 else args.seq_len
-    return TrainConfig(**fields, seq_len=seq_len, dtype="fp32", report_to="none")
+    return dataclasses.replace(cfg, seq_len=seq_len)
 
 
 def checked(cfg) -> str:

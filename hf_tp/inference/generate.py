@@ -211,6 +211,11 @@ def generate(
     training loop can continue right after. Returns what ``model.generate`` returns; a returned
     cache holds each rank's own heads, and hidden states (if asked for) are DTensors.
     """
+    if getattr(record_of(model), "stage", None) is not None:
+        raise ValueError(
+            "generate on a pipeline stage: one stage holds only some layers; export the checkpoint "
+            "(hf-tp export) and generate with the whole model, or parallelize it without pp"
+        )
     if getattr(record_of(model), "cp", None) is not None:
         raise ValueError(
             "hf_tp.generate does not decode with context parallelism (each rank holds part of every row); "

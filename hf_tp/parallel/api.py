@@ -32,7 +32,15 @@ from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
 from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
-from hf_tp.record import LoraRecord, ParallelRecord, attach, overridden_methods, record_of
+from hf_tp.record import (
+    LoraRecord,
+    ParallelRecord,
+    attach,
+    facts_of,
+    overridden_methods,
+    record_of,
+    replaced_classes,
+)
 
 
 def parallelize(
@@ -130,6 +138,7 @@ def _record(
         layer_plan=dict(adapter.layer_plan(opts)),
         top_plan=dict(adapter.top_plan(opts)),
         passengers=tuple(adapter.passengers),
+        stage=getattr(facts_of(model), "stage", None),  # a pipeline stage's cut (hf_tp.parallel.pipeline_split)
         **fields,
     )
     attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns
@@ -145,6 +154,7 @@ def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
     if any(p.device.type == "meta" for p in model.parameters()):  # to_empty must keep the hooks
         keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
     record.overrides = overridden_methods(model)
+    record.classes = replaced_classes(model)
 
 
 def _check(

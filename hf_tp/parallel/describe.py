@@ -116,7 +116,19 @@ def _extras(record: ParallelRecord) -> list[str]:
         out.append(f"run whole on every tp rank (a wrapper's passengers): {', '.join(record.passengers)}")
     if record.whole:
         out.append(f"kept whole outside FSDP2 (odd dtype): {', '.join(record.whole)}")
+    if record.stage is not None:
+        stage, layers = record.stage, record.layers_path + "."
+        others = [gap for gap in stage.gaps if not gap.startswith(layers)]  # (the layers: all but its own)
+        line = f"pipeline stage: decoder layers {_ranges(list(stage.layers))} of {stage.of}"
+        line += f" (first: {'yes' if stage.first else 'no'}, last: {'yes' if stage.last else 'no'})"
+        out.append(line + (f"; gaps for the other stages' {', '.join(others)}" if others else ""))
     if record.overrides:  # a method per decoder layer once, its layer index as *
-        names = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in record.overrides)
-        out.append(f"methods replaced: {', '.join(names)}")
+        out.append(f"methods replaced: {', '.join(_per_layer(record.overrides))}")
+    if record.classes:
+        out.append(f"classes replaced: {', '.join(_per_layer(record.classes))}")
     return out
+
+
+def _per_layer(names: tuple[str, ...]) -> list[str]:
+    """``names`` with each layer index written ``*``, each distinct one once."""
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))

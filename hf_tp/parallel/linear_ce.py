@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hf_tp.adapters import get_adapter
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.as_forward import call_as_forward
 from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
@@ -328,10 +329,6 @@ def causal_lm_loss(
         count = num_items_in_batch if num_items_in_batch is not None else (shifted != IGNORE_INDEX).sum().item()
         return linear_cross_entropy(hidden, head.weight, local_tokens(model, shifted), count)
 
-    # An instance attribute; nn.Module.__call__ runs the hooks around it. The tensors go through
-    # the call (FSDP2's root hook moves its inputs to the device and expects at least one).
-    model.forward = forward
-    try:
-        return sum_over_cp(model, model(input_ids, attention_mask, labels, position_ids, **images))
-    finally:
-        del model.forward
+    return sum_over_cp(
+        model, call_as_forward(model, forward, input_ids, attention_mask, labels, position_ids, **images)
+    )

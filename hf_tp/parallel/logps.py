@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import get_adapter
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.as_forward import call_as_forward
 from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 from hf_tp.parallel.linear_ce import (
@@ -166,9 +167,5 @@ def sequence_log_probs(
         # (copies: under tp the router logits are views, which FSDP2 warns about as root outputs)
         return sums.sum(-1), tuple(r.clone() for r in out.router_logits) if aux else ()
 
-    model.forward = forward  # as hf_tp.parallel.linear_ce.causal_lm_loss: FSDP2's hooks run around it
-    try:
-        sums, logits = model(batch["input_ids"], batch.get("attention_mask"), shifted)
-    finally:
-        del model.forward
+    sums, logits = call_as_forward(model, forward, batch["input_ids"], batch.get("attention_mask"), shifted)
     return SequenceLogProbs(sum_over_cp(model, sums), counts, logits or None)

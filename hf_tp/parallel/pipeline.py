@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
 from hf_tp.pipeline_checks import MULTI_STAGE
+from hf_tp.record import record_of
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
@@ -46,7 +47,8 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, tp_mesh):
         super().__init__()
         self.model = model
-        self.first, self.last = model.hf_tp_stage
+        stage = record_of(model).stage  # (hf_tp.record.StageRecord: set by the cut, kept by parallelize)
+        self.first, self.last = stage.first, stage.last
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.seq_len = 0  # the step's row length, set before each step (rebuilds the tp shards' global shape)
         self.routing: torch.Tensor | None = None  # a MoE step's [counts..., rows] (hf_tp.parallel.pipeline_aux)

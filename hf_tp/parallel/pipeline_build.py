@@ -57,19 +57,11 @@ def pipeline_parallelize(
     tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
     for top, stage_model in zip(tops, models, strict=True):
-        parallelize(top, stage_mesh, **parallelize_kwargs)
-        stage_model.generate = _no_generate  # one stage alone cannot decode
+        parallelize(top, stage_mesh, **parallelize_kwargs)  # its record holds the stage: generate refuses it
         stages.append(StageModule(stage_model, tp_mesh))
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
     route_group = dp_mesh.get_group() if dp_mesh is not None else None
     return Pipeline(
         stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
-    )
-
-
-def _no_generate(*args, **kwargs):
-    raise ValueError(
-        "generate on a pipeline stage: one stage holds only some layers; export the checkpoint "
-        "(hf-tp export) and generate with the whole model, or parallelize it without pp"
     )

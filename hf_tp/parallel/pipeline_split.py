@@ -20,12 +20,12 @@ from torch import nn
 
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.record import StageRecord, facts
 
 
 class StageGap(nn.Module):
-    """A module another pipeline stage runs: no parameters, passes its first input through."""
-
-    hf_tp_stage_gap = True  # tensor parallelism leaves it out of the plan (hf_tp.parallel.tp)
+    """A module another pipeline stage runs: no parameters, passes its first input through (the
+    stage's record lists its path; tensor parallelism leaves it out of the plan, hf_tp.parallel.tp)."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return hidden_states
@@ -166,24 +166,31 @@ def _gapped_copy(model: nn.Module, adapter: Adapter) -> nn.Module:
 
 def cut_stage(model: nn.Module, adapter: Adapter, layers: range, copy_model: bool) -> nn.Module:
     """The stage of ``model`` that runs decoder ``layers`` (a deep copy when ``copy_model``, else
-    ``model`` itself, cut in place): the others' modules become gaps, every name kept."""
+    ``model`` itself, cut in place): the others' modules become gaps, every name kept. The cut is a
+    :class:`~hf_tp.record.StageRecord` in the model's facts, which parallelize puts in its record."""
     if copy_model:
         model = copy.deepcopy(model)
     decoder, layers_name = _decoder_and_layers(model, adapter)
     stack = decoder.get_submodule(layers_name)
+    gaps = []
     for i in range(len(stack)):
         if i not in layers:
             stack[i] = LayerGap(stack[i])
-    first, last = layers.start == 0, layers.stop == len(stack)
-    if not first:
+            gaps.append(f"{adapter.layers_path}.{i}")
+    prefix = adapter.layers_path.rpartition(".")[0]
+    prefix += "." if prefix else ""
+    if layers.start != 0:
         embed = _embedding_name(decoder)
         setattr(decoder, embed, StageGap())
-    if not last:
+        gaps.append(prefix + embed)
+    if layers.stop != len(stack):
         norm = _final_norm_name(decoder, layers_name)
         if norm:
             setattr(decoder, norm, StageGap())
+            gaps.append(prefix + norm)
         model.lm_head = HeadGap()
-    model.hf_tp_stage = (first, last)
+        gaps.append("lm_head")
+    facts(model).stage = StageRecord(layers, len(stack), tuple(gaps))
     return model
 
 

@@ -16,6 +16,7 @@ from hf_tp.parallel.deepstack import shard_deepstack
 from hf_tp.parallel.dropout import install_model_dropout
 from hf_tp.parallel.one_token import gather_one_token_steps
 from hf_tp.parallel.passengers import split_at_language_model
+from hf_tp.record import facts_of
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 from hf_tp.styles.experts import mark_packed
 
@@ -102,11 +103,9 @@ def _top_plan_of(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> dict:
     """The adapter's plan for the modules outside the layers, less those a pipeline stage leaves
     to other stages (parameter-less gaps: the embedding after the first stage, the final norm and
     lm_head before the last; :mod:`hf_tp.parallel.pipeline_split`)."""
-    return {
-        path: style
-        for path, style in adapter.top_plan(opts).items()
-        if not getattr(model.get_submodule(path), "hf_tp_stage_gap", False)
-    }
+    stage = getattr(facts_of(model), "stage", None)
+    gaps = stage.gaps if stage is not None else ()
+    return {path: style for path, style in adapter.top_plan(opts).items() if path not in gaps}
 
 
 def mark_packed_experts(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> None:

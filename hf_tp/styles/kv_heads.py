@@ -27,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.record import reclass
+
 
 class ReplicatedKVProjection(ParallelStyle):
     """``k_proj``/``v_proj`` when ``tp = replicas * num_key_value_heads``: whole weight on every
@@ -54,7 +56,7 @@ class ReplicatedKVProjection(ParallelStyle):
                 mod.register_parameter(pname, dist_param)
 
         distribute_module(module, device_mesh, replicate_params)
-        module.__class__ = KVHeadLinear  # same parameters and state dict keys, its own forward
+        reclass(module, KVHeadLinear)  # same parameters and state dict keys, its own forward (recorded)
         module.head_dim = module.out_features // kv
         module.head_start = (device_mesh.get_local_rank() // self.replicas) * module.head_dim
         return module

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_tp.record import reclass
 from hf_tp.styles.choice import ByKind
 from hf_tp.styles.experts import DenseOrMoE
 from hf_tp.styles.heads import Compose, LocalParamViews
@@ -143,9 +144,9 @@ class _LoraKVHeads:
         for sub in (*module.lora_A.values(), *module.lora_B.values()):
             distribute_module(sub, device_mesh)  # replicated
         for a in module.lora_A.values():
-            a.__class__ = WholeLinearPartialGrads
+            reclass(a, WholeLinearPartialGrads)
         for b in module.lora_B.values():
-            b.__class__ = KVHeadRowsOfLocalInput
+            reclass(b, KVHeadRowsOfLocalInput)
             b.head_start, b.head_dim = base.head_start, base.head_dim
         module.register_forward_pre_hook(_replicated_input)  # one input for base, dropout and branch
         return module

@@ -12,6 +12,7 @@ from torch import nn
 from hf_tp.adapters.modules import num_experts
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
+from hf_tp.parallel.as_forward import call_as_forward
 from hf_tp.parallel.aux_loss import router_aux_term, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
@@ -129,11 +130,9 @@ def _router_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[t
         return tuple(decoder(input_ids=input_ids, output_router_logits=True, **kwargs).router_logits)
 
     rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-    model.forward = forward  # an instance attribute: nn.Module.__call__ runs the hooks around it
-    try:
-        return model(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), **rest)
-    finally:
-        del model.forward
+    return call_as_forward(
+        model, forward, inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), **rest
+    )
 
 
 def _aux_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:

@@ -91,6 +91,7 @@ def train(model: nn.Module, opt, batch: dict[str, torch.Tensor], rank: Rank, s: 
         if step == 0:
             trace.grads = full_grads(model)
         trace.grad_norms.append(clip_grad_norm(model.parameters(), s.max_grad_norm).item())
+        trace.step_grads.append(full_grads(model))
         opt.step()
         opt.zero_grad(set_to_none=True)
     trace.params = full_params(model, trainable_only=True)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_tp.styles.experts import hf_shapes
+from hf_tp.train.optim import ADAMW_BETAS
 
 # Biases added to every key (k_proj, the packed query_key_value, a key LayerNorm): their gradient is zero in
 # exact arithmetic (softmax ignores a per-query constant q.b_k), so their Adam update is round-off.
@@ -96,22 +97,26 @@ def tensor_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     return worst
 
 
+Grads = dict[str, torch.Tensor]
+
+
 def adam_error(
     got: dict[str, torch.Tensor],
     want: dict[str, torch.Tensor],
     start: dict[str, torch.Tensor],
-    grads: dict[str, torch.Tensor] | None = None,
-    got_grads: dict[str, torch.Tensor] | None = None,
+    grads: Grads | list[Grads] | None = None,
+    got_grads: Grads | list[Grads] | None = None,
     max_unresolved: float = 1e-3,
     uncapped: tuple[str, ...] = (),
+    judged: int | None = None,
 ) -> Error:
     """Weights after AdamW steps: the largest, over tensors, of |W_got - W_want| / (|W_want - W_start|
-    + 1e-4) (norms) over the elements whose first gradient is resolved; ``rel`` is that ratio (the
+    + 1e-4) (norms) over the elements whose updates are resolved; ``rel`` is that ratio (the
     1e-4: a tensor that barely moved is allowed 1e-7 of round-off at a tolerance of 1e-3).
 
     An element-wise test is ill-posed after Adam: its first update is lr * g / (|g| + eps), about
     lr * sign(g), so an element whose true gradient is ~0 moves by +-lr on round-off alone. Such
-    elements (given ``grads``, the reference's first gradients: nonzero |g| under 1e-5 of the
+    elements (given ``grads``, the reference's gradients: nonzero |g| under 1e-5 of the
     tensor's RMS gradient, scaled by the dtype's epsilon) are left out; at most ``max_unresolved``
     of a tensor may be (far less than one tp shard of it), or the tensor counts as failed
     (``where`` says so). Given ``got_grads`` too, a small gradient on which both runs agree to a
@@ -119,6 +124,15 @@ def adam_error(
     batch lacks get the softmax tail), and an element whose gradient differs by over a tenth of itself
     is not resolved (at most 1 in 100): a float64 model that computes parts in fp32 has fp32
     round-off in its gradients.
+
+    ``grads`` / ``got_grads``: the first step's gradients, or every step's (a list, oldest first,
+    as the optimizer saw them): then each step's update, AdamW's first moment over the root of its
+    second (both decayed sums of the steps so far), is judged by the rules above with that root in
+    place of |g| and the first moment's round-off floor and the two runs' first-moment difference
+    in place of the gradient's (at one step, exactly the rules above). A gradient near zero at a
+    later step is no round-off update while the moments carry resolved earlier ones.
+    ``judged``: how many of the last steps moved ``start`` to the weights compared (default: all;
+    a resumed step is the last one of three).
 
     ``uncapped``: name prefixes of parameters whose unresolved elements are left out without those
     caps: hyper-connection mixers (fp32 inside a float64 model). Their first layer takes k copies of
@@ -128,12 +142,13 @@ def adam_error(
     """
     if missing := tuple(sorted(got.keys() ^ want.keys())):
         return Error(missing=missing)
+    history, got_history = _steps(grads), _steps(got_grads)
     worst = Error()
     for name, w in want.items():
         if name.endswith(KEY_BIASES):  # exactly zero gradient in exact arithmetic: its update is round-off
             continue
         capped = max_unresolved if not name.startswith(uncapped) else 1.0
-        resolved, problem = _resolved(name, w, grads, got_grads, capped)
+        resolved, problem = _resolved(name, w, history, got_history, capped, judged)
         if problem:
             return Error(math.inf, math.inf, problem)
         moved = (w - start[name])[resolved].norm().item()
@@ -145,28 +160,58 @@ def adam_error(
     return worst
 
 
+def _steps(grads: Grads | list[Grads] | None) -> list[Grads] | None:
+    return [grads] if isinstance(grads, dict) else grads
+
+
 def _resolved(
-    name: str, w: torch.Tensor, grads: dict | None, got_grads: dict | None, max_unresolved: float
+    name: str,
+    w: torch.Tensor,
+    grads: list[Grads] | None,
+    got_grads: list[Grads] | None,
+    max_unresolved: float,
+    judged: int | None,
 ) -> tuple[torch.Tensor, str | None]:
-    """The elements of ``w`` whose first gradient is resolved, or a reason the tensor cannot pass."""
+    """The elements of ``w`` whose judged updates are all resolved, or a reason the tensor cannot pass."""
     resolved = torch.ones_like(w, dtype=torch.bool)
-    if grads is None or name not in grads:  # a parameter used without gradient has none: all resolved
+    if not grads or not any(name in g for g in grads):  # a parameter used without gradient has none: all resolved
         return resolved, None
-    g = grads[name]
-    scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
-    floor = 1e-5 * torch.finfo(g.dtype).eps / torch.finfo(torch.float32).eps
-    resolved = (g == 0) | (g.abs() >= floor * scale)  # exact zeros (absent tokens' rows) are exact
-    if got_grads is not None and name in got_grads:
-        # a small gradient that is no cancellation (a tied LM head's rows of tokens the batch lacks:
-        # the softmax tail) is as exact as a large one: where both runs agree on it to AGREE of
-        # itself, AdamW's updates (about lr times g over its running RMS) agree as closely
-        resolved |= AGREE * g.abs() >= (got_grads[name].to(g.device, g.dtype) - g).abs()
+    # the layout's gradients where it has them at the same steps (else the reference's rules alone, as before)
+    both = got_grads is not None and len(got_grads) == len(grads)
+    both = both and all((name in g) == (name in h) for g, h in zip(grads, got_grads, strict=True))
+    first = len(grads) - (judged or len(grads))
+    like = next(g[name] for g in grads if name in g)
+    floor = 1e-5 * torch.finfo(like.dtype).eps / torch.finfo(torch.float32).eps
+    beta1, beta2 = ADAMW_BETAS
+    square, apart, low = (torch.zeros(like.shape, dtype=torch.float64, device=like.device) for _ in range(3))
+    noisy = torch.zeros_like(resolved)
+    for t, step in enumerate(grads):
+        g = step[name].double() if name in step else torch.zeros_like(square)  # (no gradient this step: zero)
+        scale = g[g != 0].pow(2).mean().sqrt() if g.any() else 0.0
+        square = beta2 * square + (1 - beta2) * g * g  # AdamW's second moment: what an update is divided by
+        low = beta1 * low + (1 - beta1) * floor * scale  # the first moment's round-off
+        if both:
+            other = got_grads[t][name].to(g.device, g.dtype) if name in got_grads[t] else g
+            apart = beta1 * apart + (1 - beta1) * (other - g)  # how far apart the two runs' first moments are
+        if t < first:
+            continue
+        # the update is the first moment over the RMS (bias-corrected); what moves it is the first
+        # moment's error over that RMS (at the first step: the gradient's error over the gradient)
+        rms, noise = (square / (1 - beta2 ** (t + 1))).sqrt(), apart.abs() / (1 - beta1 ** (t + 1))
+        ok = (rms == 0) | (rms >= low / (1 - beta1 ** (t + 1)))  # exact zeros (absent tokens' rows) are exact
+        if both:
+            # a small gradient that is no cancellation (a tied LM head's rows of tokens the batch lacks:
+            # the softmax tail) is as exact as a large one: where both runs agree on it to AGREE of
+            # itself, AdamW's updates (about lr times g over its running RMS) agree as closely
+            ok |= AGREE * rms >= noise
+            noisy |= ok & (rms != 0) & (rms < 10 * noise)
+        resolved &= ok
     unresolved = int((~resolved).sum())
-    if unresolved > int(g.numel() * max_unresolved):
-        return resolved, f"{name}: {unresolved} of {g.numel()} gradients are ~0"
-    if got_grads is not None and name in got_grads:
-        noisy = resolved & (g != 0) & (g.abs() < 10 * (got_grads[name].to(g.device, g.dtype) - g).abs())
-        if int(noisy.sum()) > int(g.numel() * max(max_unresolved, 0.01)):
+    if unresolved > int(w.numel() * max_unresolved):
+        return resolved, f"{name}: {unresolved} of {w.numel()} gradients are ~0"
+    if both:
+        noisy &= resolved
+        if int(noisy.sum()) > int(w.numel() * max(max_unresolved, 0.01)):
             return resolved, f"{name}: {int(noisy.sum())} gradients within noise"
         resolved &= ~noisy
     return resolved, None

@@ -10,14 +10,14 @@ catches them: a test-only hook (never set it in a real check), read from ``HF_TP
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import os
-import threading
 from collections.abc import Iterator
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from hf_tp.adapters.registry import changed_adapters
 
 FAULT_ENV = "HF_TP_VERIFY_FAULT"
 FAULTS = ("rowwise-as-colwise", "stale-rotary")
@@ -31,41 +31,15 @@ def requested() -> str | None:
     return fault
 
 
-_ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_tp_verify_fault", default=None)
-_INSTALL = threading.Lock()
-
-
 @contextlib.contextmanager
 def while_building(fault: str | None) -> Iterator[None]:
-    """Around the candidate's parallelize: the wrong plan, for ``rowwise-as-colwise``. The hook
-    reads a context variable, so rank threads of one process (the threaded tests) each see their own."""
+    """Around the candidate's parallelize: the wrong plan, for ``rowwise-as-colwise`` (the adapter
+    look-up changed for this thread only: :func:`hf_tp.adapters.registry.changed_adapters`)."""
     if fault != "rowwise-as-colwise":
         yield
         return
-    _install()
-    token = _ACTIVE.set(fault)
-    try:
+    with changed_adapters(_wrong_plan):
         yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def _install() -> None:
-    """Route parallelize's adapter look-up through :func:`_wrong_plan` (once per process; a
-    pass-through while no fault is active)."""
-    from hf_tp.parallel import api
-
-    with _INSTALL:
-        if getattr(api.get_adapter, "hf_tp_verify_hook", False):
-            return
-        real = api.get_adapter
-
-        def get_adapter(config):
-            adapter = real(config)
-            return _wrong_plan(adapter) if _ACTIVE.get() == "rowwise-as-colwise" else adapter
-
-        get_adapter.hf_tp_verify_hook = True
-        api.get_adapter = get_adapter
 
 
 def _wrong_plan(adapter):

@@ -19,13 +19,15 @@ from hf_tp.verify.compare import full_buffers, full_grads, full_params
 @dataclass
 class Trace:
     """What a run did, in global views: the first forward's logits (this rank's tokens under
-    context parallelism), the losses and gradient norms of each step, the first gradients, the
-    buffers, and the trainable weights before the first step and after the last."""
+    context parallelism), the losses and gradient norms of each step, the first gradients (and
+    every step's as the optimizer took them), the buffers, and the trainable weights before the
+    first step and after the last."""
 
     logits: torch.Tensor | None = None
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each step's, clipped (as AdamW saw them)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     start: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -65,6 +67,7 @@ def reference_run(model: nn.Module, batch: dict[str, torch.Tensor], s: Settings)
             trace.grads = full_grads(model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         trace.grad_norms.append(torch.nn.utils.clip_grad_norm_(trainable, s.max_grad_norm).item())
+        trace.step_grads.append(full_grads(model))
         trace.losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)

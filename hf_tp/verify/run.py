@@ -104,7 +104,7 @@ def _training_checks(got, want, mixers: tuple[str, ...], exact: dict[str, torch.
         Check.of("buffers", tensor_error(got.buffers, want.buffers), VALUES),
         Check.of(
             "AdamW steps",
-            adam_error(got.params, want.params, want.start, want.grads, got.grads, UNRESOLVED, mixers),
+            adam_error(got.params, want.params, want.start, want.step_grads, got.step_grads, UNRESOLVED, mixers),
             ADAM,
         ),
     ]
@@ -129,7 +129,9 @@ def _resume(cfg, ckpt: Path, device, lora_state, batch, s: Settings, saved, more
     if loaded.rel > EXACT or loaded.missing:
         return Check.of(name + ": loaded weights", loaded, EXACT)
     step = candidate.train(model, opt, batch, rank, s, 1)
-    error = adam_error(step.params, more.params, more.start, more.grads, step.grads, UNRESOLVED, mixers)
+    # the step's update is judged with the moments both runs carry: the saved steps' gradients, then its own
+    want, got = saved.step_grads + more.step_grads, saved.step_grads + step.step_grads
+    error = adam_error(step.params, more.params, more.start, want, got, UNRESOLVED, mixers, judged=1)
     return Check.of(name, error, ADAM)
 
 

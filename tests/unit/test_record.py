@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_tp
+from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.record import ParallelRecord, record_of
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import clone, run_threaded, tiny_config, tiny_model
@@ -113,3 +114,65 @@ def test_record_of_experts_cp_lora_and_a_wrapper() -> None:
     assert (
         "run whole on every tp rank (a wrapper's passengers): model.vision_tower, model.multi_modal_projector" in lines
     )
+
+
+def test_record_of_pipeline_stages_and_replaced_classes() -> None:
+    """pp2 x tp2 of a 4-layer llama with one KV head: each rank's stage is in its record (which
+    layers, first/last, the gaps TP left out of the plan), generate refuses a stage, and the KV
+    projections' class swap is listed with the methods replaced."""
+    ref = tiny_model(tiny_config("llama", num_hidden_layers=4, kv_heads=1))
+    models = [clone(ref) for _ in range(4)]
+    seen: dict[int, tuple] = {}
+
+    def rank_fn(rank: int) -> None:
+        pipe = pipeline_parallelize(models[rank], hf_tp.build_mesh(tp=2, pp=2, device_type="cpu"), microbatches=2)
+        (stage,) = pipe.stages
+        record = record_of(stage.model)
+        with pytest.raises(ValueError, match=r"generate on a pipeline stage: one stage holds only some layers"):
+            stage.model.generate(torch.ones(1, 4, dtype=torch.long))
+        text = hf_tp.describe(stage.model, file=io.StringIO())
+        seen[rank] = (record, (stage.first, stage.last), text, hf_tp_attributes(stage.model))
+
+    run_threaded(4, rank_fn)
+    for rank in range(4):
+        record, (first, last), text, left = seen[rank]
+        stage, lines = record.stage, text.splitlines()
+        assert left == [] and stage is not None and (first, last) == (stage.first, stage.last), left
+        if rank < 2:  # the pp dim is outermost: ranks 0-1 hold the first stage
+            assert (stage.layers, stage.of, first, last) == (range(0, 2), 4, True, False)
+            assert stage.gaps == ("model.layers.2", "model.layers.3", "model.norm", "lm_head")
+            assert set(record.top_plan) >= {"model.norm", "lm_head"}  # the adapter's plan, as for any model
+            want = "pipeline stage: decoder layers 0-1 of 4 (first: yes, last: no); gaps for the other stages' "
+            assert want + "model.norm, lm_head" in lines, lines
+        else:
+            assert (stage.layers, first, last) == (range(2, 4), False, True)
+            assert stage.gaps == ("model.layers.0", "model.layers.1", "model.embed_tokens")
+            want = "pipeline stage: decoder layers 2-3 of 4 (first: no, last: yes); gaps for the other stages' "
+            assert want + "model.embed_tokens" in lines, lines
+        layers = [str(i) for i in stage.layers]
+        assert record.classes == tuple(
+            f"model.layers.{i}.self_attn.{p}: Linear -> KVHeadLinear" for i in layers for p in ("k_proj", "v_proj")
+        )
+        assert (
+            "classes replaced: model.layers.*.self_attn.k_proj: Linear -> KVHeadLinear, "
+            "model.layers.*.self_attn.v_proj: Linear -> KVHeadLinear" in lines
+        ), lines
+
+
+def test_a_function_runs_as_the_forward_for_one_call() -> None:
+    """The fused loss's way of running the decoder: the module's hooks run around the function, and
+    the module is left as it was (an instance forward it had is put back)."""
+    from hf_tp.parallel.as_forward import call_as_forward
+
+    module, seen = torch.nn.Linear(2, 2), []
+    module.register_forward_pre_hook(lambda mod, args: seen.append(args[0].sum().item()))
+    assert call_as_forward(module, lambda x, scale: x * scale, torch.ones(3), scale=2.0).tolist() == [2.0] * 3
+    assert seen == [3.0] and "forward" not in vars(module)
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    module.forward = own
+    with pytest.raises(RuntimeError, match="inside"):
+        call_as_forward(module, lambda x: (_ for _ in ()).throw(RuntimeError("inside")), torch.ones(1))
+    assert module.forward is own and seen == [3.0, 1.0]
