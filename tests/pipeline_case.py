@@ -1,5 +1,6 @@
-"""One pipeline-parallel parity scenario: a tiny HF model trained a few AdamW steps at pp x dp x tp
-with one of torch's schedules versus plain single-process HF on the whole batch."""
+"""One pipeline-parallel parity scenario: a tiny HF model trained a few AdamW steps at pp x dp x cp x tp
+(ep inside each stage's dp x cp) with one of torch's schedules versus plain single-process HF on the
+whole batch."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from torch.distributed.tensor import DTensor
 import hf_tp
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.parallel.context import state_of
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
+from hf_tp.record import record_of
 from hf_tp.train.loss import loss_context
 from hf_tp.verify.compare import adam_error, full_grads
 from tests.family_grid import grid_config, grid_model
@@ -34,6 +37,8 @@ class PipelineCase:
     tp: int = 1
     dp: int = 1
     dp_replicate: int = 1  # HSDP inside each stage
+    cp: int = 1  # context parallelism inside each stage (s a multiple of 2 x cp x tp)
+    ep: int = 1  # expert parallelism inside each stage (borrowed from dp x cp)
     schedule: str = "1f1b"
     microbatches: int = 2
     virtual: int = 1
@@ -76,10 +81,16 @@ class PipelineCase:
         this rank's largest weight difference relative to its AdamW update."""
         model, data, want, start, end, want_grads = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
-        pipe = pipeline_parallelize(
-            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
+        mesh = hf_tp.build_mesh(
+            tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp, device_type="cpu", dp_replicate=self.dp_replicate
         )
+        pipe = pipeline_parallelize(
+            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual, ep=self.ep
+        )
+        for stage in pipe.models:  # cp and ep applied inside every stage, over its own ranks
+            record = record_of(stage)
+            assert (state_of(stage) is not None) == (self.cp > 1)
+            assert bool(record.experts) == (self.ep > 1) and ("ep" in record.meshes) == (self.ep > 1)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         rows = self.b // self.dp
         r = mesh.get_local_rank("dp")

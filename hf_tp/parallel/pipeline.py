@@ -2,11 +2,13 @@
 
 Each rank holds one stage (``--pp-virtual-stages`` V > 1: V stages, ``rank + v * pp``) of the
 unmodified HF model cut by decoder layers (:mod:`hf_tp.parallel.pipeline_split`), each stage
-parallelized (TP+SP, FSDP2) over the rest of the mesh as a whole model would be. A stage passes
-its hidden states to the next as a plain tensor (under tp: this rank's sequence shard, rebuilt as
+parallelized (TP+SP, FSDP2, cp, ep) over the rest of the mesh as a whole model would be. A stage
+passes its hidden states to the next as a plain tensor (under cp: this rank's tokens of the
+load-balanced layout, which every stage shares; under tp: its sequence shard of them, rebuilt as
 the same DTensor on the other side). The last stage's loss of a micro-batch is its targets' summed
-cross entropy divided by the global batch's target count, and torch's schedule sums the
-micro-batches' gradients unscaled, so a step's gradient is exactly the single-device one.
+cross entropy divided by the global batch's target count (under cp: its tokens' targets, summed
+over the cp ranks), and torch's schedule sums the micro-batches' gradients unscaled, so a step's
+gradient is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
+from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
 from hf_tp.pipeline_checks import MULTI_STAGE
 
@@ -41,7 +44,8 @@ SCHEDULES = {
 class StageModule(nn.Module):
     """What a :class:`PipelineStage` runs: one stage's HF model. The first stage takes token ids,
     the others the previous stage's hidden states (as ``inputs_embeds``); the last returns the
-    logits, the others their hidden states as a plain tensor (this tp rank's sequence shard)."""
+    logits, the others their hidden states as a plain tensor (this rank's cp tokens, their tp
+    sequence shard)."""
 
     def __init__(self, model: nn.Module, tp_mesh):
         super().__init__()
@@ -67,8 +71,13 @@ class StageModule(nn.Module):
         if kwargs.get("output_router_logits") and not self.routers:
             kwargs["output_router_logits"] = False
         key = "input_ids" if self.first else "inputs_embeds"
+        cp = state_of(self.model)
+        seq = self.seq_len
+        if cp is not None:  # the rows' length; a stage after the first is fed this rank's cp tokens
+            cp.stage_seq = 0 if self.first else seq
+            seq //= cp.layout.cp
         if not self.first and self.tp_mesh is not None:
-            shape = (x.shape[0], self.seq_len, x.shape[2])
+            shape = (x.shape[0], seq, x.shape[2])
             stride = (shape[1] * shape[2], shape[2], 1)
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
         # Always the model's own forward (FSDP2's root unit gathers the embedding and norm there)
@@ -149,7 +158,10 @@ class Pipeline:
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             vocab = last_model.config.get_text_config().vocab_size
-            return last_model.loss_function(logits, target, vocab, num_items_in_batch=num_items) * dp
+            # shifted over whole rows, then this rank's cp tokens (the rows themselves without cp)
+            shifted = local_tokens(last_model, shift_labels(target)).contiguous()
+            loss = last_model.loss_function(logits, None, vocab, num_items_in_batch=num_items, shift_labels=shifted)
+            return sum_over_cp(last_model, loss) * dp  # the whole rows' loss on every cp rank
 
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
         runtime = []

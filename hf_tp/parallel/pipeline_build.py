@@ -37,12 +37,11 @@ def pipeline_parallelize(
     every name (adapters' included) and :func:`hf_tp.parallelize` gives it LoRA's plans; the
     :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
 
-    Refused here (one line each): expert and context parallelism, tied embeddings, multimodal wrappers,
-    and families whose forward changes the hidden states outside the decoder layers."""
+    Context (a ``cp`` dim) and expert parallelism (``ep``) apply inside each stage as to a whole
+    model. Refused here (one line each): tied embeddings, multimodal wrappers, and families whose
+    forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
-    if parallelize_kwargs.get("ep", 1) > 1:
-        raise ValueError("--pp does not combine with --ep yet: drop one")
     adapter = get_adapter(model.config)
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))

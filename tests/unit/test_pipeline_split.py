@@ -71,7 +71,7 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(pp=2, pp_virtual_stages=2), r"needs --pp-schedule interleaved1f1b"),
         (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
-        (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
+        (dict(pp=2, compile=True, batch_size=2), r"--pp does not combine with --compile yet"),
         (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
         (
             dict(pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2, batch_size=2, save_every=1),
@@ -88,3 +88,7 @@ def test_more_stages_than_layers_is_refused() -> None:
     with pytest.raises(ValueError, match=r"4 stages but the model has 2 decoder layers: at most one stage per layer"):
         check_pipeline(2, "interleaved1f1b", 2, 2, layers=2)
     assert TrainConfig(pp=2, tp=1, dp=2).resolve().world_size == 4
+    # context and expert parallelism run inside each stage
+    both = TrainConfig(pp=2, tp=1, dp=2, cp=2, ep=4, batch_size=2).resolve()
+    both.validate()
+    assert both.world_size == 8
