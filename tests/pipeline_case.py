@@ -39,6 +39,7 @@ class PipelineCase:
     dp_replicate: int = 1  # HSDP inside each stage
     cp: int = 1  # context parallelism inside each stage (s a multiple of 2 x cp x tp)
     ep: int = 1  # expert parallelism inside each stage (borrowed from dp x cp)
+    accum: int = 1  # micro-steps per step (each b / dp / accum rows), the gradients accumulated
     schedule: str = "1f1b"
     microbatches: int = 2
     virtual: int = 1
@@ -98,11 +99,7 @@ class PipelineCase:
         targets = int((data["labels"][:, 1:] != -100).sum())
         got = []
         for _ in range(self.resume["at"] if self.resume else self.steps):
-            routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
-            with loss_context(self.tp > 1):
-                loss = pipe.step(mine, targets, self.dp, routing.totals if routing else None)
-            if routing:  # this rank's share of the aux loss
-                loss += model.config.router_aux_loss_coef * routing.term
+            loss = self._step(pipe, mine, targets, model.config)
             dist.all_reduce(loss, group=mesh["pp"].get_group())
             dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
             got.append(loss.item())
@@ -121,6 +118,21 @@ class PipelineCase:
         want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
         assert_weights_after_adam_close(held, want_held, start_held)
         return worst, adam_error(held, want_held, start_held).rel
+
+    def _step(self, pipe, mine: dict, targets: int, config) -> torch.Tensor:
+        """This rank's loss of one step of its rows, in ``accum`` micro-steps (gradients reduced
+        over dp after the last)."""
+        parts = [{k: v.chunk(self.accum)[i] for k, v in mine.items()} for i in range(self.accum)]
+        routing = pipe.route(parts) if pipe.has_aux else None  # a MoE's aux loss: the step's counts first
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, part in enumerate(parts):
+            with loss_context(self.tp > 1):
+                loss += pipe.step(
+                    part, targets, self.dp, routing.totals if routing else None, reduce=i == self.accum - 1
+                )
+        if routing:  # this rank's share of the aux loss
+            loss += config.router_aux_loss_coef * routing.term
+        return loss
 
     def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
         """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.parallel.pipeline_grads import give_back, held_grads, reduce_accumulated, set_sync
 from hf_tp.pipeline_checks import MULTI_STAGE
 
 SCHEDULES = {
@@ -140,11 +141,14 @@ class Pipeline:
         dp: int,
         routing: torch.Tensor | None = None,
         aux_weight: float = 1.0,
+        reduce: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
         rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
         batch's targets) on the last stage's ranks, 0 on the others. Gradients are the global batch
-        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum).
+        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum), added to
+        those the parameters hold; ``reduce``: FSDP2 reduces them over dp after this batch (False
+        on all but the last micro-step of a gradient accumulation).
 
         ``routing`` (a MoE with transformers' aux loss: the ``totals`` of :meth:`route` over the
         rows the aux loss spans): each stage's gradients also get its layers' share of
@@ -164,20 +168,32 @@ class Pipeline:
             return sum_over_cp(last_model, loss) * dp  # the whole rows' loss on every cp rank
 
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
-        runtime = []
-        for module, index in zip(self.stages, self.stage_ids, strict=True):
+        for module in self.stages:
             module.seq_len = input_ids.shape[1]
             module.routing, module.aux_scale = routing, coef * dp
-            runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
-        cls = SCHEDULES[self.schedule]
-        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
-        schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
-        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        held = held_grads(self.models)  # torch's shape inference clears them (hf_tp.parallel.pipeline_grads)
+        set_sync(self.models, False)
+        self._schedule(loss_fn).step(
+            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch
+        )
+        give_back(held)
+        if reduce:
+            reduce_accumulated(self.models)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp
         for module in self.stages:
             module.routing = None
         return total
+
+    def _schedule(self, loss_fn):
+        """torch's schedule over new ``PipelineStage`` objects of this rank's stages (the step's row
+        length may differ from the last one's, and a stage infers its shapes once)."""
+        runtime = [
+            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            for module, index in zip(self.stages, self.stage_ids, strict=True)
+        ]
+        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
+        return SCHEDULES[self.schedule](target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)

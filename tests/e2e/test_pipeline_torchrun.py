@@ -34,8 +34,9 @@ CASES = [
     {"family": "llama", "schedule": "1f1b", "tp": 2, "lora": 4},  # peft LoRA (all-linear): adapter gradients too
     {"family": "gemma3_text", "schedule": "1f1b", "dp": 2, "dtype": "float64", "overrides": _GEMMA3_WINDOWS},
     {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
-    # cp inside each stage (RoPE, right padding): every stage sees the same token layout and positions
-    {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16},
+    # cp inside each stage (RoPE, right padding): every stage sees the same token layout and positions;
+    # 2 micro-steps a step (FSDP2 over cp: the gradients accumulated across torch's rebuilt stages)
+    {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16, "b": 8, "accum": 2},
     # ep inside each stage (its dp ranks' all-to-all), the aux loss over every stage and dp rank
     {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": _AUX},
     # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
