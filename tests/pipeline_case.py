@@ -14,9 +14,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
 from hf_tp.parallel.context import state_of
+from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.record import record_of
@@ -89,9 +91,10 @@ class PipelineCase:
             model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual, ep=self.ep
         )
         for stage in pipe.models:  # cp and ep applied inside every stage, over its own ranks
-            record = record_of(stage)
+            record, adapter = record_of(stage), get_adapter(stage.config)
             assert (state_of(stage) is not None) == (self.cp > 1)
-            assert bool(record.experts) == (self.ep > 1) and ("ep" in record.meshes) == (self.ep > 1)
+            moe = bool(experts_modules(stage, adapter.layers_path, adapter.experts))  # (not a stage of dense layers)
+            assert bool(record.experts) == (self.ep > 1 and moe) == ("ep" in record.meshes)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         rows = self.b // self.dp
         r = mesh.get_local_rank("dp")

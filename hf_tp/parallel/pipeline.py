@@ -69,7 +69,8 @@ class StageModule(nn.Module):
 
     def run(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, tuple | None]:
         """(this stage's output, its routers' logits when ``output_router_logits`` is passed)."""
-        if kwargs.get("output_router_logits") and not self.routers:
+        asks = kwargs.get("output_router_logits", getattr(self.model.config, "output_router_logits", False))
+        if asks and not self.routers:  # a stage of dense layers: HF's aux loss would fail on no router logits
             kwargs["output_router_logits"] = False
         key = "input_ids" if self.first else "inputs_embeds"
         cp = state_of(self.model)

@@ -37,8 +37,9 @@ CASES = [
     # cp inside each stage (RoPE, right padding): every stage sees the same token layout and positions;
     # 2 micro-steps a step (FSDP2 over cp: the gradients accumulated across torch's rebuilt stages)
     {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16, "b": 8, "accum": 2},
-    # ep inside each stage (its dp ranks' all-to-all), the aux loss over every stage and dp rank
-    {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": _AUX},
+    # ep inside each stage (its dp ranks' all-to-all), the aux loss over every stage and dp rank; the
+    # first two layers dense (DeepSeek's first_k_dense_replace): stage 0 holds no experts nor routers
+    {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": {**_AUX, "mlp_only_layers": [0, 1]}},
     # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
     {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX},
 ]
