@@ -92,3 +92,32 @@ def test_more_stages_than_layers_is_refused() -> None:
     both = TrainConfig(pp=2, tp=1, dp=2, cp=2, ep=4, batch_size=2).resolve()
     both.validate()
     assert both.world_size == 8
+
+
+def test_cp_and_ep_refusals_read_the_whole_model_on_every_rank() -> None:
+    # A stage sees only its layers; the checks that read them run on the whole model first, so
+    # every rank of every stage refuses alike (4 threaded ranks: refused before any send/recv).
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_tp
+    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from tests.family_grid import grid_config
+    from tests.helpers import run_threaded
+
+    hybrid = AutoModelForCausalLM.from_config(grid_config("jamba", tie_word_embeddings=False))  # Mamba, then attention
+    dense = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    cases = [
+        (hybrid, dict(cp=2), r"jamba mixes tokens outside attention \(JambaMambaDecoderLayer at layers\.0\)"),
+        (dense, dict(dp=2), r"ep=2 needs a mixture-of-experts model; llama has no experts"),
+    ]
+    for model, layout, message in cases:
+        models = [copy.deepcopy(model) for _ in range(4)]
+
+        def rank_fn(rank: int, models=models, layout=layout, message=message) -> None:
+            mesh = hf_tp.build_mesh(tp=1, pp=2, device_type="cpu", **layout)
+            with pytest.raises(ValueError, match=message):
+                pipeline_parallelize(models[rank], mesh, microbatches=2, ep=2 if "dp" in layout else 1)
+
+        run_threaded(4, rank_fn)
