@@ -13,7 +13,7 @@ gradient is exactly the single-device one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -111,6 +111,7 @@ class Pipeline:
     microbatches: int
     device: torch.device
     route_group: dist.ProcessGroup | None = None  # the stages' dp group (a MoE's routing counts over it)
+    unreduced: bool = field(default=False, init=False)  # FSDP2 holds unreduced gradients (a micro-step's)
 
     @property
     def models(self) -> list[nn.Module]:
@@ -174,14 +175,18 @@ class Pipeline:
             module.routing, module.aux_scale = routing, coef * dp
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
-        held = held_grads(self.models)  # torch's shape inference clears them (hf_tp.parallel.pipeline_grads)
-        set_sync(self.models, False)
+        # torch's shape inference clears the gradients, and would reduce then drop unreduced ones
+        # (hf_tp.parallel.pipeline_grads): with some pending, reduce once after the schedule instead
+        # of per micro-batch (which keeps only one FSDP2 unit's unsharded gradients at a time).
+        held, late = held_grads(self.models), reduce and self.unreduced
+        set_sync(self.models, reduce and not late)
         self._schedule(loss_fn).step(
             *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch
         )
         give_back(held)
-        if reduce:
+        if late:
             reduce_accumulated(self.models)
+        self.unreduced = not reduce
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp

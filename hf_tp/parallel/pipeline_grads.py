@@ -5,10 +5,12 @@ and backward, then sets ``.grad`` of every parameter under an FSDP2 module to No
 gradients earlier micro-steps of a ``--grad-accum`` step accumulated (and, with gradient sync
 on, the ones FSDP2 reduced in that inference's backward) would be lost, as the stages are rebuilt
 each micro-step. So a pipeline step takes the gradients out before the schedule runs and adds
-them back after (:func:`held_grads`, :func:`give_back`), runs its backward passes with FSDP2's
-sync off, and reduces once after the last micro-step (:func:`reduce_accumulated`, what torch's
-schedules do for a stage that is itself the FSDP2 root): one reduce-scatter per step instead of
-one per pipeline micro-batch.
+them back after (:func:`held_grads`, :func:`give_back`). A micro-step before the last runs its
+backward passes with FSDP2's sync off (unsharded gradients accumulate, as FSDP2's gradient
+accumulation does without pp); the last one then keeps sync off too and reduces once after the
+schedule (:func:`reduce_accumulated`, what torch's schedules do for a stage that is itself the
+FSDP2 root). A step of one micro-step reduces per pipeline micro-batch as FSDP2 does by itself,
+which holds one unit's unsharded gradients at a time rather than the whole stage's.
 """
 
 from __future__ import annotations
