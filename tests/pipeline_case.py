@@ -1,5 +1,6 @@
-"""One pipeline-parallel parity scenario: a tiny HF model trained a few AdamW steps at pp x dp x tp
-with one of torch's schedules versus plain single-process HF on the whole batch."""
+"""One pipeline-parallel parity scenario: a tiny HF model trained a few AdamW steps at pp x dp x cp x tp
+(ep inside each stage's dp x cp) with one of torch's schedules versus plain single-process HF on the
+whole batch."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_tp
+from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.parallel.context import state_of
+from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
+from hf_tp.record import record_of
 from hf_tp.train.loss import loss_context
 from hf_tp.verify.compare import adam_error, full_grads
 from tests.family_grid import grid_config, grid_model
@@ -34,6 +39,9 @@ class PipelineCase:
     tp: int = 1
     dp: int = 1
     dp_replicate: int = 1  # HSDP inside each stage
+    cp: int = 1  # context parallelism inside each stage (s a multiple of 2 x cp x tp)
+    ep: int = 1  # expert parallelism inside each stage (borrowed from dp x cp)
+    accum: int = 1  # micro-steps per step (each b / dp / accum rows), the gradients accumulated
     schedule: str = "1f1b"
     microbatches: int = 2
     virtual: int = 1
@@ -76,10 +84,17 @@ class PipelineCase:
         this rank's largest weight difference relative to its AdamW update."""
         model, data, want, start, end, want_grads = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
-        pipe = pipeline_parallelize(
-            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
+        mesh = hf_tp.build_mesh(
+            tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp, device_type="cpu", dp_replicate=self.dp_replicate
         )
+        pipe = pipeline_parallelize(
+            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual, ep=self.ep
+        )
+        for stage in pipe.models:  # cp and ep applied inside every stage, over its own ranks
+            record, adapter = record_of(stage), get_adapter(stage.config)
+            assert (state_of(stage) is not None) == (self.cp > 1)
+            moe = bool(experts_modules(stage, adapter.layers_path, adapter.experts))  # (not a stage of dense layers)
+            assert bool(record.experts) == (self.ep > 1 and moe) == ("ep" in record.meshes)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         rows = self.b // self.dp
         r = mesh.get_local_rank("dp")
@@ -87,11 +102,7 @@ class PipelineCase:
         targets = int((data["labels"][:, 1:] != -100).sum())
         got = []
         for _ in range(self.resume["at"] if self.resume else self.steps):
-            routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
-            with loss_context(self.tp > 1):
-                loss = pipe.step(mine, targets, self.dp, routing.totals if routing else None)
-            if routing:  # this rank's share of the aux loss
-                loss += model.config.router_aux_loss_coef * routing.term
+            loss = self._step(pipe, mine, targets, model.config)
             dist.all_reduce(loss, group=mesh["pp"].get_group())
             dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
             got.append(loss.item())
@@ -110,6 +121,21 @@ class PipelineCase:
         want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
         assert_weights_after_adam_close(held, want_held, start_held)
         return worst, adam_error(held, want_held, start_held).rel
+
+    def _step(self, pipe, mine: dict, targets: int, config) -> torch.Tensor:
+        """This rank's loss of one step of its rows, in ``accum`` micro-steps (gradients reduced
+        over dp after the last)."""
+        parts = [{k: v.chunk(self.accum)[i] for k, v in mine.items()} for i in range(self.accum)]
+        routing = pipe.route(parts) if pipe.has_aux else None  # a MoE's aux loss: the step's counts first
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, part in enumerate(parts):
+            with loss_context(self.tp > 1):
+                loss += pipe.step(
+                    part, targets, self.dp, routing.totals if routing else None, reduce=i == self.accum - 1
+                )
+        if routing:  # this rank's share of the aux loss
+            loss += config.router_aux_loss_coef * routing.term
+        return loss
 
     def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
         """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the

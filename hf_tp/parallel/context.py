@@ -87,6 +87,12 @@ class ContextState:
     masks: dict = field(default_factory=dict)  # this forward's masks, shared by its layers
     called: set = field(default_factory=set)  # ids of the attention modules that ran in this forward
     documents: bool = True  # the family masks packed documents (position_ids restarting) as HF does
+    # A pipeline stage after the first is fed this rank's tokens already (the previous stage's
+    # output): the rows' whole length, set before its forward (0: the inputs are whole rows).
+    stage_seq: int = 0
+    # The padding mask a MoE's forward that records router logits was given, held here for the
+    # decoder (hf_tp.parallel.context_install): HF's own aux loss would pair it with this rank's tokens.
+    padding: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.mesh.size(), self.mesh.get_local_rank())

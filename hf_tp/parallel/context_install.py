@@ -86,6 +86,7 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True, prepend=True)
     model.get_decoder().register_forward_hook(_check_attention_ran(state, list(layers)))
     model.register_forward_pre_hook(_split_labels(state, model), with_kwargs=True)
+    model.register_forward_pre_hook(_hold_padding(state, model), with_kwargs=True)
     model.register_forward_hook(_whole_loss)
     return state
 
@@ -136,17 +137,21 @@ def _split_inputs(state: ContextState):
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = ids if ids is not None else embeds
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is None:  # the one the model's forward was given (_hold_padding), used once
+            mask, state.padding = state.padding, None
         _check_padding_mask(module, mask)
         docs = _documents(pos) if pos is not None and mask is None and state.documents else None
+        staged = ids is None and state.stage_seq > 0  # a pipeline stage fed this rank's tokens (the previous stage's)
+        seq = state.stage_seq if staged else x.shape[1]
         if pos is None:
-            pos = torch.arange(x.shape[1], device=x.device)[None]
-        state.start(x.shape[1], mask, docs, x.device)
+            pos = torch.arange(seq, device=x.device)[None]
+        state.start(seq, mask, docs, x.device)
         # (B, S), or a multimodal wrapper's 3-D mrope positions (3 or 4, B, S): the sequence is last
         kwargs.update(attention_mask=None, position_ids=state.layout.take(pos, dim=-1), use_cache=False)
         kwargs.pop("cache_position", None)
         if ids is not None:
             kwargs["input_ids"] = state.layout.take(ids)
-        else:  # a wrapper's merged embeddings; under tp its text-only path hands them sequence-sharded
+        elif not staged:  # a wrapper's merged embeddings; under tp its text-only path hands them sequence-sharded
             whole = embeds.full_tensor() if isinstance(embeds, DTensor) else embeds
             kwargs["inputs_embeds"] = state.layout.take(whole)
         return args, kwargs
@@ -180,7 +185,12 @@ def _check_attention_ran(state: ContextState, layers: list[nn.Module]):
 
     def hook(module: nn.Module, args, output) -> None:
         state.finish()
-        missing = [i for i, layer in enumerate(layers) if not any(id(m) in state.called for m in layer.modules())]
+        missing = [
+            i
+            for i, layer in enumerate(layers)
+            if not getattr(layer, "hf_tp_stage_gap", False)  # another pipeline stage's layer
+            and not any(id(m) in state.called for m in layer.modules())
+        ]
         if missing:
             raise ValueError(
                 f"context parallelism: decoder layers {missing[:8]} of {type(module).__name__} did not call "
@@ -209,6 +219,23 @@ def _split_labels(state: ContextState, model: nn.Module):
             kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
         local = state.layout.take(shifted)
         kwargs.update(labels=local, shift_labels=local)
+        return args, kwargs
+
+    return hook
+
+
+def _hold_padding(state: ContextState, model: nn.Module):
+    """A forward that records router logits: its ``attention_mask`` goes to the decoder through
+    ``state``, not the forward, whose HF aux loss (which hf_tp does not use: it reduces its own
+    over the whole rows, :mod:`hf_tp.parallel.aux_loss`) would pair the whole rows' mask with this
+    rank's router logits and fail on the shapes."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        state.padding = None
+        if not kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+            return None
+        kwargs = dict(kwargs)
+        state.padding = kwargs.pop("attention_mask", None)
         return args, kwargs
 
     return hook

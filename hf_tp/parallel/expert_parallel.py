@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hf_tp.layout import check_expert_ranks
+from hf_tp.parallel.mesh import pp_size
 from hf_tp.parallel.routing import MEASURED
 from hf_tp.record import ExpertShard, facts, facts_of, record_of
 from hf_tp.styles.experts import region_view
@@ -54,7 +55,8 @@ def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
 
     With context parallelism (a ``("dp", "cp", "tp")`` mesh) ep borrows from dp x cp: the cp ranks
     of a row hold distinct tokens, as dp ranks do, and FSDP2 averages over both (the loss's backward
-    scales by cp, :mod:`hf_tp.parallel.context`), so an ep group may span them alike."""
+    scales by cp, :mod:`hf_tp.parallel.context`), so an ep group may span them alike. A pipeline
+    stage's mesh (the rest of a ``("pp", ...)`` mesh): the ep groups are that stage's ranks."""
     names = mesh.mesh_dim_names or ()
     cp = mesh["cp"].size() if "cp" in names else 1
     dp, tp = (1, mesh.size()) if mesh.ndim == 1 else (mesh["dp"].size() * cp, mesh["tp"].size())
@@ -62,20 +64,27 @@ def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     ranks = mesh.mesh.tolist()  # (tolist, not tensor ops: also answers inside hf-tp estimate's fake mode)
     for _ in range(mesh.ndim - 1):
         ranks = [r for row in ranks for r in row]
-    if ranks != list(range(dist.get_world_size())):
+    pp = pp_size(mesh)  # a pipeline stage's mesh: its ranks are the world's pp-th block
+    if ranks != list(range(ranks[0], ranks[0] + len(ranks))) or len(ranks) * pp != dist.get_world_size():
         raise ValueError("expert parallelism needs the mesh hf_tp.build_mesh makes (ranks in order, tp adjacent)")
     # One mesh object per world and shape: DTensor's sharding propagation caches output specs by
     # mesh equality, so a second model's expert weights may come back on the first model's (equal)
     # mesh, and FSDP2's SPMD path then refuses a mesh that is not the very object it was given.
     world = dist.distributed_c10d._get_default_group()
-    key = (threading.get_ident(), mesh.device_type, dp // ep, ep, tp)  # (threaded test worlds: a mesh per thread)
+    key = (threading.get_ident(), mesh.device_type, pp, dp // ep, ep, tp)  # (threaded test worlds: a mesh per thread)
     cached = _EP_MESHES.get(key)
-    if cached is not None and cached[0] is world:
-        return cached[1]
-    # looked up at call time: hf-tp estimate builds meshes from real rank tensors inside its fake mode
-    out = device_mesh.init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=("dp_out", "ep", "tp"))
-    _EP_MESHES[key] = (world, out)  # (the group kept alive with it: a new world is never taken for it)
-    return out
+    if cached is None or cached[0] is not world:
+        # looked up at call time: hf-tp estimate builds meshes from real rank tensors inside its fake mode
+        names = ("dp_out", "ep", "tp")
+        if pp > 1:  # every stage's ep groups at once (a mesh is built by every rank), this stage's kept
+            whole = device_mesh.init_device_mesh(
+                mesh.device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", *names)
+            )
+            out = whole[names]
+        else:
+            out = device_mesh.init_device_mesh(mesh.device_type, (dp // ep, ep, tp), mesh_dim_names=names)
+        _EP_MESHES[key] = cached = (world, out)  # (the group kept alive with it: a new world is never taken for it)
+    return cached[1]
 
 
 _EP_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}

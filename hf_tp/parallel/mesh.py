@@ -54,26 +54,30 @@ def build_mesh(
 
 
 def _pipeline_mesh(tp: int, dp: int, device_type: str | None, cp: int, dp_replicate: int, pp: int) -> DeviceMesh:
-    """The ``("pp", "dp", "tp")`` mesh (``("pp", "dp_replicate", "dp_shard", "tp")`` with HSDP): pp
-    outermost, so a stage's dp x tp ranks are adjacent and only the stage boundaries cross nodes."""
-    if cp > 1:
-        raise ValueError("--pp does not combine with --cp yet: drop one (stages would need the cp token split)")
+    """The ``("pp", "dp", "tp")`` mesh (``("pp", "dp", "cp", "tp")`` with context parallelism,
+    ``("pp", "dp_replicate", "dp_shard", "tp")`` with HSDP): pp outermost, so a stage's dp x cp x tp
+    ranks are adjacent and only the stage boundaries cross nodes."""
     check_layout(tp, dp, cp, dp_replicate=dp_replicate)
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is None:
         raise ValueError(
             "build_mesh needs an initialised process group: start the ranks with `hf-tp train` or `torchrun`"
         )
-    if pp * dp * tp != world:
-        raise ValueError(f"world size ({world}) must equal pp*dp*tp ({pp}*{dp}*{tp}={pp * dp * tp})")
+    if pp * dp * cp * tp != world:
+        sizes = f"({pp}*{dp}*{cp}*{tp}={pp * dp * cp * tp})"
+        raise ValueError(f"world size ({world}) must equal pp*dp*cp*tp {sizes}")
     device_type = device_type or default_device_type()
     if dp_replicate > 1:
         shape, names = (pp, dp_replicate, dp // dp_replicate, tp), ("pp", *HSDP_DIMS)
+    elif cp > 1:
+        shape, names = (pp, dp, cp, tp), ("pp", "dp", "cp", "tp")
     else:
         shape, names = (pp, dp, tp), ("pp", "dp", "tp")
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     if dp_replicate > 1:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if cp > 1:
+        mesh["dp", "cp"]._flatten("dp_cp")  # each stage's FSDP2 mesh, as without pp
     return mesh
 
 

@@ -2,16 +2,18 @@
 
 Each rank holds one stage (``--pp-virtual-stages`` V > 1: V stages, ``rank + v * pp``) of the
 unmodified HF model cut by decoder layers (:mod:`hf_tp.parallel.pipeline_split`), each stage
-parallelized (TP+SP, FSDP2) over the rest of the mesh as a whole model would be. A stage passes
-its hidden states to the next as a plain tensor (under tp: this rank's sequence shard, rebuilt as
+parallelized (TP+SP, FSDP2, cp, ep) over the rest of the mesh as a whole model would be. A stage
+passes its hidden states to the next as a plain tensor (under cp: this rank's tokens of the
+load-balanced layout, which every stage shares; under tp: its sequence shard of them, rebuilt as
 the same DTensor on the other side). The last stage's loss of a micro-batch is its targets' summed
-cross entropy divided by the global batch's target count, and torch's schedule sums the
-micro-batches' gradients unscaled, so a step's gradient is exactly the single-device one.
+cross entropy divided by the global batch's target count (under cp: its tokens' targets, summed
+over the cp ranks), and torch's schedule sums the micro-batches' gradients unscaled, so a step's
+gradient is exactly the single-device one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -27,7 +29,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
+from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.parallel.pipeline_grads import give_back, held_grads, reduce_accumulated, set_sync
 from hf_tp.pipeline_checks import MULTI_STAGE
 from hf_tp.record import record_of
 
@@ -42,7 +46,8 @@ SCHEDULES = {
 class StageModule(nn.Module):
     """What a :class:`PipelineStage` runs: one stage's HF model. The first stage takes token ids,
     the others the previous stage's hidden states (as ``inputs_embeds``); the last returns the
-    logits, the others their hidden states as a plain tensor (this tp rank's sequence shard)."""
+    logits, the others their hidden states as a plain tensor (this rank's cp tokens, their tp
+    sequence shard)."""
 
     def __init__(self, model: nn.Module, tp_mesh):
         super().__init__()
@@ -66,11 +71,17 @@ class StageModule(nn.Module):
 
     def run(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, tuple | None]:
         """(this stage's output, its routers' logits when ``output_router_logits`` is passed)."""
-        if kwargs.get("output_router_logits") and not self.routers:
+        asks = kwargs.get("output_router_logits", getattr(self.model.config, "output_router_logits", False))
+        if asks and not self.routers:  # a stage of dense layers: HF's aux loss would fail on no router logits
             kwargs["output_router_logits"] = False
         key = "input_ids" if self.first else "inputs_embeds"
+        cp = state_of(self.model)
+        seq = self.seq_len
+        if cp is not None:  # the rows' length; a stage after the first is fed this rank's cp tokens
+            cp.stage_seq = 0 if self.first else seq
+            seq //= cp.layout.cp
         if not self.first and self.tp_mesh is not None:
-            shape = (x.shape[0], self.seq_len, x.shape[2])
+            shape = (x.shape[0], seq, x.shape[2])
             stride = (shape[1] * shape[2], shape[2], 1)
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
         # Always the model's own forward (FSDP2's root unit gathers the embedding and norm there)
@@ -102,6 +113,7 @@ class Pipeline:
     microbatches: int
     device: torch.device
     route_group: dist.ProcessGroup | None = None  # the stages' dp group (a MoE's routing counts over it)
+    unreduced: bool = field(default=False, init=False)  # FSDP2 holds unreduced gradients (a micro-step's)
 
     @property
     def models(self) -> list[nn.Module]:
@@ -133,11 +145,14 @@ class Pipeline:
         dp: int,
         routing: torch.Tensor | None = None,
         aux_weight: float = 1.0,
+        reduce: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
         rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
         batch's targets) on the last stage's ranks, 0 on the others. Gradients are the global batch
-        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum).
+        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum), added to
+        those the parameters hold; ``reduce``: FSDP2 reduces them over dp after this batch (False
+        on all but the last micro-step of a gradient accumulation).
 
         ``routing`` (a MoE with transformers' aux loss: the ``totals`` of :meth:`route` over the
         rows the aux loss spans): each stage's gradients also get its layers' share of
@@ -151,23 +166,42 @@ class Pipeline:
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             vocab = last_model.config.get_text_config().vocab_size
-            return last_model.loss_function(logits, target, vocab, num_items_in_batch=num_items) * dp
+            # shifted over whole rows, then this rank's cp tokens (the rows themselves without cp)
+            shifted = local_tokens(last_model, shift_labels(target)).contiguous()
+            loss = last_model.loss_function(logits, None, vocab, num_items_in_batch=num_items, shift_labels=shifted)
+            return sum_over_cp(last_model, loss) * dp  # the whole rows' loss on every cp rank
 
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
-        runtime = []
-        for module, index in zip(self.stages, self.stage_ids, strict=True):
+        for module in self.stages:
             module.seq_len = input_ids.shape[1]
             module.routing, module.aux_scale = routing, coef * dp
-            runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
-        cls = SCHEDULES[self.schedule]
-        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
-        schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
-        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        # torch's shape inference clears the gradients, and would reduce then drop unreduced ones
+        # (hf_tp.parallel.pipeline_grads): with some pending, reduce once after the schedule instead
+        # of per micro-batch (which keeps only one FSDP2 unit's unsharded gradients at a time).
+        held, late = held_grads(self.models), reduce and self.unreduced
+        set_sync(self.models, reduce and not late)
+        self._schedule(loss_fn).step(
+            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch
+        )
+        give_back(held)
+        if late:
+            reduce_accumulated(self.models)
+        self.unreduced = not reduce
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp
         for module in self.stages:
             module.routing = None
         return total
+
+    def _schedule(self, loss_fn):
+        """torch's schedule over new ``PipelineStage`` objects of this rank's stages (the step's row
+        length may differ from the last one's, and a stage infers its shapes once)."""
+        runtime = [
+            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            for module, index in zip(self.stages, self.stage_ids, strict=True)
+        ]
+        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
+        return SCHEDULES[self.schedule](target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.modules import num_experts
 from hf_tp.parallel.aux_loss import routing_totals, step_totals
+from hf_tp.parallel.context import local_tokens, state_of
 
 
 class SideLoss(torch.autograd.Function):
@@ -70,11 +71,13 @@ class Routing:
 
 
 def stage_totals(model, router_logits, mask: torch.Tensor | None, device) -> torch.Tensor:
-    """``[counts..., probability sums..., rows]`` of one stage's layers (zeros without routers)."""
+    """``[counts..., probability sums..., rows]`` of one stage's layers over this rank's tokens
+    (its cp share of the rows' ``mask``; zeros without routers)."""
     config, experts = model.config, num_experts(model.config)
     logits = tuple(layer for layer in (router_logits or ()) if layer is not None)
     if not logits:
         return torch.zeros(2 * experts + 1, device=device)
+    mask = local_tokens(model, mask) if mask is not None else None
     counts, probs, rows = routing_totals(logits, experts, config.num_experts_per_tok, mask)
     probs = probs.full_tensor() if isinstance(probs, DTensor) else probs
     return torch.cat([counts, probs, rows[None]])
@@ -105,8 +108,10 @@ def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
     mine = torch.stack(parts).sum(dim=0)
     experts = (mine.numel() - 1) // 2
     counts, probs, rows = mine[:experts], mine[experts:-1], mine[-1:]
-    totals = step_totals([(counts, rows[0])], pipe.route_group)
+    totals = step_totals([(counts, rows[0])], pipe.route_group)  # over dp (x cp)
     dist.all_reduce(totals, group=pipe.group)
+    if (cp := state_of(pipe.models[0])) is not None:  # the cp ranks' tokens: the whole rows' share
+        dist.all_reduce(probs, group=cp.mesh.get_group())
     term = experts * torch.sum((totals[:-1] / totals[-1]) * (probs / totals[-1]))
     return Routing(totals, float(term))
 

@@ -9,12 +9,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hf_tp.adapters import get_adapter
+from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.parallel.api import parallelize
+from hf_tp.parallel.context_install import check_context_parallel
+from hf_tp.parallel.expert_parallel import build_ep_mesh, check_experts, experts_modules
 from hf_tp.parallel.lora import unwrap_peft
-from hf_tp.parallel.mesh import split_mesh, stage_dims
+from hf_tp.parallel.mesh import cp_mesh, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
+from hf_tp.parallel.tp import check_plan_paths
 from hf_tp.pipeline_checks import check_pipeline
 
 
@@ -37,19 +40,19 @@ def pipeline_parallelize(
     every name (adapters' included) and :func:`hf_tp.parallelize` gives it LoRA's plans; the
     :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
 
-    Refused here (one line each): expert and context parallelism, tied embeddings, multimodal wrappers,
-    and families whose forward changes the hidden states outside the decoder layers."""
+    Context (a ``cp`` dim) and expert parallelism (``ep``) apply inside each stage as to a whole
+    model. Refused here (one line each): tied embeddings, multimodal wrappers, and families whose
+    forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
-    if parallelize_kwargs.get("ep", 1) > 1:
-        raise ValueError("--pp does not combine with --ep yet: drop one")
     adapter = get_adapter(model.config)
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
     check_splittable(model, adapter)
+    stage_mesh = mesh[stage_dims(mesh)]
+    _check_whole_model(model, adapter, stage_mesh, parallelize_kwargs)
     cuts = balanced_cuts(costs, pp * virtual_stages)
     ids = [rank + v * pp for v in range(virtual_stages)]
-    stage_mesh = mesh[stage_dims(mesh)]
     tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
     models = [
         cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids, strict=True)
@@ -57,7 +60,7 @@ def pipeline_parallelize(
     tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
     for top, stage_model in zip(tops, models, strict=True):
-        parallelize(top, stage_mesh, **parallelize_kwargs)  # its record holds the stage: generate refuses it
+        parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, parallelize_kwargs))
         stages.append(StageModule(stage_model, tp_mesh))
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
@@ -65,3 +68,36 @@ def pipeline_parallelize(
     return Pipeline(
         stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
     )
+
+
+def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settings: dict) -> None:
+    """The checks that read the decoder layers, on the whole model before the cut, so every rank
+    refuses alike (a stage's own checks see only its layers: a rank whose stage holds no Mamba
+    layer would go on while another stops): the plan's module paths, context and expert
+    parallelism."""
+    tp = split_mesh(stage_mesh)[1].size()
+    adapter.validate(model.config, tp)
+    opts = PlanOptions(
+        sequence_parallel=settings.get("sequence_parallel", True),
+        loss_parallel=settings.get("loss_parallel", True),
+        kv_replicas=adapter.kv_replicas(model.config, tp),
+    )
+    check_plan_paths(model, adapter, opts)
+    cp, ep = cp_mesh(stage_mesh), settings.get("ep", 1)
+    if cp is not None:
+        check_context_parallel(model, adapter.layers_path, cp.size())
+    if ep > 1:
+        if not adapter.moe:
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model; {model.config.model_type} has no experts")
+        check_experts(model, adapter.layers_path, adapter.experts, ep)
+
+
+def _stage_settings(stage_model: nn.Module, adapter, stage_mesh: DeviceMesh, settings: dict) -> dict:
+    """:func:`hf_tp.parallelize`'s settings for one stage: ``ep`` 1 for a stage without MoE
+    layers (a model's first dense layers), its ep groups built all the same (every rank of the
+    world creates every process group)."""
+    ep = settings.get("ep", 1)
+    if ep > 1 and not experts_modules(stage_model, adapter.layers_path, adapter.experts):
+        build_ep_mesh(stage_mesh, ep)
+        return {**settings, "ep": 1}
+    return settings

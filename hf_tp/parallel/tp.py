@@ -44,9 +44,14 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
         )
     missing = [p for p in adapter.top_plan(opts) if not has_submodule(model, p)]
     # Hybrid models mix layer kinds: a layer-plan entry must exist in some layer (each gets its own).
-    missing += [
-        f"{adapter.layers_path}.*.{p}" for p in adapter.layer_plan(opts) if not any(has_submodule(x, p) for x in layers)
-    ]
+    # A pipeline stage's layers are some of them, the others gaps: its kinds are checked on the whole
+    # model before the cut (hf_tp.parallel.pipeline_build), a MoE's first dense layers on one stage only.
+    if not any(getattr(x, "hf_tp_stage_gap", False) for x in layers):
+        missing += [
+            f"{adapter.layers_path}.*.{p}"
+            for p in adapter.layer_plan(opts)
+            if not any(has_submodule(x, p) for x in layers)
+        ]
     if missing:
         raise ValueError(
             f"the {adapter.model_type} adapter names modules that {type(model).__name__} lacks: "

@@ -136,9 +136,10 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
         if run.pipeline is not None:  # --pp: torch's schedule runs forward and backward of every stage
-            _set_grad_sync(run.pipeline.models, m == micro - 1)
-            with loss_context(cfg.loss_parallel):
-                loss, aux = pipeline_micro_loss(run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m)
+            with loss_context(cfg.loss_parallel):  # (gradients reduced over dp after the last micro-step)
+                loss, aux = pipeline_micro_loss(
+                    run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m, micro
+                )
             local_loss += loss.float()
             if aux is not None:
                 aux_sum += aux * weight

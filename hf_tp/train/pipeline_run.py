@@ -69,13 +69,16 @@ def pipeline_micro_loss(
     routing: Routing | None,
     weight: float,
     index: int,
+    micro_steps: int = 1,
 ) -> tuple[torch.Tensor, float | None]:
-    """(loss, aux) of micro-step ``index`` over the pipeline: this rank's cross entropy plus, for a
+    """(loss, aux) of micro-step ``index`` of ``micro_steps`` over the pipeline (the gradients
+    reduced over dp after the last): this rank's cross entropy plus, for a
     MoE with transformers' aux loss, ``router_aux_loss_coef * weight`` times this rank's share of
     it; ``aux`` that unweighted share (None without one, or when the step's ``routing`` was counted
     at micro-step 0). Without the step's ``routing`` the aux loss is this micro-step's rows'."""
     own = routing if routing is not None else (pipe.route([batch]) if pipe.has_aux else None)
-    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight)
+    last = index == micro_steps - 1
+    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight, reduce=last)
     if own is None or (routing is not None and index > 0):
         return loss, None
     return loss + pipe.models[0].config.router_aux_loss_coef * weight * own.term, own.term

@@ -26,8 +26,6 @@ def check_pipeline_settings(cfg: Any) -> None:
             "each pipeline micro-batch takes an equal share of a dp rank's rows"
         )
     refused = {
-        "--cp": cfg.cp > 1,  # stages would need the cp token split
-        "--ep": cfg.ep > 1,
         "--compile": cfg.compile,
         f"--objective {cfg.objective}": cfg.objective != "sft",
         "--eval-dataset/--eval-split": cfg.has_eval,

@@ -1,7 +1,8 @@
 """Pipeline parallelism (``--pp``) with torch's schedules in real processes (torch's threaded
 process group has no point-to-point send/recv): the loss curve and every weight after a few AdamW
 steps equal plain single-process HF's (a MoE's loss with its router aux loss, a peft LoRA model's
-adapter gradients), also across a checkpoint resumed without pp."""
+adapter gradients; context and expert parallelism inside the stages), also across a checkpoint
+resumed without pp."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ _GEMMA3_WINDOWS = {"layer_types": ["full_attention", "sliding_attention", "slidi
 
 _AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
-# One launch of 4 ranks (pp2 x tp2 or pp2 x dp2 each): every schedule, MoEs with the router aux loss,
-# LoRA, sliding windows, HSDP.
+# One launch of 4 ranks (pp2 x tp2, pp2 x dp2 or pp2 x cp2 each): every schedule, MoEs with the router
+# aux loss, LoRA, sliding windows, HSDP, context and expert parallelism inside the stages.
 CASES = [
     # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp)
     {"family": "llama", "schedule": "1f1b", "tp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
@@ -33,6 +34,14 @@ CASES = [
     {"family": "llama", "schedule": "1f1b", "tp": 2, "lora": 4},  # peft LoRA (all-linear): adapter gradients too
     {"family": "gemma3_text", "schedule": "1f1b", "dp": 2, "dtype": "float64", "overrides": _GEMMA3_WINDOWS},
     {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
+    # cp inside each stage (RoPE, right padding): every stage sees the same token layout and positions;
+    # 2 micro-steps a step (FSDP2 over cp: the gradients accumulated across torch's rebuilt stages)
+    {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16, "b": 8, "accum": 2},
+    # ep inside each stage (its dp ranks' all-to-all), the aux loss over every stage and dp rank; the
+    # first two layers dense (DeepSeek's first_k_dense_replace): stage 0 holds no experts nor routers
+    {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": {**_AUX, "mlp_only_layers": [0, 1]}},
+    # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
+    {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX},
 ]
 
 

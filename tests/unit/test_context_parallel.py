@@ -194,3 +194,32 @@ def test_one_additive_mask_serves_every_layer() -> None:
     whole, split = (estimate(copy.deepcopy(config), 1, 1, 2048, 1, cp=cp, dtype="fp32") for cp in (1, 2))
     mask = 1024 * 2048 * 4  # local queries x all keys, fp32
     assert split.peak.activations < whole.peak.activations + 1.5 * mask, (split.peak, whole.peak)
+
+
+def test_moe_aux_loss_on_padded_rows_is_plain_hf() -> None:
+    # HF's forward computes its own aux loss from the attention_mask it is given; under cp that mask
+    # is the whole rows' and the router logits this rank's tokens (a shape error before): the mask
+    # now reaches the decoder through cp's state, and hf_tp's aux loss over the whole rows is HF's.
+    from hf_tp.parallel.mesh import split_mesh
+    from hf_tp.train.loss import training_loss
+    from hf_tp.verify.compare import full_grads
+    from tests.family_grid import grid_model
+    from tests.helpers import assert_close_dict, batch
+
+    config = grid_config("qwen3_moe", num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.5)
+    ref = grid_model(config)
+    data = batch(config.vocab_size, b=2, s=16, pad="right")
+    models = [copy.deepcopy(ref) for _ in range(2)]
+    want = ref(**data, use_cache=False).loss
+    want.backward()
+    want_grads, targets = full_grads(ref), int((data["labels"][:, 1:] != -100).sum())
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=1, cp=2, device_type="cpu")
+        model = hf_tp.parallelize(models[rank], mesh)
+        loss, aux = training_loss(model, data, targets, False, split_mesh(mesh)[0].get_group())
+        loss.backward()
+        assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item()) and aux > 0
+        assert_close_dict(full_grads(model), want_grads, "grad")
+
+    run_threaded(2, rank_fn)

@@ -71,7 +71,7 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(pp=2, pp_virtual_stages=2), r"needs --pp-schedule interleaved1f1b"),
         (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
-        (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
+        (dict(pp=2, compile=True, batch_size=2), r"--pp does not combine with --compile yet"),
         (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
         (
             dict(pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2, batch_size=2, save_every=1),
@@ -88,3 +88,36 @@ def test_more_stages_than_layers_is_refused() -> None:
     with pytest.raises(ValueError, match=r"4 stages but the model has 2 decoder layers: at most one stage per layer"):
         check_pipeline(2, "interleaved1f1b", 2, 2, layers=2)
     assert TrainConfig(pp=2, tp=1, dp=2).resolve().world_size == 4
+    # context and expert parallelism run inside each stage
+    both = TrainConfig(pp=2, tp=1, dp=2, cp=2, ep=4, batch_size=2).resolve()
+    both.validate()
+    assert both.world_size == 8
+
+
+def test_cp_and_ep_refusals_read_the_whole_model_on_every_rank() -> None:
+    # A stage sees only its layers; the checks that read them run on the whole model first, so
+    # every rank of every stage refuses alike (4 threaded ranks: refused before any send/recv).
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_tp
+    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from tests.family_grid import grid_config
+    from tests.helpers import run_threaded
+
+    hybrid = AutoModelForCausalLM.from_config(grid_config("jamba", tie_word_embeddings=False))  # Mamba, then attention
+    dense = tiny_model(tiny_config("llama", num_hidden_layers=4))
+    cases = [
+        (hybrid, dict(cp=2), r"jamba mixes tokens outside attention \(JambaMambaDecoderLayer at layers\.0\)"),
+        (dense, dict(dp=2), r"ep=2 needs a mixture-of-experts model; llama has no experts"),
+    ]
+    for model, layout, message in cases:
+        models = [copy.deepcopy(model) for _ in range(4)]
+
+        def rank_fn(rank: int, models=models, layout=layout, message=message) -> None:
+            mesh = hf_tp.build_mesh(tp=1, pp=2, device_type="cpu", **layout)
+            with pytest.raises(ValueError, match=message):
+                pipeline_parallelize(models[rank], mesh, microbatches=2, ep=2 if "dp" in layout else 1)
+
+        run_threaded(4, rank_fn)
