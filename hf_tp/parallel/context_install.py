@@ -22,7 +22,7 @@ from hf_tp.parallel.context import (
     sum_over_cp,
 )
 from hf_tp.parallel.deepstack import shard_deepstack
-from hf_tp.record import facts, record_of
+from hf_tp.record import facts, facts_of, record_of
 
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
@@ -84,7 +84,9 @@ def install_context_parallel(model: nn.Module, layers_path: str, cp_mesh: Device
     shard_deepstack(model.get_decoder())  # a wrapper's visual features added to this rank's tokens
     # first of the decoder's pre-hooks: a wrapper's (hf_tp.parallel.passengers) then shard this rank's tokens over tp
     model.get_decoder().register_forward_pre_hook(_split_inputs(state), with_kwargs=True, prepend=True)
-    model.get_decoder().register_forward_hook(_check_attention_ran(state, list(layers)))
+    stage = getattr(facts_of(model), "stage", None)  # a pipeline stage checks its own layers only
+    ran = {i: x for i, x in enumerate(layers) if stage is None or i in stage.layers}
+    model.get_decoder().register_forward_hook(_check_attention_ran(state, ran))
     model.register_forward_pre_hook(_split_labels(state, model), with_kwargs=True)
     model.register_forward_pre_hook(_hold_padding(state, model), with_kwargs=True)
     model.register_forward_hook(_whole_loss)
@@ -179,18 +181,13 @@ def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     return packed_documents(position_ids)
 
 
-def _check_attention_ran(state: ContextState, layers: list[nn.Module]):
+def _check_attention_ran(state: ContextState, layers: dict[int, nn.Module]):
     """After a forward: its masks dropped, and every decoder layer attended through hf_tp's
     function (else its tokens would have met some other way, or not at all)."""
 
     def hook(module: nn.Module, args, output) -> None:
         state.finish()
-        missing = [
-            i
-            for i, layer in enumerate(layers)
-            if not getattr(layer, "hf_tp_stage_gap", False)  # another pipeline stage's layer
-            and not any(id(m) in state.called for m in layer.modules())
-        ]
+        missing = [i for i, layer in layers.items() if not any(id(m) in state.called for m in layer.modules())]
         if missing:
             raise ValueError(
                 f"context parallelism: decoder layers {missing[:8]} of {type(module).__name__} did not call "

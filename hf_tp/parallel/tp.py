@@ -46,7 +46,7 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
     # Hybrid models mix layer kinds: a layer-plan entry must exist in some layer (each gets its own).
     # A pipeline stage's layers are some of them, the others gaps: its kinds are checked on the whole
     # model before the cut (hf_tp.parallel.pipeline_build), a MoE's first dense layers on one stage only.
-    if not any(getattr(x, "hf_tp_stage_gap", False) for x in layers):
+    if getattr(facts_of(model), "stage", None) is None:
         missing += [
             f"{adapter.layers_path}.*.{p}"
             for p in adapter.layer_plan(opts)
