@@ -45,13 +45,14 @@ class PipelineCase:
     overrides: dict = field(default_factory=dict)
     resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
     lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
+    tied: bool = False  # lm_head tied to the embedding (a copy on the first and the last stage)
 
     def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict]:
         """(untouched model copy, batch, reference losses, start params, final params, first
         step's gradients): plain HF (or peft) on the whole batch (every rank builds the same one
         from the same seeds)."""
         if self.family in FAMILY_SETTINGS:
-            config = tiny_config(self.family, num_hidden_layers=self.layers, **self.overrides)
+            config = tiny_config(self.family, tied=self.tied, num_hidden_layers=self.layers, **self.overrides)
             ref = tiny_model(config, dtype=DTYPES[self.dtype])
         else:  # the family grid's settings (MoE sizes, float64, eager experts)
             config = grid_config(self.family, num_hidden_layers=self.layers, **self.overrides)
@@ -99,6 +100,7 @@ class PipelineCase:
                 grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
                 assert grads and all(".lora_" in n for n in grads), sorted(grads)
                 assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
+            pipe.sync_tied_grads()  # a tied weight: both stages' copies get the summed gradient
             opt.step()
             opt.zero_grad()
         if self.resume:

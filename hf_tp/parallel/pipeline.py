@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline_checks import MULTI_STAGE
 
 SCHEDULES = {
@@ -100,6 +101,7 @@ class Pipeline:
     microbatches: int
     device: torch.device
     route_group: dist.ProcessGroup | None = None  # the stages' dp group (a MoE's routing counts over it)
+    tied_group: dist.ProcessGroup | None = None  # a tied embedding: this coordinate's first and last stage ranks
 
     @property
     def models(self) -> list[nn.Module]:
@@ -113,6 +115,44 @@ class Pipeline:
     def parameters(self):
         for model in self.models:
             yield from model.parameters()
+
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """This rank's copies of a weight the model ties across stages: the embedding of the first
+        stage (its ``lm_head`` gap holds it too), ``lm_head`` of the last (its idle embedding too)."""
+        return [m.get_input_embeddings().weight for m in self.models if embeddings_tied(m)]
+
+    @property
+    def mirrors(self) -> list[nn.Parameter]:
+        """The last stage's copy of a tied weight, if this rank holds it (the first stage's copy,
+        with the same gradient once summed, stands for both in a norm or a count)."""
+        return self.tied if self.has_last else []
+
+    def counted_parameters(self):
+        """:meth:`parameters` less :attr:`mirrors`: what the gradient norm and the parameter
+        count take, as at pp 1."""
+        mirror = {id(p) for p in self.mirrors}
+        return (p for p in self.parameters() if id(p) not in mirror)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of a tied weight's two copies (the embedding's on the first stage,
+        ``lm_head``'s on the last) over ``tied_group``, so both hold the whole model's gradient and
+        the optimizer keeps them equal. Collective over those ranks; once per optimizer step, after
+        the last backward and before clipping (each rank's shard of either copy is the same slice:
+        both stages are parallelized over the same dp x tp mesh alike)."""
+        if self.tied_group is None:
+            return
+        with torch.no_grad():
+            for p in self.tied:
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # the embedding's backward under tp leaves a Replicate gradient: take this rank's shard
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=self.tied_group)
 
     @cached_property
     def has_aux(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -15,6 +16,7 @@ from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
+from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline_checks import check_pipeline
 
 
@@ -37,7 +39,10 @@ def pipeline_parallelize(
     every name (adapters' included) and :func:`hf_tp.parallelize` gives it LoRA's plans; the
     :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
 
-    Refused here (one line each): expert and context parallelism, tied embeddings, multimodal wrappers,
+    A weight tied across stages (``lm_head`` and the embedding) is held by the first and last
+    stage, whose gradients :meth:`Pipeline.sync_tied_grads` sums before each optimizer step.
+
+    Refused here (one line each): expert and context parallelism, multimodal wrappers,
     and families whose forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
@@ -47,6 +52,7 @@ def pipeline_parallelize(
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
     check_splittable(model, adapter)
+    tied = embeddings_tied(model)  # before the cut: every rank alike
     cuts = balanced_cuts(costs, pp * virtual_stages)
     ids = [rank + v * pp for v in range(virtual_stages)]
     stage_mesh = mesh[stage_dims(mesh)]
@@ -63,9 +69,34 @@ def pipeline_parallelize(
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
     route_group = dp_mesh.get_group() if dp_mesh is not None else None
+    tied_group = _first_and_last_stage_group(mesh) if tied else None
     return Pipeline(
-        stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
+        stages,
+        ids,
+        pp * virtual_stages,
+        mesh["pp"].get_group(),
+        schedule,
+        microbatches,
+        device,
+        route_group,
+        tied_group,
     )
+
+
+def _first_and_last_stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of this rank's (dp, tp) coordinate's first and last pp ranks, which hold
+    the two copies of a tied embedding (the pp group itself at pp 2). Every rank creates every
+    coordinate's group, as torch requires, and keeps its own (None if it holds neither copy)."""
+    pp = mesh["pp"].size()
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(pp, -1)
+    mine = None
+    for first, last in zip(ranks[0].tolist(), ranks[-1].tolist(), strict=True):
+        group = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            mine = group
+    return mine
 
 
 def _no_generate(*args, **kwargs):

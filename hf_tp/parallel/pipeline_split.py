@@ -96,11 +96,6 @@ def balanced_cuts(costs: list[float], stages: int) -> list[range]:
 def check_splittable(model: nn.Module, adapter: Adapter) -> None:
     """Refuse what a stage cut cannot keep exact, before anything is built (every rank alike)."""
     name = model.config.model_type
-    if embeddings_tied(model):
-        raise ValueError(
-            f"--pp: this {name} model ties lm_head to the embedding, which sit on the first and last stages; "
-            "pipeline parallelism needs untied weights (train with --pp 1)"
-        )
     if adapter.language_model or adapter.passengers:
         raise ValueError(f"--pp: multimodal wrappers ({name}) are not cut into stages yet: train with --pp 1")
     _check_stream_passthrough(model, adapter)
@@ -166,23 +161,33 @@ def _gapped_copy(model: nn.Module, adapter: Adapter) -> nn.Module:
 
 def cut_stage(model: nn.Module, adapter: Adapter, layers: range, copy_model: bool) -> nn.Module:
     """The stage of ``model`` that runs decoder ``layers`` (a deep copy when ``copy_model``, else
-    ``model`` itself, cut in place): the others' modules become gaps, every name kept."""
+    ``model`` itself, cut in place): the others' modules become gaps, every name kept.
+
+    A model whose ``lm_head`` is tied to the embedding keeps the tie on the first and last stages,
+    as a whole model holds it (both names, one Parameter): the first stage's ``lm_head`` gap holds
+    the embedding's weight, the last stage keeps the embedding (never called: it is fed hidden
+    states) tied to its ``lm_head``. So each stage's checkpoint names are a whole model's, and the
+    two copies train as one once their gradients are summed
+    (:meth:`hf_tp.parallel.pipeline.Pipeline.sync_tied_grads`)."""
     if copy_model:
         model = copy.deepcopy(model)
+    tied = embeddings_tied(model)
     decoder, layers_name = _decoder_and_layers(model, adapter)
     stack = decoder.get_submodule(layers_name)
     for i in range(len(stack)):
         if i not in layers:
             stack[i] = LayerGap(stack[i])
     first, last = layers.start == 0, layers.stop == len(stack)
-    if not first:
-        embed = _embedding_name(decoder)
-        setattr(decoder, embed, StageGap())
+    weight = decoder.get_input_embeddings().weight
+    if not first and not (tied and last):
+        setattr(decoder, _embedding_name(decoder), StageGap())
     if not last:
         norm = _final_norm_name(decoder, layers_name)
         if norm:
             setattr(decoder, norm, StageGap())
         model.lm_head = HeadGap()
+        if tied and first:
+            model.lm_head.weight = weight
     model.hf_tp_stage = (first, last)
     return model
 

@@ -29,7 +29,7 @@ from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
 from hf_tp.train.loss import loss_context, step_routing
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
-from hf_tp.train.pipeline_run import pipeline_micro_loss, pipeline_routing
+from hf_tp.train.pipeline_run import pipeline_clip, pipeline_micro_loss, pipeline_routing
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
 
@@ -168,8 +168,10 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
         if run.pipeline is not None:  # each stage's layers' share
             dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.pipeline.group)
     metrics = _global_means(sums, batches.num_examples, run.dp_group)
-    stages = run.pipeline.group if run.pipeline is not None else None  # every stage's gradients in one norm
-    grad_norm = clip_grad_norm((run.pipeline or model).parameters(), cfg.max_grad_norm, stages=stages)
+    pipe = run.pipeline  # --pp: every stage's gradients in one norm, a tied weight's copies summed first
+    grad_norm = (
+        pipeline_clip(pipe, cfg.max_grad_norm) if pipe else clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+    )
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         bf16 = cfg.compute_dtype_name(run.device.type) == "bf16"

@@ -20,11 +20,12 @@ _GEMMA3_WINDOWS = {"layer_types": ["full_attention", "sliding_attention", "slidi
 _AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 # One launch of 4 ranks (pp2 x tp2 or pp2 x dp2 each): every schedule, MoEs with the router aux loss,
-# LoRA, sliding windows, HSDP.
+# LoRA, sliding windows, HSDP, tied embeddings.
 CASES = [
-    # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp)
-    {"family": "llama", "schedule": "1f1b", "tp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
-    {"family": "qwen2", "schedule": "gpipe", "dp": 2},
+    # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp);
+    # lm_head tied to the embedding: a vocab-sharded copy on the first and last stage, saved once
+    {"family": "llama", "schedule": "1f1b", "tp": 2, "tied": True, "resume": {"at": 2, "tp": 2, "dp": 2}},
+    {"family": "qwen2", "schedule": "gpipe", "dp": 2, "tied": True},  # the tied copies FSDP2-sharded
     {"family": "qwen2", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2},
     {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2},
     # the router aux loss (coef 0.5: its gradients weigh): counted through the pipeline, each stage its layers' share

@@ -17,9 +17,10 @@ RUN = ["--seq-len", "15", "--max-steps", "3", "--lr", "3e-3", "--warmup-steps", 
 
 
 @pytest.fixture(scope="module")
-def untied(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny untied Llama of 4 layers (the embedding and lm_head sit on different stages) with the
-    default tokenizer, and the default corpus."""
+def tied_llama(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Llama of 4 layers whose lm_head is tied to the embedding (a copy on the first and the
+    last stage, their gradients summed, counted once in the clipped norm) with the default
+    tokenizer, and the default corpus."""
     from transformers import AutoTokenizer
 
     from hf_tp.demo.assets import ensure_default_assets
@@ -27,14 +28,14 @@ def untied(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pp")
     assets = ensure_default_assets(root / "assets")
     tok = AutoTokenizer.from_pretrained(assets.model_dir)
-    config = tiny_config("llama", num_hidden_layers=4, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    config = tiny_config("llama", tied=True, num_hidden_layers=4, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
     tiny_model(config).save_pretrained(root / "llama")
     tok.save_pretrained(root / "llama")
     return root / "llama", assets.data_file
 
 
-def test_pp2_trains_on_plain_hf_curve(untied, tmp_path) -> None:
-    model_dir, data = untied
+def test_pp2_trains_on_plain_hf_curve(tied_llama, tmp_path) -> None:
+    model_dir, data = tied_llama
     want_losses, want_norms = reference_losses(
         str(model_dir), str(data), seq_len=15, global_batch=4, steps=3, lr=3e-3, warmup_steps=1
     )

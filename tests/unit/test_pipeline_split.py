@@ -42,10 +42,18 @@ def test_a_stage_keeps_its_layers_names_and_attention_types() -> None:
     assert (gap.attention_type, gap.layer_idx) == ("sliding_attention", 3) and not list(gap.parameters())
 
 
+def test_a_tied_weight_is_held_by_the_first_and_last_stage_under_both_names() -> None:
+    model = tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=3))
+    adapter = get_adapter(model.config)
+    check_splittable(model, adapter)  # accepted
+    stages = [cut_stage(model, adapter, range(i, i + 1), copy_model=True) for i in range(3)]
+    for stage in (stages[0], stages[2]):  # a whole model's names, one Parameter: checkpoints hold it as at pp 1
+        assert stage.lm_head.weight is stage.model.embed_tokens.weight
+        assert torch.equal(stage.lm_head.weight, model.lm_head.weight)
+    assert not any("embed" in n or "lm_head" in n for n, _ in stages[1].named_parameters(remove_duplicate=False))
+
+
 def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
-    tied = tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"ties lm_head to the embedding.*untied weights \(train with --pp 1\)"):
-        check_splittable(tied, get_adapter(tied.config))
     granite = tiny_model(tiny_config("llama", num_hidden_layers=2))  # a scaled embedding, as Granite's forward has
     forward = type(granite.model).forward
 
