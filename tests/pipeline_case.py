@@ -77,67 +77,94 @@ class PipelineCase:
         this rank's largest weight difference relative to its AdamW update."""
         model, data, want, start, end, want_grads = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
-        mesh = hf_tp.build_mesh(tp=self.tp, dp=self.dp, pp=self.pp, device_type="cpu", dp_replicate=self.dp_replicate)
-        pipe = pipeline_parallelize(
-            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual
-        )
+        pipe, mesh = self._pipeline(model, self.pp, self.tp, self.dp, self.schedule, self.virtual, self.dp_replicate)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
-        rows = self.b // self.dp
-        r = mesh.get_local_rank("dp")
+        steps = self.resume["at"] if self.resume else self.steps
+        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None)
+        if self.resume:
+            fresh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
+            got += resumed
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+        assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
+        held = {n: p for m in (fresh or pipe).models for n, p in full_params(m).items()}
+        assert held, "this rank holds no parameters"
+        want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
+        assert_weights_after_adam_close(held, want_held, start_held)
+        return worst, adam_error(held, want_held, start_held).rel
+
+    def _pipeline(self, model, pp: int, tp: int, dp: int, schedule: str, virtual: int, replicate: int = 1) -> tuple:
+        """(``model`` parallelized at pp x dp x tp with ``schedule``, or without pp as a
+        :class:`Whole`; the mesh)."""
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, pp=pp, device_type="cpu", dp_replicate=replicate)
+        if pp == 1:
+            hf_tp.parallelize(model, mesh)
+            return Whole(model), mesh
+        kwargs = dict(schedule=schedule, microbatches=self.microbatches, virtual_stages=virtual)
+        return pipeline_parallelize(model, mesh, **kwargs), mesh
+
+    def _train(self, pipe, mesh, opt, data: dict, steps: int, want_grads: dict | None = None) -> list[float]:
+        """``steps`` AdamW steps of ``pipe`` (a pipeline or a :class:`Whole`) on this dp rank's rows;
+        the losses (over every rank). ``want_grads``: every gradient this rank holds after step 1
+        must be these (LoRA: adapters only)."""
+        dp, tp, r = mesh["dp"].size(), mesh["tp"].size(), mesh.get_local_rank("dp")
+        rows = self.b // dp
         mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
         targets = int((data["labels"][:, 1:] != -100).sum())
+        staged = "pp" in mesh.mesh_dim_names
+        groups = [mesh["pp"].get_group()] if staged else []
+        groups.append(dp_mesh_of(mesh[stage_dims(mesh)] if staged else mesh).get_group())
         got = []
-        for _ in range(self.resume["at"] if self.resume else self.steps):
+        for _ in range(steps):
             routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
-            with loss_context(self.tp > 1):
-                loss = pipe.step(mine, targets, self.dp, routing.totals if routing else None)
+            with loss_context(tp > 1):
+                loss = pipe.step(mine, targets, dp, routing.totals if routing else None)
             if routing:  # this rank's share of the aux loss
-                loss += model.config.router_aux_loss_coef * routing.term
-            dist.all_reduce(loss, group=mesh["pp"].get_group())
-            dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
+                loss += pipe.models[0].config.router_aux_loss_coef * routing.term
+            for group in groups:
+                dist.all_reduce(loss, group=group)
             got.append(loss.item())
-            if self.lora and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
+            if want_grads is not None and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
                 grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
                 assert grads and all(".lora_" in n for n in grads), sorted(grads)
                 assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
             pipe.sync_tied_grads()  # a tied weight: both stages' copies get the summed gradient
             opt.step()
             opt.zero_grad()
-        if self.resume:
-            got += self._resumed(fresh, pipe, opt, data, targets)
-        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-        assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
-        held = full_params(fresh) if self.resume else {n: p for m in pipe.models for n, p in full_params(m).items()}
-        assert held, "this rank holds no parameters"
-        want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
-        assert_weights_after_adam_close(held, want_held, start_held)
-        return worst, adam_error(held, want_held, start_held).rel
+        return got
 
-    def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
-        """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the
-        ``resume`` layout, and train the remaining steps there; their losses."""
+    def _resumed(self, fresh: torch.nn.Module, saved: torch.nn.Module, opt, data: dict) -> tuple:
+        """Save the pipeline run's checkpoint (``saved``: this rank's stages as one module), load it
+        into ``fresh`` parallelized at the ``resume`` layout (``pp``, ``schedule``, ``virtual``
+        default to no pipeline), and train the remaining steps there: (the resumed run, its losses)."""
         folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(folder, src=0)
-        (model,) = pipe.models  # one stage per rank: checkpoints of 1F1B / GPipe runs
-        path = save_checkpoint(folder[0], self.resume["at"], model, opt)
-        tp, dp = self.resume["tp"], self.resume["dp"]
-        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
-        hf_tp.parallelize(fresh, mesh)
-        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01)
-        load_checkpoint(path, fresh, opt)
-        rows, r = self.b // dp, mesh.get_local_rank("dp")
-        mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
-        losses = []
-        for _ in range(self.steps - self.resume["at"]):
-            with loss_context(tp > 1):
-                loss = fresh(**mine, num_items_in_batch=targets, use_cache=False).loss
-                (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
-            loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-            dist.all_reduce(loss, group=mesh["dp"].get_group())
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+        path = save_checkpoint(folder[0], self.resume["at"], saved, opt)
+        at = {"pp": 1, "schedule": "1f1b", "virtual": 1, **self.resume}
+        run, mesh = self._pipeline(fresh, at["pp"], at["tp"], at["dp"], at["schedule"], at["virtual"])
+        opt = torch.optim.AdamW(list(run.parameters()), lr=1e-3, weight_decay=0.01)
+        load_checkpoint(path, run.checkpoint_model, opt)
+        losses = self._train(run, mesh, opt, data, self.steps - at["at"])
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
-        return losses
+        return run, losses
+
+
+class Whole:
+    """A model parallelized without pp, driven as a :class:`hf_tp.parallel.pipeline.Pipeline` is."""
+
+    has_aux = False
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.models, self.checkpoint_model = [model], model
+
+    def parameters(self):
+        return self.models[0].parameters()
+
+    def step(self, batch: dict, num_items: int, dp: int, routing=None) -> torch.Tensor:
+        loss = self.models[0](**batch, num_items_in_batch=num_items, use_cache=False).loss
+        (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    def sync_tied_grads(self) -> None:
+        pass

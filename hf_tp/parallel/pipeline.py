@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.parallel.pipeline_split import merged_stages
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline_checks import MULTI_STAGE
 
@@ -153,6 +154,13 @@ class Pipeline:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(grad, group=self.tied_group)
+
+    @cached_property
+    def checkpoint_model(self) -> nn.Module:
+        """What a checkpoint saves and loads on this rank: its stage's HF model, or one module over
+        its several stages' (:func:`hf_tp.parallel.pipeline_split.merged_stages`); either way every
+        parameter under the whole model's name, so a checkpoint is the same files at any pp."""
+        return merged_stages(self.models)
 
     @cached_property
     def has_aux(self) -> bool:

@@ -212,3 +212,40 @@ def _final_norm_name(decoder: nn.Module, layers_name: str) -> str | None:
         if isinstance(getattr(decoder, name, None), nn.Module):
             return name
     return None
+
+
+def merged_stages(models: list[nn.Module]) -> nn.Module:
+    """One module over the stages a rank holds (``--pp-virtual-stages``: several) whose parameters
+    and buffers are theirs under their original names, each where it runs: what a checkpoint
+    saves and loads (torch's state-dict functions take one module and one optimizer over it).
+    Modules the stages share are kept, a module real on one stage is taken from it over the
+    others' gaps (the first stage's ``lm_head`` gap holding a tied weight over a bare one), and
+    containers real on several (the model, its decoder, the layer list) are merged child by child.
+    The merged module carries the model's ``config`` and ``generation_config``, which
+    :func:`hf_tp.save_checkpoint` saves beside the weights."""
+    if len(models) == 1:
+        return models[0]
+    merged = _merged(models)
+    for name in ("config", "generation_config"):
+        if getattr(models[0], name, None) is not None:
+            setattr(merged, name, getattr(models[0], name))
+    return merged
+
+
+def _merged(modules: list[nn.Module]) -> nn.Module:
+    distinct = list({id(m): m for m in modules}.values())
+    real = [m for m in distinct if not isinstance(m, StageGap)]
+    if not real:  # gaps only: one holding a tied weight if there is one
+        return next((m for m in distinct if any(True for _ in m.parameters())), distinct[0])
+    if len(real) == 1 or not real[0]._modules:
+        return real[0]
+    merged = nn.ModuleList() if isinstance(real[0], nn.ModuleList) else nn.Module()
+    for name, param in real[0]._parameters.items():
+        if param is not None:
+            merged.register_parameter(name, param)
+    for name, buf in real[0]._buffers.items():
+        if buf is not None:
+            merged.register_buffer(name, buf, persistent=name not in real[0]._non_persistent_buffers_set)
+    for name in dict.fromkeys(n for m in real for n, child in m._modules.items() if child is not None):
+        merged.add_module(name, _merged([m._modules[name] for m in real if m._modules.get(name) is not None]))
+    return merged

@@ -232,7 +232,7 @@ def _save(run: Run, done: int) -> Path:
     if isinstance(run.batches, StreamingBatchSource):
         state["data_position"] = run.batches.state_for(done)  # where the stream continues after step `done`
     files = [run.model.config, run.model.generation_config, run.tokenizer]
-    return save_checkpoint(run.out, done, run.model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
+    return save_checkpoint(run.out, done, run.saved_model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
 
 
 def _finish(run: Run, result: TrainResult) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.pipeline_checks import MULTI_STAGE, check_pipeline
+from hf_tp.pipeline_checks import check_pipeline
 
 
 def check_pipeline_settings(cfg: Any) -> None:
@@ -36,9 +36,3 @@ def check_pipeline_settings(cfg: Any) -> None:
     for flag, on in refused.items():
         if on:
             raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
-    saves = cfg.save_every or cfg.resume or cfg.export_on_finish
-    if cfg.pp_schedule in MULTI_STAGE and saves:
-        raise ValueError(
-            f"--pp-schedule {cfg.pp_schedule} holds several stages per rank, which checkpoints do not save yet: "
-            "use --pp-schedule 1f1b or gpipe with --save-every/--resume/--export-on-finish"
-        )

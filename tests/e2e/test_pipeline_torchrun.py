@@ -26,8 +26,17 @@ CASES = [
     # lm_head tied to the embedding: a vocab-sharded copy on the first and last stage, saved once
     {"family": "llama", "schedule": "1f1b", "tp": 2, "tied": True, "resume": {"at": 2, "tp": 2, "dp": 2}},
     {"family": "qwen2", "schedule": "gpipe", "dp": 2, "tied": True},  # the tied copies FSDP2-sharded
-    {"family": "qwen2", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2},
-    {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2},
+    # two stages per rank saved (one module over both: the whole model's names), resumed at pp2 x tp2 1F1B
+    # (tied: the first stage's rank also holds the third, whose lm_head gap holds no weight) and at dp4
+    {
+        "family": "qwen2",
+        "schedule": "interleaved1f1b",
+        "virtual": 2,
+        "dp": 2,
+        "tied": True,
+        "resume": {"at": 2, "pp": 2, "schedule": "1f1b", "tp": 2, "dp": 1},
+    },
+    {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2, "resume": {"at": 1, "tp": 1, "dp": 4}},
     # the router aux loss (coef 0.5: its gradients weigh): counted through the pipeline, each stage its layers' share
     {"family": "qwen3_moe", "schedule": "1f1b", "tp": 2, "overrides": _AUX},
     {"family": "mixtral", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2, "overrides": _AUX},

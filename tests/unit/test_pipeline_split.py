@@ -81,10 +81,6 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
         (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
         (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
-        (
-            dict(pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2, batch_size=2, save_every=1),
-            r"checkpoints do not save yet: use --pp-schedule 1f1b or gpipe",
-        ),
     ],
 )
 def test_bad_pipeline_settings_are_one_line(settings: dict, message: str) -> None:
