@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 import hf_tp
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.inference.evaluate import evaluate_pipeline
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
+from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.loss import loss_context
 from hf_tp.verify.compare import adam_error, full_grads
@@ -47,10 +49,10 @@ class PipelineCase:
     lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
     tied: bool = False  # lm_head tied to the embedding (a copy on the first and the last stage)
 
-    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict]:
+    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict, tuple[dict, float]]:
         """(untouched model copy, batch, reference losses, start params, final params, first
-        step's gradients): plain HF (or peft) on the whole batch (every rank builds the same one
-        from the same seeds)."""
+        step's gradients, (held-out batch, the trained model's cross entropy on it)): plain HF (or
+        peft) on the whole batch (every rank builds the same one from the same seeds)."""
         if self.family in FAMILY_SETTINGS:
             config = tiny_config(self.family, tied=self.tied, num_hidden_layers=self.layers, **self.overrides)
             ref = tiny_model(config, dtype=DTYPES[self.dtype])
@@ -69,20 +71,26 @@ class PipelineCase:
             grads = grads or full_grads(ref)
             opt.step()
             opt.zero_grad()
-        return model, data, losses, start, full_params(ref), grads
+        held_out = batch(config.vocab_size, b=self.b, s=self.s, pad="left", seed=2)
+        no_aux = {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+        with torch.no_grad():
+            eval_loss = ref(**held_out, use_cache=False, **no_aux).loss.item()
+        return model, data, losses, start, full_params(ref), grads, (held_out, eval_loss)
 
-    def check(self) -> tuple[float, float]:
-        """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
-        weight this rank holds after the steps; returns the largest relative loss difference and
-        this rank's largest weight difference relative to its AdamW update."""
-        model, data, want, start, end, want_grads = self.reference()
+    def check(self) -> tuple[float, float, float]:
+        """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5), every
+        weight this rank holds after the steps and the trained model's held-out loss (rel 1e-5,
+        :func:`hf_tp.inference.evaluate.evaluate_pipeline`; ``hf_tp.evaluate`` when resumed
+        without pp); returns the largest relative loss difference, this rank's largest weight
+        difference relative to its AdamW update and the held-out loss's relative difference."""
+        model, data, want, start, end, want_grads, (held_out, want_eval) = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
         pipe, mesh = self._pipeline(model, self.pp, self.tp, self.dp, self.schedule, self.virtual, self.dp_replicate)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         steps = self.resume["at"] if self.resume else self.steps
         got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None)
         if self.resume:
-            fresh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
+            fresh, mesh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
             got += resumed
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
         assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
@@ -90,7 +98,14 @@ class PipelineCase:
         assert held, "this rank holds no parameters"
         want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
         assert_weights_after_adam_close(held, want_held, start_held)
-        return worst, adam_error(held, want_held, start_held).rel
+        rows, r = self.b // mesh["dp"].size(), mesh.get_local_rank("dp")
+        mine = [{k: v[r * rows : (r + 1) * rows] for k, v in held_out.items()}]
+        run = fresh or pipe
+        with loss_context(mesh["tp"].size() > 1):
+            result = evaluate_pipeline(run, mine) if isinstance(run, Pipeline) else hf_tp.evaluate(run.models[0], mine)
+        eval_diff = abs(result.loss - want_eval) / abs(want_eval)
+        assert eval_diff <= 1e-5, f"{self}: held-out loss {result.loss} vs {want_eval}"
+        return worst, adam_error(held, want_held, start_held).rel, eval_diff
 
     def _pipeline(self, model, pp: int, tp: int, dp: int, schedule: str, virtual: int, replicate: int = 1) -> tuple:
         """(``model`` parallelized at pp x dp x tp with ``schedule``, or without pp as a
@@ -135,7 +150,8 @@ class PipelineCase:
     def _resumed(self, fresh: torch.nn.Module, saved: torch.nn.Module, opt, data: dict) -> tuple:
         """Save the pipeline run's checkpoint (``saved``: this rank's stages as one module), load it
         into ``fresh`` parallelized at the ``resume`` layout (``pp``, ``schedule``, ``virtual``
-        default to no pipeline), and train the remaining steps there: (the resumed run, its losses)."""
+        default to no pipeline), and train the remaining steps there: (the resumed run, its mesh,
+        its losses)."""
         folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(folder, src=0)
         path = save_checkpoint(folder[0], self.resume["at"], saved, opt)
@@ -147,7 +163,7 @@ class PipelineCase:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
-        return run, losses
+        return run, mesh, losses
 
 
 class Whole:

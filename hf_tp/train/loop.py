@@ -84,7 +84,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
             if run.eval_set is not None and run.eval_set.due(step + 1, run.cfg.eval_every, run.cfg.max_steps):
-                record = run.eval_set.record(step + 1, run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                evaluated = run.pipeline or run.model  # --pp: the stages' forward, hidden states passed on
+                record = run.eval_set.record(step + 1, evaluated, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
                 result.eval_losses[step + 1] = record["eval_loss"]
                 logger.log_eval(record)
             saved = _checkpoint_due(run.cfg, step + 1)

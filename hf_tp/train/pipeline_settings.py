@@ -30,7 +30,6 @@ def check_pipeline_settings(cfg: Any) -> None:
         "--ep": cfg.ep > 1,
         "--compile": cfg.compile,
         f"--objective {cfg.objective}": cfg.objective != "sft",
-        "--eval-dataset/--eval-split": cfg.has_eval,
         "--train-vision-tower": cfg.train_vision_tower,
     }
     for flag, on in refused.items():

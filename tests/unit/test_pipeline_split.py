@@ -80,7 +80,6 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
         (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
-        (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
     ],
 )
 def test_bad_pipeline_settings_are_one_line(settings: dict, message: str) -> None:
