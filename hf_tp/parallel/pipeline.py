@@ -20,23 +20,28 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.parallel.pipeline_fsdp import fsdp_roots, hold_gradients, release_gradients
 from hf_tp.parallel.pipeline_split import merged_stages
 from hf_tp.parallel.tp import embeddings_tied
-from hf_tp.pipeline_checks import MULTI_STAGE
+from hf_tp.pipeline_checks import MULTI_STAGE, V_SHAPED
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
     "gpipe": ScheduleGPipe,
     "interleaved1f1b": ScheduleInterleaved1F1B,
     "loopedbfs": ScheduleLoopedBFS,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 
 
@@ -54,8 +59,16 @@ class StageModule(nn.Module):
         self.routing: torch.Tensor | None = None  # a MoE step's [counts..., rows] (hf_tp.parallel.pipeline_aux)
         self.aux_scale = 0.0  # what the aux terms' gradients are scaled by (coef x weight x dp)
         self.routers = holds_routers(model)
+        # A schedule that splits the backward (input, then weights) frees the stage's output in
+        # place (``detach_``), which a view of the model's hidden states cannot be: hand on a copy.
+        self.split_backward = False
 
     def forward(self, x: torch.Tensor, routing_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        out = self.with_aux(x, routing_mask, **kwargs)
+        return out.clone() if self.split_backward and out._base is not None else out
+
+    def with_aux(self, x: torch.Tensor, routing_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        """The stage's output; with a MoE step's ``routing``, carrying its aux term's gradient."""
         if self.routing is None or not self.routers:
             return self.run(x, **kwargs)[0]
         out, logits = self.run(x, output_router_logits=True, **kwargs)
@@ -112,6 +125,14 @@ class Pipeline:
     @property
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank that runs global stage ``stage`` (V-shaped schedules: rank r runs stages r
+        and 2 pp - 1 - r; the others: stage % pp)."""
+        pp = self.num_stages // len(self.stage_ids)
+        if self.schedule in V_SHAPED:
+            return stage if stage < pp else self.num_stages - 1 - stage
+        return stage % pp
 
     def parameters(self):
         for model in self.models:
@@ -202,7 +223,7 @@ class Pipeline:
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
         runtime = []
         for module, index in zip(self.stages, self.stage_ids, strict=True):
-            module.seq_len = input_ids.shape[1]
+            module.seq_len, module.split_backward = input_ids.shape[1], self.schedule in V_SHAPED
             module.routing, module.aux_scale = routing, coef * dp
             runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
         cls = SCHEDULES[self.schedule]
@@ -210,7 +231,10 @@ class Pipeline:
         schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
+        roots = fsdp_roots(self.models) if self.schedule in V_SHAPED else []
+        syncs = hold_gradients(roots)  # the weight gradients come after FSDP2's hooks have fired
         schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        release_gradients(roots, syncs)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp

@@ -105,20 +105,21 @@ def stage_outputs(pipe, batch: dict[str, torch.Tensor], **kwargs) -> Iterator[tu
     in stage order: each rank runs its stages as their inputs arrive and sends their hidden states
     on to the next stage's rank (point to point over the pp group; the caller picks autograd or
     not). The last stage's output is the logits. ``kwargs`` go to every stage's forward."""
-    pp, me = dist.get_world_size(pipe.group), dist.get_rank(pipe.group)
+    me = dist.get_rank(pipe.group)
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths", "input_ids")}
     x = batch["input_ids"]
     for s in range(pipe.num_stages):
-        if s % pp != me:
+        if pipe.stage_rank(s) != me:
             continue
-        if s > 0:
-            x = _receive(pipe, (s - 1) % pp)
+        if s > 0 and pipe.stage_rank(s - 1) != me:
+            x = _receive(pipe, pipe.stage_rank(s - 1))
         module = pipe.stages[pipe.stage_ids.index(s)]
         module.seq_len = batch["input_ids"].shape[1]
         out, logits = module.run(x, **inputs, **kwargs)
         yield module, out, logits
-        if s < pipe.num_stages - 1:
-            _send(pipe, out, (s + 1) % pp)
+        if s < pipe.num_stages - 1 and pipe.stage_rank(s + 1) != me:
+            _send(pipe, out, pipe.stage_rank(s + 1))
+        x = out
 
 
 def _send(pipe, x: torch.Tensor, to: int) -> None:

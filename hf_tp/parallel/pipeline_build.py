@@ -15,9 +15,10 @@ from hf_tp.parallel.api import parallelize
 from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
+from hf_tp.parallel.pipeline_fsdp import fsdp_roots, keep_gathered
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
 from hf_tp.parallel.tp import embeddings_tied
-from hf_tp.pipeline_checks import check_pipeline
+from hf_tp.pipeline_checks import V_SHAPED, check_pipeline
 
 
 def pipeline_parallelize(
@@ -54,7 +55,12 @@ def pipeline_parallelize(
     check_splittable(model, adapter)
     tied = embeddings_tied(model)  # before the cut: every rank alike
     cuts = balanced_cuts(costs, pp * virtual_stages)
-    ids = [rank + v * pp for v in range(virtual_stages)]
+    ids = [rank, 2 * pp - 1 - rank] if schedule in V_SHAPED else [rank + v * pp for v in range(virtual_stages)]
+    if tied and schedule in V_SHAPED:
+        raise ValueError(
+            f"--pp-schedule {schedule} runs the first and the last stage on one rank, where a tied lm_head's two "
+            "copies are not kept in step yet: use --pp-schedule 1f1b, gpipe, interleaved1f1b or loopedbfs"
+        )
     stage_mesh = mesh[stage_dims(mesh)]
     tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
     models = [
@@ -66,6 +72,8 @@ def pipeline_parallelize(
         parallelize(top, stage_mesh, **parallelize_kwargs)
         stage_model.generate = _no_generate  # one stage alone cannot decode
         stages.append(StageModule(stage_model, tp_mesh))
+    if schedule in V_SHAPED:  # the weight gradients come after FSDP2's hooks (hf_tp.parallel.pipeline_fsdp)
+        keep_gathered(fsdp_roots(models))
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
     route_group = dp_mesh.get_group() if dp_mesh is not None else None

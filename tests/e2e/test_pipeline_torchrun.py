@@ -20,7 +20,7 @@ _GEMMA3_WINDOWS = {"layer_types": ["full_attention", "sliding_attention", "slidi
 _AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 # One launch of 4 ranks (pp2 x tp2 or pp2 x dp2 each): every schedule, MoEs with the router aux loss,
-# LoRA, sliding windows, HSDP, tied embeddings.
+# LoRA, sliding windows, HSDP, tied embeddings, the zero-bubble V-shaped schedules.
 CASES = [
     # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp);
     # lm_head tied to the embedding: a vocab-sharded copy on the first and last stage, saved once
@@ -43,6 +43,10 @@ CASES = [
     {"family": "llama", "schedule": "1f1b", "tp": 2, "lora": 4},  # peft LoRA (all-linear): adapter gradients too
     {"family": "gemma3_text", "schedule": "1f1b", "dp": 2, "dtype": "float64", "overrides": _GEMMA3_WINDOWS},
     {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
+    # V-shaped (rank r: stages r and 3 - r) with the backward split in input and weight parts: FSDP2's
+    # reduce-scatter after the step, the two stages saved as one and resumed at pp1 x tp2 x dp2
+    {"family": "llama", "schedule": "zbv", "virtual": 2, "dp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
+    {"family": "qwen3_moe", "schedule": "dualpipev", "virtual": 2, "tp": 2, "microbatches": 4, "overrides": _AUX},
 ]
 
 

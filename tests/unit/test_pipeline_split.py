@@ -77,7 +77,12 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(pp=2, batch_size=3), r"--batch-size \(3\) must be a multiple of --microbatches \(2\)"),
         (dict(pp=2, pp_schedule="interleaved1f1b"), r"set --pp-virtual-stages 2 or more"),
         (dict(pp=2, pp_virtual_stages=2), r"needs --pp-schedule interleaved1f1b"),
-        (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
+        (dict(pp=2, pp_schedule="zb"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b, loopedbfs, zbv"),
+        (dict(pp=2, pp_schedule="zbv"), r"zbv places exactly 2 stages per rank \(V-shaped\): set --pp-virtual"),
+        (
+            dict(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2, microbatches=2, batch_size=2),
+            r"dualpipev needs at least as many micro-batches as stages: --microbatches 2 < 4",
+        ),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
         (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
     ],
@@ -91,3 +96,20 @@ def test_more_stages_than_layers_is_refused() -> None:
     with pytest.raises(ValueError, match=r"4 stages but the model has 2 decoder layers: at most one stage per layer"):
         check_pipeline(2, "interleaved1f1b", 2, 2, layers=2)
     assert TrainConfig(pp=2, tp=1, dp=2).resolve().world_size == 4
+
+
+def test_a_tied_weight_under_a_v_shaped_schedule_is_refused() -> None:
+    """zbv / dualpipev run the first and last stage on one rank: a tied lm_head's two copies there
+    are not kept in step yet (refused before any stage is built)."""
+    import hf_tp
+    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from tests.helpers import run_threaded
+
+    models = [tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=4)) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=1, dp=1, pp=2, device_type="cpu")
+        with pytest.raises(ValueError, match=r"--pp-schedule zbv runs the first and the last stage on one rank"):
+            pipeline_parallelize(models[rank], mesh, schedule="zbv", microbatches=2, virtual_stages=2)
+
+    run_threaded(2, rank_fn)
