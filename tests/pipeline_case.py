@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import hf_tp
@@ -48,6 +49,7 @@ class PipelineCase:
     resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
     lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
     tied: bool = False  # lm_head tied to the embedding (a copy on the first and the last stage)
+    accum: int = 1  # micro-steps per optimizer step (gradient accumulation; FSDP2 reduces on the last)
 
     def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict, tuple[dict, float]]:
         """(untouched model copy, batch, reference losses, start params, final params, first
@@ -88,7 +90,7 @@ class PipelineCase:
         pipe, mesh = self._pipeline(model, self.pp, self.tp, self.dp, self.schedule, self.virtual, self.dp_replicate)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         steps = self.resume["at"] if self.resume else self.steps
-        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None)
+        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None, self.accum)
         if self.resume:
             fresh, mesh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
             got += resumed
@@ -117,10 +119,12 @@ class PipelineCase:
         kwargs = dict(schedule=schedule, microbatches=self.microbatches, virtual_stages=virtual)
         return pipeline_parallelize(model, mesh, **kwargs), mesh
 
-    def _train(self, pipe, mesh, opt, data: dict, steps: int, want_grads: dict | None = None) -> list[float]:
+    def _train(
+        self, pipe, mesh, opt, data: dict, steps: int, want_grads: dict | None = None, accum: int = 1
+    ) -> list[float]:
         """``steps`` AdamW steps of ``pipe`` (a pipeline or a :class:`Whole`) on this dp rank's rows;
         the losses (over every rank). ``want_grads``: every gradient this rank holds after step 1
-        must be these (LoRA: adapters only)."""
+        must be these (LoRA: adapters only); ``accum`` micro-steps per step."""
         dp, tp, r = mesh["dp"].size(), mesh["tp"].size(), mesh.get_local_rank("dp")
         rows = self.b // dp
         mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
@@ -131,8 +135,13 @@ class PipelineCase:
         got = []
         for _ in range(steps):
             routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
-            with loss_context(tp > 1):
-                loss = pipe.step(mine, targets, dp, routing.totals if routing else None)
+            loss = 0.0
+            for m, part in enumerate(_split_rows(mine, accum)):  # gradient accumulation: sync on the last
+                for stage in pipe.models:
+                    if isinstance(stage, FSDPModule):
+                        stage.set_requires_gradient_sync(m == accum - 1)
+                with loss_context(tp > 1):
+                    loss = loss + pipe.step(part, targets, dp, routing.totals if routing else None)
             if routing:  # this rank's share of the aux loss
                 loss += pipe.models[0].config.router_aux_loss_coef * routing.term
             for group in groups:
@@ -184,3 +193,9 @@ class Whole:
 
     def sync_tied_grads(self) -> None:
         pass
+
+
+def _split_rows(batch: dict, parts: int) -> list[dict]:
+    """``batch``'s rows in ``parts`` equal consecutive parts."""
+    rows = len(batch["input_ids"]) // parts
+    return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(parts)]

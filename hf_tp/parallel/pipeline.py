@@ -231,10 +231,10 @@ class Pipeline:
         schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
-        roots = fsdp_roots(self.models) if self.schedule in V_SHAPED else []
-        syncs = hold_gradients(roots)  # the weight gradients come after FSDP2's hooks have fired
+        roots = fsdp_roots(self.models)  # FSDP2 reduces once, after the step (hf_tp.parallel.pipeline_fsdp)
+        held = hold_gradients(roots, self.schedule in V_SHAPED)
         schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
-        release_gradients(roots, syncs)
+        release_gradients(roots, held)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp

@@ -25,7 +25,8 @@ CASES = [
     # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp);
     # lm_head tied to the embedding: a vocab-sharded copy on the first and last stage, saved once
     {"family": "llama", "schedule": "1f1b", "tp": 2, "tied": True, "resume": {"at": 2, "tp": 2, "dp": 2}},
-    {"family": "qwen2", "schedule": "gpipe", "dp": 2, "tied": True},  # the tied copies FSDP2-sharded
+    # the tied copies FSDP2-sharded; 2 micro-steps per step (FSDP2 reduces once, after the second)
+    {"family": "qwen2", "schedule": "gpipe", "dp": 2, "tied": True, "b": 8, "accum": 2},
     # two stages per rank saved (one module over both: the whole model's names), resumed at pp2 x tp2 1F1B
     # (tied: the first stage's rank also holds the third, whose lm_head gap holds no weight) and at dp4
     {
@@ -45,7 +46,13 @@ CASES = [
     {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
     # V-shaped (rank r: stages r and 3 - r) with the backward split in input and weight parts: FSDP2's
     # reduce-scatter after the step, the two stages saved as one and resumed at pp1 x tp2 x dp2
-    {"family": "llama", "schedule": "zbv", "virtual": 2, "dp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
+    {
+        "family": "llama",
+        "schedule": "zbv",
+        "virtual": 2,
+        "dp": 2,
+        "resume": {"at": 2, "tp": 2, "dp": 2},
+    },
     {"family": "qwen3_moe", "schedule": "dualpipev", "virtual": 2, "tp": 2, "microbatches": 4, "overrides": _AUX},
 ]
 

@@ -84,6 +84,10 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
             r"dualpipev needs at least as many micro-batches as stages: --microbatches 2 < 4",
         ),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
+        (
+            dict(pp=2, dp=2, pp_schedule="zbv", pp_virtual_stages=2, batch_size=2, grad_accum=2),
+            r"--pp-schedule zbv with --dp 2 and --grad-accum 2: FSDP2's gradients over several micro-steps",
+        ),
         (dict(pp=2, cp=2, batch_size=2), r"--pp does not combine with --cp yet"),
     ],
 )
