@@ -43,7 +43,8 @@ def pipeline_parallelize(
     A weight tied across stages (``lm_head`` and the embedding) is held by the first and last
     stage, whose gradients :meth:`Pipeline.sync_tied_grads` sums before each optimizer step.
 
-    Refused here (one line each): expert and context parallelism, multimodal wrappers,
+    Refused here (one line each): expert and context parallelism, multimodal wrappers, a tied
+    weight under a V-shaped schedule (``zbv``, ``dualpipev``: both copies on one rank),
     and families whose forward changes the hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
