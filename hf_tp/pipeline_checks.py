@@ -3,8 +3,9 @@ the training config checks them on every rank before launch)."""
 
 from __future__ import annotations
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved1f1b", "loopedbfs")
-MULTI_STAGE = ("interleaved1f1b", "loopedbfs")  # schedules that run several stages per rank
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved1f1b", "loopedbfs", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, rank r holding stages r and 2 pp - 1 - r
+MULTI_STAGE = ("interleaved1f1b", "loopedbfs", *V_SHAPED)  # schedules that run several stages per rank
 
 
 def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, layers: int | None = None) -> None:
@@ -16,17 +17,25 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, laye
         raise ValueError(f"--pp-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     if virtual < 1:
         raise ValueError(f"--pp-virtual-stages must be a positive integer, got {virtual}")
+    if schedule in V_SHAPED and virtual != 2:
+        raise ValueError(
+            f"--pp-schedule {schedule} places exactly 2 stages per rank (V-shaped): set --pp-virtual-stages 2"
+        )
     if schedule in MULTI_STAGE and virtual < 2:
         raise ValueError(f"--pp-schedule {schedule} runs several stages per rank: set --pp-virtual-stages 2 or more")
     if schedule not in MULTI_STAGE and virtual > 1:
         raise ValueError(
-            f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved1f1b or loopedbfs ({schedule} runs one stage per rank)"
+            f"--pp-virtual-stages {virtual} needs --pp-schedule {', '.join(MULTI_STAGE)} ({schedule} runs one stage per rank)"
         )
     if microbatches < 1:
         raise ValueError(f"--microbatches must be a positive integer, got {microbatches}")
     if schedule in ("1f1b", "interleaved1f1b") and pp > 1 and microbatches < pp:
         raise ValueError(
             f"--pp-schedule {schedule} needs at least as many micro-batches as stages' ranks: --microbatches {microbatches} < --pp {pp}"
+        )
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise ValueError(
+            f"--pp-schedule dualpipev needs at least as many micro-batches as stages: --microbatches {microbatches} < {2 * pp}"
         )
     if layers is not None and layers < pp * virtual:
         raise ValueError(

@@ -11,15 +11,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import hf_tp
 from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.inference.evaluate import evaluate_pipeline
 from hf_tp.parallel.context import state_of
 from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
+from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.record import record_of
 from hf_tp.train.loss import loss_context
@@ -41,7 +44,6 @@ class PipelineCase:
     dp_replicate: int = 1  # HSDP inside each stage
     cp: int = 1  # context parallelism inside each stage (s a multiple of 2 x cp x tp)
     ep: int = 1  # expert parallelism inside each stage (borrowed from dp x cp)
-    accum: int = 1  # micro-steps per step (each b / dp / accum rows), the gradients accumulated
     schedule: str = "1f1b"
     microbatches: int = 2
     virtual: int = 1
@@ -53,13 +55,15 @@ class PipelineCase:
     overrides: dict = field(default_factory=dict)
     resume: dict | None = None  # {"at": S, "tp": T, "dp": D}: saved after step S, resumed without pp at tp T x dp D
     lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
+    tied: bool = False  # lm_head tied to the embedding (a copy on the first and the last stage)
+    accum: int = 1  # micro-steps per optimizer step (gradient accumulation; FSDP2 reduces on the last)
 
-    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict]:
+    def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict, tuple[dict, float]]:
         """(untouched model copy, batch, reference losses, start params, final params, first
-        step's gradients): plain HF (or peft) on the whole batch (every rank builds the same one
-        from the same seeds)."""
+        step's gradients, (held-out batch, the trained model's cross entropy on it)): plain HF (or
+        peft) on the whole batch (every rank builds the same one from the same seeds)."""
         if self.family in FAMILY_SETTINGS:
-            config = tiny_config(self.family, num_hidden_layers=self.layers, **self.overrides)
+            config = tiny_config(self.family, tied=self.tied, num_hidden_layers=self.layers, **self.overrides)
             ref = tiny_model(config, dtype=DTYPES[self.dtype])
         else:  # the family grid's settings (MoE sizes, float64, eager experts)
             config = grid_config(self.family, num_hidden_layers=self.layers, **self.overrides)
@@ -76,92 +80,135 @@ class PipelineCase:
             grads = grads or full_grads(ref)
             opt.step()
             opt.zero_grad()
-        return model, data, losses, start, full_params(ref), grads
+        held_out = batch(config.vocab_size, b=self.b, s=self.s, pad="left", seed=2)
+        no_aux = {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
+        with torch.no_grad():
+            eval_loss = ref(**held_out, use_cache=False, **no_aux).loss.item()
+        return model, data, losses, start, full_params(ref), grads, (held_out, eval_loss)
 
-    def check(self) -> tuple[float, float]:
-        """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5) and every
-        weight this rank holds after the steps; returns the largest relative loss difference and
-        this rank's largest weight difference relative to its AdamW update."""
-        model, data, want, start, end, want_grads = self.reference()
+    def check(self) -> tuple[float, float, float]:
+        """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5), every
+        weight this rank holds after the steps and the trained model's held-out loss (rel 1e-5,
+        :func:`hf_tp.inference.evaluate.evaluate_pipeline`; ``hf_tp.evaluate`` when resumed
+        without pp); returns the largest relative loss difference, this rank's largest weight
+        difference relative to its AdamW update and the held-out loss's relative difference."""
+        model, data, want, start, end, want_grads, (held_out, want_eval) = self.reference()
         fresh = copy.deepcopy(model) if self.resume else None  # the model the resumed run loads into
-        mesh = hf_tp.build_mesh(
-            tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp, device_type="cpu", dp_replicate=self.dp_replicate
-        )
-        pipe = pipeline_parallelize(
-            model, mesh, schedule=self.schedule, microbatches=self.microbatches, virtual_stages=self.virtual, ep=self.ep
-        )
+        pipe, mesh = self._pipeline(model, self.pp, self.tp, self.dp, self.schedule, self.virtual, self.dp_replicate)
         for stage in pipe.models:  # cp and ep applied inside every stage, over its own ranks
             record, adapter = record_of(stage), get_adapter(stage.config)
             assert (state_of(stage) is not None) == (self.cp > 1)
             moe = bool(experts_modules(stage, adapter.layers_path, adapter.experts))  # (not a stage of dense layers)
             assert bool(record.experts) == (self.ep > 1 and moe) == ("ep" in record.meshes)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
-        rows = self.b // self.dp
-        r = mesh.get_local_rank("dp")
-        mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
-        targets = int((data["labels"][:, 1:] != -100).sum())
-        got = []
-        for _ in range(self.resume["at"] if self.resume else self.steps):
-            loss = self._step(pipe, mine, targets, model.config)
-            dist.all_reduce(loss, group=mesh["pp"].get_group())
-            dist.all_reduce(loss, group=dp_mesh_of(mesh[stage_dims(mesh)]).get_group())
-            got.append(loss.item())
-            if self.lora and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
-                grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
-                assert grads and all(".lora_" in n for n in grads), sorted(grads)
-                assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
-            opt.step()
-            opt.zero_grad()
+        steps = self.resume["at"] if self.resume else self.steps
+        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None, self.accum)
         if self.resume:
-            got += self._resumed(fresh, pipe, opt, data, targets)
+            fresh, mesh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
+            got += resumed
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
         assert worst <= 1e-5, f"{self}: losses {got} vs {want}"
-        held = full_params(fresh) if self.resume else {n: p for m in pipe.models for n, p in full_params(m).items()}
+        held = {n: p for m in (fresh or pipe).models for n, p in full_params(m).items()}
         assert held, "this rank holds no parameters"
         want_held, start_held = {n: end[n] for n in held}, {n: start[n] for n in held}
         assert_weights_after_adam_close(held, want_held, start_held)
-        return worst, adam_error(held, want_held, start_held).rel
+        rows, r = self.b // mesh["dp"].size(), mesh.get_local_rank("dp")
+        mine = [{k: v[r * rows : (r + 1) * rows] for k, v in held_out.items()}]
+        run = fresh or pipe
+        with loss_context(mesh["tp"].size() > 1):
+            result = evaluate_pipeline(run, mine) if isinstance(run, Pipeline) else hf_tp.evaluate(run.models[0], mine)
+        eval_diff = abs(result.loss - want_eval) / abs(want_eval)
+        assert eval_diff <= 1e-5, f"{self}: held-out loss {result.loss} vs {want_eval}"
+        return worst, adam_error(held, want_held, start_held).rel, eval_diff
 
-    def _step(self, pipe, mine: dict, targets: int, config) -> torch.Tensor:
-        """This rank's loss of one step of its rows, in ``accum`` micro-steps (gradients reduced
-        over dp after the last)."""
-        parts = [{k: v.chunk(self.accum)[i] for k, v in mine.items()} for i in range(self.accum)]
-        routing = pipe.route(parts) if pipe.has_aux else None  # a MoE's aux loss: the step's counts first
-        loss = torch.zeros((), dtype=torch.float64)
-        for i, part in enumerate(parts):
-            with loss_context(self.tp > 1):
-                loss += pipe.step(
-                    part, targets, self.dp, routing.totals if routing else None, reduce=i == self.accum - 1
-                )
-        if routing:  # this rank's share of the aux loss
-            loss += config.router_aux_loss_coef * routing.term
-        return loss
+    def _pipeline(self, model, pp: int, tp: int, dp: int, schedule: str, virtual: int, replicate: int = 1) -> tuple:
+        """(``model`` parallelized at pp x dp x tp with ``schedule``, or without pp as a
+        :class:`Whole`; the mesh)."""
+        cp, ep = (self.cp, self.ep) if pp > 1 else (1, 1)  # (resumed without pp: tp x dp alone)
+        mesh = hf_tp.build_mesh(tp=tp, dp=dp, pp=pp, cp=cp, device_type="cpu", dp_replicate=replicate)
+        if pp == 1:
+            hf_tp.parallelize(model, mesh)
+            return Whole(model), mesh
+        kwargs = dict(schedule=schedule, microbatches=self.microbatches, virtual_stages=virtual, ep=ep)
+        return pipeline_parallelize(model, mesh, **kwargs), mesh
 
-    def _resumed(self, fresh: torch.nn.Module, pipe, opt, data: dict, targets: int) -> list[float]:
-        """Save the pipeline run's checkpoint, load it into ``fresh`` parallelized without pp at the
-        ``resume`` layout, and train the remaining steps there; their losses."""
-        folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(folder, src=0)
-        (model,) = pipe.models  # one stage per rank: checkpoints of 1F1B / GPipe runs
-        path = save_checkpoint(folder[0], self.resume["at"], model, opt)
-        tp, dp = self.resume["tp"], self.resume["dp"]
-        mesh = hf_tp.build_mesh(tp=tp, dp=dp, device_type="cpu")
-        hf_tp.parallelize(fresh, mesh)
-        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.01)
-        load_checkpoint(path, fresh, opt)
-        rows, r = self.b // dp, mesh.get_local_rank("dp")
+    def _train(
+        self, pipe, mesh, opt, data: dict, steps: int, want_grads: dict | None = None, accum: int = 1
+    ) -> list[float]:
+        """``steps`` AdamW steps of ``pipe`` (a pipeline or a :class:`Whole`) on this dp rank's rows;
+        the losses (over every rank). ``want_grads``: every gradient this rank holds after step 1
+        must be these (LoRA: adapters only); ``accum`` micro-steps per step."""
+        dp, tp, r = mesh["dp"].size(), mesh["tp"].size(), mesh.get_local_rank("dp")
+        rows = self.b // dp
         mine = {k: v[r * rows : (r + 1) * rows] for k, v in data.items()}
-        losses = []
-        for _ in range(self.steps - self.resume["at"]):
-            with loss_context(tp > 1):
-                loss = fresh(**mine, num_items_in_batch=targets, use_cache=False).loss
-                (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
-            loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-            dist.all_reduce(loss, group=mesh["dp"].get_group())
-            losses.append(loss.item())
+        targets = int((data["labels"][:, 1:] != -100).sum())
+        staged = "pp" in mesh.mesh_dim_names
+        groups = [mesh["pp"].get_group()] if staged else []
+        groups.append(dp_mesh_of(mesh[stage_dims(mesh)] if staged else mesh).get_group())
+        got = []
+        for _ in range(steps):
+            routing = pipe.route([mine]) if pipe.has_aux else None  # a MoE's aux loss: the counts first
+            loss = 0.0
+            for m, part in enumerate(_split_rows(mine, accum)):  # gradient accumulation: sync on the last
+                for stage in pipe.models:
+                    if isinstance(stage, FSDPModule):
+                        stage.set_requires_gradient_sync(m == accum - 1)
+                with loss_context(tp > 1):
+                    loss = loss + pipe.step(part, targets, dp, routing.totals if routing else None)
+            if routing:  # this rank's share of the aux loss
+                loss += pipe.models[0].config.router_aux_loss_coef * routing.term
+            for group in groups:
+                dist.all_reduce(loss, group=group)
+            got.append(loss.item())
+            if want_grads is not None and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
+                grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
+                assert grads and all(".lora_" in n for n in grads), sorted(grads)
+                assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
+            pipe.sync_tied_grads()  # a tied weight: both stages' copies get the summed gradient
             opt.step()
             opt.zero_grad()
+        return got
+
+    def _resumed(self, fresh: torch.nn.Module, saved: torch.nn.Module, opt, data: dict) -> tuple:
+        """Save the pipeline run's checkpoint (``saved``: this rank's stages as one module), load it
+        into ``fresh`` parallelized at the ``resume`` layout (``pp``, ``schedule``, ``virtual``
+        default to no pipeline), and train the remaining steps there: (the resumed run, its mesh,
+        its losses)."""
+        folder = [tempfile.mkdtemp(prefix="hf_tp-pp-resume-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        path = save_checkpoint(folder[0], self.resume["at"], saved, opt)
+        at = {"pp": 1, "schedule": "1f1b", "virtual": 1, **self.resume}
+        run, mesh = self._pipeline(fresh, at["pp"], at["tp"], at["dp"], at["schedule"], at["virtual"])
+        opt = torch.optim.AdamW(list(run.parameters()), lr=1e-3, weight_decay=0.01)
+        load_checkpoint(path, run.checkpoint_model, opt)
+        losses = self._train(run, mesh, opt, data, self.steps - at["at"])
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
-        return losses
+        return run, mesh, losses
+
+
+class Whole:
+    """A model parallelized without pp, driven as a :class:`hf_tp.parallel.pipeline.Pipeline` is."""
+
+    has_aux = False
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.models, self.checkpoint_model = [model], model
+
+    def parameters(self):
+        return self.models[0].parameters()
+
+    def step(self, batch: dict, num_items: int, dp: int, routing=None) -> torch.Tensor:
+        loss = self.models[0](**batch, num_items_in_batch=num_items, use_cache=False).loss
+        (loss * dp).backward()  # FSDP2 averages over dp; the loss is already over the global targets
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+    def sync_tied_grads(self) -> None:
+        pass
+
+
+def _split_rows(batch: dict, parts: int) -> list[dict]:
+    """``batch``'s rows in ``parts`` equal consecutive parts."""
+    rows = len(batch["input_ids"]) // parts
+    return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(parts)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -15,10 +16,12 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
 from hf_tp.labels import count_targets
+from hf_tp.parallel.context import local_tokens, shift_labels, state_of
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
 from hf_tp.parallel.loss import loss_parallel as _loss_parallel
+from hf_tp.parallel.pipeline_aux import stage_outputs
 
-__all__ = ["EvalResult", "count_targets", "evaluate"]
+__all__ = ["EvalResult", "count_targets", "evaluate", "evaluate_pipeline"]
 
 _FUSED_KEYS = {"input_ids", "attention_mask", "labels", "position_ids"}
 
@@ -34,9 +37,13 @@ class EvalResult:
 
 def _dp_total(dp_mesh: DeviceMesh, tokens: int, num_batches: int) -> int:
     """Sum the dp ranks' target counts; they must run the same number of forwards (FSDP2)."""
-    mine = torch.tensor([tokens, num_batches], dtype=torch.int64, device=comm_device(dp_mesh))
-    gathered = [torch.empty_like(mine) for _ in range(dp_mesh.size())]
-    dist.all_gather(gathered, mine, group=dp_mesh.get_group())
+    return _summed_over(dp_mesh.get_group(), comm_device(dp_mesh), tokens, num_batches)
+
+
+def _summed_over(group: dist.ProcessGroup, device: torch.device, tokens: int, num_batches: int) -> int:
+    mine = torch.tensor([tokens, num_batches], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
     counts = {int(g[1]) for g in gathered}
     if len(counts) > 1:
         raise ValueError(f"every dp rank must evaluate the same number of batches, got {sorted(counts)}")
@@ -95,5 +102,44 @@ def evaluate(
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
     if dp_mesh is not None and dp_mesh.size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
+    value = total.item()
+    return EvalResult(loss=value, perplexity=math.exp(value) if value < 700 else math.inf, tokens=tokens)
+
+
+def evaluate_pipeline(pipe, batches: Iterable[Mapping[str, Any]]) -> EvalResult:
+    """:func:`evaluate` of a pipeline-parallel model (a :class:`hf_tp.parallel.pipeline.Pipeline`;
+    call on every rank, each dp rank with its own rows): each batch's hidden states pass through
+    the stages without autograd (:func:`hf_tp.parallel.pipeline_aux.stage_outputs`), the last
+    stage takes HF's cross entropy of its logits over the whole evaluation's target count (under
+    tp on the vocab shards), and the sum over the pp and dp ranks is the token-mean loss, as at
+    pp 1. A MoE's router aux loss is left out, as :func:`evaluate` leaves it."""
+    batches = [{k: v.to(pipe.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    if not batches or any("labels" not in b for b in batches):
+        raise ValueError("evaluate needs at least one batch, each with 'labels' (-100 where no loss is taken)")
+    tokens = sum(count_targets(b["labels"]) for b in batches)
+    if pipe.route_group is not None and dist.get_world_size(pipe.route_group) > 1:
+        # the stages' dp group, dp x cp under context parallelism, whose cp ranks hold the same rows
+        cp = state_of(pipe.models[0])
+        tokens = _summed_over(pipe.route_group, pipe.device, tokens, len(batches)) // (cp.mesh.size() if cp else 1)
+    if tokens == 0:
+        raise ValueError("the evaluation batches hold no target tokens (every shifted label is -100)")
+    last = pipe.models[-1]
+    vocab = last.config.get_text_config().vocab_size
+    no_aux = {"output_router_logits": False} if getattr(last.config, "output_router_logits", False) else {}
+    total = torch.zeros((), dtype=torch.float64, device=pipe.device)
+    with torch.no_grad(), contextlib.ExitStack() as modes, _loss_parallel():
+        for model in pipe.models:
+            modes.enter_context(eval_mode(model))
+        for b in batches:
+            for module, logits, _ in stage_outputs(pipe, b, **no_aux):
+                if module.last:  # (under cp: this rank's tokens' targets, summed over the cp ranks below)
+                    shifted = local_tokens(module.model, shift_labels(b["labels"])).contiguous()
+                    loss = module.model.loss_function(
+                        logits, None, vocab, num_items_in_batch=tokens, shift_labels=shifted
+                    )
+                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
+    for group in (pipe.group, pipe.route_group):
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     value = total.item()
     return EvalResult(loss=value, perplexity=math.exp(value) if value < 700 else math.inf, tokens=tokens)

@@ -11,7 +11,10 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, stages: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    stages: dist.ProcessGroup | None = None,
+    uncounted: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm`` (0: only measure); return the norm.
 
@@ -21,6 +24,8 @@ def clip_grad_norm(
     by 1 / (number of ranks holding a copy of it), and one all-reduce gives every rank the same
     exact norm. ``stages``: the pp group of a pipeline run, whose ranks hold other stages'
     parameters: each stage's norm is found over its own mesh, then the squares summed over it.
+    ``uncounted``: parameters clipped alike but left out of the norm (the last pipeline stage's
+    copy of a tied weight: the first stage's copy, with the same gradient, counts for both).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if stages is not None:
@@ -34,7 +39,7 @@ def clip_grad_norm(
     if max_norm > 0:
         coef = float(max_norm / (total + 1e-6))
         if coef < 1.0:
-            for g in grads:
+            for g in grads + [p.grad for p in uncounted if p.grad is not None]:
                 g.mul_(coef)
     return total
 

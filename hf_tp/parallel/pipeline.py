@@ -13,7 +13,7 @@ gradient is exactly the single-device one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -22,17 +22,21 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Shard
 
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
-from hf_tp.parallel.pipeline_grads import give_back, held_grads, reduce_accumulated, set_sync
-from hf_tp.pipeline_checks import MULTI_STAGE
+from hf_tp.parallel.pipeline_fsdp import fsdp_roots, hold_gradients, release_gradients
+from hf_tp.parallel.pipeline_split import merged_stages
+from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.pipeline_checks import MULTI_STAGE, V_SHAPED
 from hf_tp.record import record_of
 
 SCHEDULES = {
@@ -40,6 +44,8 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "interleaved1f1b": ScheduleInterleaved1F1B,
     "loopedbfs": ScheduleLoopedBFS,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 
 
@@ -59,8 +65,16 @@ class StageModule(nn.Module):
         self.routing: torch.Tensor | None = None  # a MoE step's [counts..., rows] (hf_tp.parallel.pipeline_aux)
         self.aux_scale = 0.0  # what the aux terms' gradients are scaled by (coef x weight x dp)
         self.routers = holds_routers(model)
+        # A schedule that splits the backward (input, then weights) frees the stage's output in
+        # place (``detach_``), which a view of the model's hidden states cannot be: hand on a copy.
+        self.split_backward = False
 
     def forward(self, x: torch.Tensor, routing_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        out = self.with_aux(x, routing_mask, **kwargs)
+        return out.clone() if self.split_backward and out._base is not None else out
+
+    def with_aux(self, x: torch.Tensor, routing_mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        """The stage's output; with a MoE step's ``routing``, carrying its aux term's gradient."""
         if self.routing is None or not self.routers:
             return self.run(x, **kwargs)[0]
         out, logits = self.run(x, output_router_logits=True, **kwargs)
@@ -113,7 +127,7 @@ class Pipeline:
     microbatches: int
     device: torch.device
     route_group: dist.ProcessGroup | None = None  # the stages' dp group (a MoE's routing counts over it)
-    unreduced: bool = field(default=False, init=False)  # FSDP2 holds unreduced gradients (a micro-step's)
+    tied_group: dist.ProcessGroup | None = None  # a tied embedding: this coordinate's first and last stage ranks
 
     @property
     def models(self) -> list[nn.Module]:
@@ -124,9 +138,62 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank that runs global stage ``stage`` (V-shaped schedules: rank r runs stages r
+        and 2 pp - 1 - r; the others: stage % pp)."""
+        pp = self.num_stages // len(self.stage_ids)
+        if self.schedule in V_SHAPED:
+            return stage if stage < pp else self.num_stages - 1 - stage
+        return stage % pp
+
     def parameters(self):
         for model in self.models:
             yield from model.parameters()
+
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """This rank's copies of a weight the model ties across stages: the embedding of the first
+        stage (its ``lm_head`` gap holds it too), ``lm_head`` of the last (its idle embedding too)."""
+        return [m.get_input_embeddings().weight for m in self.models if embeddings_tied(m)]
+
+    @property
+    def mirrors(self) -> list[nn.Parameter]:
+        """The last stage's copy of a tied weight, if this rank holds it (the first stage's copy,
+        with the same gradient once summed, stands for both in a norm or a count)."""
+        return self.tied if self.has_last else []
+
+    def counted_parameters(self):
+        """:meth:`parameters` less :attr:`mirrors`: what the gradient norm and the parameter
+        count take, as at pp 1."""
+        mirror = {id(p) for p in self.mirrors}
+        return (p for p in self.parameters() if id(p) not in mirror)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of a tied weight's two copies (the embedding's on the first stage,
+        ``lm_head``'s on the last) over ``tied_group``, so both hold the whole model's gradient and
+        the optimizer keeps them equal. Collective over those ranks; once per optimizer step, after
+        the last backward and before clipping (each rank's shard of either copy is the same slice:
+        both stages are parallelized over the same dp x tp mesh alike)."""
+        if self.tied_group is None:
+            return
+        with torch.no_grad():
+            for p in self.tied:
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # the embedding's backward under tp leaves a Replicate gradient: take this rank's shard
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=self.tied_group)
+
+    @cached_property
+    def checkpoint_model(self) -> nn.Module:
+        """What a checkpoint saves and loads on this rank: its stage's HF model, or one module over
+        its several stages' (:func:`hf_tp.parallel.pipeline_split.merged_stages`); either way every
+        parameter under the whole model's name, so a checkpoint is the same files at any pp."""
+        return merged_stages(self.models)
 
     @cached_property
     def has_aux(self) -> bool:
@@ -145,14 +212,11 @@ class Pipeline:
         dp: int,
         routing: torch.Tensor | None = None,
         aux_weight: float = 1.0,
-        reduce: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
         rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
         batch's targets) on the last stage's ranks, 0 on the others. Gradients are the global batch
-        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum), added to
-        those the parameters hold; ``reduce``: FSDP2 reduces them over dp after this batch (False
-        on all but the last micro-step of a gradient accumulation).
+        token mean's times ``dp`` (FSDP2 averages over dp; the factor makes that the sum).
 
         ``routing`` (a MoE with transformers' aux loss: the ``totals`` of :meth:`route` over the
         rows the aux loss spans): each stage's gradients also get its layers' share of
@@ -172,36 +236,23 @@ class Pipeline:
             return sum_over_cp(last_model, loss) * dp  # the whole rows' loss on every cp rank
 
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
-        for module in self.stages:
-            module.seq_len = input_ids.shape[1]
+        runtime = []
+        for module, index in zip(self.stages, self.stage_ids, strict=True):
+            module.seq_len, module.split_backward = input_ids.shape[1], self.schedule in V_SHAPED
             module.routing, module.aux_scale = routing, coef * dp
+            runtime.append(PipelineStage(module, index, self.num_stages, self.device, group=self.group))
+        cls = SCHEDULES[self.schedule]
+        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
+        schedule = cls(target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if 0 in self.stage_ids else ()
-        # torch's shape inference clears the gradients, and would reduce then drop unreduced ones
-        # (hf_tp.parallel.pipeline_grads): with some pending, reduce once after the schedule instead
-        # of per micro-batch (which keeps only one FSDP2 unit's unsharded gradients at a time).
-        held, late = held_grads(self.models), reduce and self.unreduced
-        set_sync(self.models, reduce and not late)
-        self._schedule(loss_fn).step(
-            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch
-        )
-        give_back(held)
-        if late:
-            reduce_accumulated(self.models)
-        self.unreduced = not reduce
+        roots = fsdp_roots(self.models)  # FSDP2 reduces once, after the step (hf_tp.parallel.pipeline_fsdp)
+        held = hold_gradients(roots, self.schedule in V_SHAPED)
+        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        release_gradients(roots, held)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().double() / dp
         for module in self.stages:
             module.routing = None
         return total
-
-    def _schedule(self, loss_fn):
-        """torch's schedule over new ``PipelineStage`` objects of this rank's stages (the step's row
-        length may differ from the last one's, and a stage infers its shapes once)."""
-        runtime = [
-            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
-            for module, index in zip(self.stages, self.stage_ids, strict=True)
-        ]
-        target = runtime if self.schedule in MULTI_STAGE else runtime[0]
-        return SCHEDULES[self.schedule](target, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)

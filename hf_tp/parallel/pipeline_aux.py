@@ -13,6 +13,7 @@ gradient into its own backward (:class:`SideLoss`): no other stage's value is ne
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,26 +86,14 @@ def stage_totals(model, router_logits, mask: torch.Tensor | None, device) -> tor
 
 def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
     """The :class:`Routing` of ``micro_batches`` (this dp rank's; the counts over every dp rank's):
-    a forward without autograd through the stages in order, each rank's stages passing the hidden
-    states on to the next stage's rank (collective over the pp and dp groups)."""
+    a forward without autograd through the stages in order (:func:`stage_outputs`; collective
+    over the pp and dp groups)."""
     parts = []
-    pp, me = dist.get_world_size(pipe.group), dist.get_rank(pipe.group)
     with torch.no_grad():
         for batch in micro_batches:
             mask = routing_mask(batch)
-            inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths", "input_ids")}
-            x = batch["input_ids"]
-            for s in range(pipe.num_stages):
-                if s % pp != me:
-                    continue
-                if s > 0:
-                    x = _receive(pipe, (s - 1) % pp)
-                module = pipe.stages[pipe.stage_ids.index(s)]
-                module.seq_len = batch["input_ids"].shape[1]
-                out, logits = module.run(x, output_router_logits=True, **inputs)
+            for module, _, logits in stage_outputs(pipe, batch, output_router_logits=True):
                 parts.append(stage_totals(module.model, logits, mask, pipe.device))
-                if s < pipe.num_stages - 1:
-                    _send(pipe, out, (s + 1) % pp)
     mine = torch.stack(parts).sum(dim=0)
     experts = (mine.numel() - 1) // 2
     counts, probs, rows = mine[:experts], mine[experts:-1], mine[-1:]
@@ -114,6 +103,28 @@ def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
         dist.all_reduce(probs, group=cp.mesh.get_group())
     term = experts * torch.sum((totals[:-1] / totals[-1]) * (probs / totals[-1]))
     return Routing(totals, float(term))
+
+
+def stage_outputs(pipe, batch: dict[str, torch.Tensor], **kwargs) -> Iterator[tuple]:
+    """(stage module, its output, its routers' logits) of each of this rank's stages over ``batch``,
+    in stage order: each rank runs its stages as their inputs arrive and sends their hidden states
+    on to the next stage's rank (point to point over the pp group; the caller picks autograd or
+    not). The last stage's output is the logits. ``kwargs`` go to every stage's forward."""
+    me = dist.get_rank(pipe.group)
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "row_lengths", "input_ids")}
+    x = batch["input_ids"]
+    for s in range(pipe.num_stages):
+        if pipe.stage_rank(s) != me:
+            continue
+        if s > 0 and pipe.stage_rank(s - 1) != me:
+            x = _receive(pipe, pipe.stage_rank(s - 1))
+        module = pipe.stages[pipe.stage_ids.index(s)]
+        module.seq_len = batch["input_ids"].shape[1]
+        out, logits = module.run(x, **inputs, **kwargs)
+        yield module, out, logits
+        if s < pipe.num_stages - 1 and pipe.stage_rank(s + 1) != me:
+            _send(pipe, out, pipe.stage_rank(s + 1))
+        x = out
 
 
 def _send(pipe, x: torch.Tensor, to: int) -> None:

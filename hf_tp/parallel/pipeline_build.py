@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -16,9 +17,10 @@ from hf_tp.parallel.expert_parallel import build_ep_mesh, check_experts, experts
 from hf_tp.parallel.lora import unwrap_peft
 from hf_tp.parallel.mesh import cp_mesh, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
+from hf_tp.parallel.pipeline_fsdp import fsdp_roots, keep_gathered
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
-from hf_tp.parallel.tp import check_plan_paths
-from hf_tp.pipeline_checks import check_pipeline
+from hf_tp.parallel.tp import check_plan_paths, embeddings_tied
+from hf_tp.pipeline_checks import V_SHAPED, check_pipeline
 
 
 def pipeline_parallelize(
@@ -41,18 +43,28 @@ def pipeline_parallelize(
     :class:`Pipeline`'s models are then the HF models inside (as ``hf-tp train`` keeps them).
 
     Context (a ``cp`` dim) and expert parallelism (``ep``) apply inside each stage as to a whole
-    model. Refused here (one line each): tied embeddings, multimodal wrappers, and families whose
-    forward changes the hidden states outside the decoder layers."""
+    model. A weight tied across stages (``lm_head`` and the embedding) is held by the first and last
+    stage, whose gradients :meth:`Pipeline.sync_tied_grads` sums before each optimizer step.
+
+    Refused here (one line each): multimodal wrappers, a tied weight under a V-shaped schedule
+    (``zbv``, ``dualpipev``: both copies on one rank), and families whose forward changes the
+    hidden states outside the decoder layers."""
     pp, rank = mesh["pp"].size(), mesh.get_local_rank("pp")
     outer, model = model, unwrap_peft(model)[0]
     adapter = get_adapter(model.config)
     costs = layer_costs(model, adapter.layers_path)
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
     check_splittable(model, adapter)
+    tied = embeddings_tied(model)  # before the cut: every rank alike
+    if tied and schedule in V_SHAPED:
+        raise ValueError(
+            f"--pp-schedule {schedule} runs the first and the last stage on one rank, where a tied lm_head's two "
+            "copies are not kept in step yet: use --pp-schedule 1f1b, gpipe, interleaved1f1b or loopedbfs"
+        )
     stage_mesh = mesh[stage_dims(mesh)]
     _check_whole_model(model, adapter, stage_mesh, parallelize_kwargs)
     cuts = balanced_cuts(costs, pp * virtual_stages)
-    ids = [rank + v * pp for v in range(virtual_stages)]
+    ids = [rank, 2 * pp - 1 - rank] if schedule in V_SHAPED else [rank + v * pp for v in range(virtual_stages)]
     tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
     models = [
         cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids, strict=True)
@@ -62,12 +74,39 @@ def pipeline_parallelize(
     for top, stage_model in zip(tops, models, strict=True):
         parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, parallelize_kwargs))
         stages.append(StageModule(stage_model, tp_mesh))
+    if schedule in V_SHAPED:  # the weight gradients come after FSDP2's hooks (hf_tp.parallel.pipeline_fsdp)
+        keep_gathered(fsdp_roots(models))
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
     route_group = dp_mesh.get_group() if dp_mesh is not None else None
+    tied_group = _first_and_last_stage_group(mesh) if tied else None
     return Pipeline(
-        stages, ids, pp * virtual_stages, mesh["pp"].get_group(), schedule, microbatches, device, route_group
+        stages,
+        ids,
+        pp * virtual_stages,
+        mesh["pp"].get_group(),
+        schedule,
+        microbatches,
+        device,
+        route_group,
+        tied_group,
     )
+
+
+def _first_and_last_stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of this rank's (dp, tp) coordinate's first and last pp ranks, which hold
+    the two copies of a tied embedding (the pp group itself at pp 2). Every rank creates every
+    coordinate's group, as torch requires, and keeps its own (None if it holds neither copy)."""
+    pp = mesh["pp"].size()
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(pp, -1)
+    mine = None
+    for first, last in zip(ranks[0].tolist(), ranks[-1].tolist(), strict=True):
+        group = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            mine = group
+    return mine
 
 
 def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settings: dict) -> None:

@@ -96,11 +96,6 @@ def balanced_cuts(costs: list[float], stages: int) -> list[range]:
 def check_splittable(model: nn.Module, adapter: Adapter) -> None:
     """Refuse what a stage cut cannot keep exact, before anything is built (every rank alike)."""
     name = model.config.model_type
-    if embeddings_tied(model):
-        raise ValueError(
-            f"--pp: this {name} model ties lm_head to the embedding, which sit on the first and last stages; "
-            "pipeline parallelism needs untied weights (train with --pp 1)"
-        )
     if adapter.language_model or adapter.passengers:
         raise ValueError(f"--pp: multimodal wrappers ({name}) are not cut into stages yet: train with --pp 1")
     _check_stream_passthrough(model, adapter)
@@ -167,9 +162,17 @@ def _gapped_copy(model: nn.Module, adapter: Adapter) -> nn.Module:
 def cut_stage(model: nn.Module, adapter: Adapter, layers: range, copy_model: bool) -> nn.Module:
     """The stage of ``model`` that runs decoder ``layers`` (a deep copy when ``copy_model``, else
     ``model`` itself, cut in place): the others' modules become gaps, every name kept. The cut is a
-    :class:`~hf_tp.record.StageRecord` in the model's facts, which parallelize puts in its record."""
+    :class:`~hf_tp.record.StageRecord` in the model's facts, which parallelize puts in its record.
+
+    A model whose ``lm_head`` is tied to the embedding keeps the tie on the first and last stages,
+    as a whole model holds it (both names, one Parameter): the first stage's ``lm_head`` gap holds
+    the embedding's weight, the last stage keeps the embedding (never called: it is fed hidden
+    states) tied to its ``lm_head``. So each stage's checkpoint names are a whole model's, and the
+    two copies train as one once their gradients are summed
+    (:meth:`hf_tp.parallel.pipeline.Pipeline.sync_tied_grads`)."""
     if copy_model:
         model = copy.deepcopy(model)
+    tied = embeddings_tied(model)
     decoder, layers_name = _decoder_and_layers(model, adapter)
     stack = decoder.get_submodule(layers_name)
     gaps = []
@@ -179,17 +182,21 @@ def cut_stage(model: nn.Module, adapter: Adapter, layers: range, copy_model: boo
             gaps.append(f"{adapter.layers_path}.{i}")
     prefix = adapter.layers_path.rpartition(".")[0]
     prefix += "." if prefix else ""
-    if layers.start != 0:
+    first, last = layers.start == 0, layers.stop == len(stack)
+    weight = decoder.get_input_embeddings().weight
+    if not first and not (tied and last):
         embed = _embedding_name(decoder)
         setattr(decoder, embed, StageGap())
         gaps.append(prefix + embed)
-    if layers.stop != len(stack):
+    if not last:
         norm = _final_norm_name(decoder, layers_name)
         if norm:
             setattr(decoder, norm, StageGap())
             gaps.append(prefix + norm)
         model.lm_head = HeadGap()
         gaps.append("lm_head")
+        if tied and first:
+            model.lm_head.weight = weight
     facts(model).stage = StageRecord(layers, len(stack), tuple(gaps))
     return model
 
@@ -214,3 +221,40 @@ def _final_norm_name(decoder: nn.Module, layers_name: str) -> str | None:
         if isinstance(getattr(decoder, name, None), nn.Module):
             return name
     return None
+
+
+def merged_stages(models: list[nn.Module]) -> nn.Module:
+    """One module over the stages a rank holds (``--pp-virtual-stages``: several) whose parameters
+    and buffers are theirs under their original names, each where it runs: what a checkpoint
+    saves and loads (torch's state-dict functions take one module and one optimizer over it).
+    Modules the stages share are kept, a module real on one stage is taken from it over the
+    others' gaps (the first stage's ``lm_head`` gap holding a tied weight over a bare one), and
+    containers real on several (the model, its decoder, the layer list) are merged child by child.
+    The merged module carries the model's ``config`` and ``generation_config``, which
+    :func:`hf_tp.save_checkpoint` saves beside the weights."""
+    if len(models) == 1:
+        return models[0]
+    merged = _merged(models)
+    for name in ("config", "generation_config"):
+        if getattr(models[0], name, None) is not None:
+            setattr(merged, name, getattr(models[0], name))
+    return merged
+
+
+def _merged(modules: list[nn.Module]) -> nn.Module:
+    distinct = list({id(m): m for m in modules}.values())
+    real = [m for m in distinct if not isinstance(m, StageGap)]
+    if not real:  # gaps only: one holding a tied weight if there is one
+        return next((m for m in distinct if any(True for _ in m.parameters())), distinct[0])
+    if len(real) == 1 or not real[0]._modules:
+        return real[0]
+    merged = nn.ModuleList() if isinstance(real[0], nn.ModuleList) else nn.Module()
+    for name, param in real[0]._parameters.items():
+        if param is not None:
+            merged.register_parameter(name, param)
+    for name, buf in real[0]._buffers.items():
+        if buf is not None:
+            merged.register_buffer(name, buf, persistent=name not in real[0]._non_persistent_buffers_set)
+    for name in dict.fromkeys(n for m in real for n, child in m._modules.items() if child is not None):
+        merged.add_module(name, _merged([m._modules[name] for m in real if m._modules.get(name) is not None]))
+    return merged

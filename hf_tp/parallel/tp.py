@@ -91,6 +91,11 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         if adapter.flattens_tokens:
             gather_one_token_steps(layer)
     parallelize_module(model, tp_mesh, _top_plan_of(model, adapter, opts))
+    if tied:
+        # parallelize_module replaced both weights with separate DTensor Parameters; training two
+        # copies silently diverges from HF, so point lm_head back at the embedding's Parameter
+        # (a first pipeline stage's lm_head gap holds the tied weight without a plan of its own).
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if opts.sequence_parallel:
         _check_all_placed(model, adapter)
     if adapter.language_model and opts.sequence_parallel:
@@ -98,10 +103,6 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         shard_deepstack(model.get_submodule(adapter.language_model))  # Qwen3-VL's features in early layers
     install_model_dropout(model, adapter, opts, tp_mesh)  # the model's own dropout: masks right under tp
     _say_if_mostly_whole(model, adapter, tp_mesh.size())
-    if tied:
-        # parallelize_module replaced both weights with separate DTensor Parameters; training two
-        # copies silently diverges from HF, so point lm_head back at the embedding's Parameter.
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def _top_plan_of(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> dict:

@@ -17,8 +17,9 @@ import torch
 
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.steps import to_device
-from hf_tp.inference.evaluate import EvalResult, evaluate
+from hf_tp.inference.evaluate import EvalResult, evaluate, evaluate_pipeline
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.pipeline import Pipeline
 
 
 @dataclass
@@ -64,11 +65,14 @@ class EvalSet:
         """Every ``every`` optimizer steps (0: never) and after the last one."""
         return done == max_steps or bool(every and done % every == 0)
 
-    def run(self, model: torch.nn.Module, *, loss_parallel: bool, fused: bool) -> EvalResult:
-        """The token-mean loss of the model over the evaluated rows (call on every rank)."""
+    def run(self, model: torch.nn.Module | Pipeline, *, loss_parallel: bool, fused: bool) -> EvalResult:
+        """The token-mean loss of the model (or --pp: this rank's pipeline stages) over the
+        evaluated rows (call on every rank)."""
+        if isinstance(model, Pipeline):
+            return evaluate_pipeline(model, self.local_batches())
         return evaluate(model, self.local_batches(), loss_parallel=loss_parallel, fused=fused)
 
-    def record(self, step: int, model: torch.nn.Module, *, loss_parallel: bool, fused: bool) -> dict:
+    def record(self, step: int, model: torch.nn.Module | Pipeline, *, loss_parallel: bool, fused: bool) -> dict:
         """Evaluate after optimizer step ``step`` (1-based): its metrics.jsonl record."""
         start = time.perf_counter()
         result = self.run(model, loss_parallel=loss_parallel, fused=fused)

@@ -29,7 +29,7 @@ from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
 from hf_tp.train.loss import loss_context, step_routing
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
-from hf_tp.train.pipeline_run import pipeline_micro_loss, pipeline_routing
+from hf_tp.train.pipeline_run import pipeline_clip, pipeline_micro_loss, pipeline_routing
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
 
@@ -84,7 +84,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
             if run.eval_set is not None and run.eval_set.due(step + 1, run.cfg.eval_every, run.cfg.max_steps):
-                record = run.eval_set.record(step + 1, run.model, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                evaluated = run.pipeline or run.model  # --pp: the stages' forward, hidden states passed on
+                record = run.eval_set.record(step + 1, evaluated, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
                 result.eval_losses[step + 1] = record["eval_loss"]
                 logger.log_eval(record)
             saved = _checkpoint_due(run.cfg, step + 1)
@@ -136,10 +137,9 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     for m, batch in enumerate(batches.micro_batches):
         _set_grad_sync(model, m == micro - 1)
         if run.pipeline is not None:  # --pp: torch's schedule runs forward and backward of every stage
-            with loss_context(cfg.loss_parallel):  # (gradients reduced over dp after the last micro-step)
-                loss, aux = pipeline_micro_loss(
-                    run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m, micro
-                )
+            _set_grad_sync(run.pipeline.models, m == micro - 1)  # reduced over dp after the last micro-step
+            with loss_context(cfg.loss_parallel):
+                loss, aux = pipeline_micro_loss(run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m)
             local_loss += loss.float()
             if aux is not None:
                 aux_sum += aux * weight
@@ -169,8 +169,10 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
         if run.pipeline is not None:  # each stage's layers' share
             dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.pipeline.group)
     metrics = _global_means(sums, batches.num_examples, run.dp_group)
-    stages = run.pipeline.group if run.pipeline is not None else None  # every stage's gradients in one norm
-    grad_norm = clip_grad_norm((run.pipeline or model).parameters(), cfg.max_grad_norm, stages=stages)
+    pipe = run.pipeline  # --pp: every stage's gradients in one norm, a tied weight's copies summed first
+    grad_norm = (
+        pipeline_clip(pipe, cfg.max_grad_norm) if pipe else clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+    )
     loss_value, norm_value = local_loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         bf16 = cfg.compute_dtype_name(run.device.type) == "bf16"
@@ -231,7 +233,7 @@ def _save(run: Run, done: int) -> Path:
     if isinstance(run.batches, StreamingBatchSource):
         state["data_position"] = run.batches.state_for(done)  # where the stream continues after step `done`
     files = [run.model.config, run.model.generation_config, run.tokenizer]
-    return save_checkpoint(run.out, done, run.model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
+    return save_checkpoint(run.out, done, run.saved_model, run.opt, state, files, keep=run.cfg.keep_checkpoints)
 
 
 def _finish(run: Run, result: TrainResult) -> None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.checkpoint.load import materialize_and_load
+from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_aux import Routing
@@ -44,8 +45,9 @@ def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> 
 
 
 def parameter_count(pipe: Pipeline, device: torch.device) -> int:
-    """The whole model's parameter count (every stage's, summed over the pp ranks; collective)."""
-    return summed_over_stages(sum(p.numel() for p in pipe.parameters()), pipe, device)
+    """The whole model's parameter count (every stage's, summed over the pp ranks, a tied weight
+    once; collective)."""
+    return summed_over_stages(sum(p.numel() for p in pipe.counted_parameters()), pipe, device)
 
 
 def summed_over_stages(value: int, pipe: Pipeline, device: torch.device) -> int:
@@ -53,6 +55,13 @@ def summed_over_stages(value: int, pipe: Pipeline, device: torch.device) -> int:
     count = torch.tensor(float(value), device=device, dtype=torch.float64)
     dist.all_reduce(count, group=pipe.group)
     return int(count.item())
+
+
+def pipeline_clip(pipe: Pipeline, max_norm: float) -> torch.Tensor:
+    """Clip every stage's gradients to one global norm (0: only measure) and return it (collective):
+    a tied weight's two copies get their summed gradient first and count once, as at pp 1."""
+    pipe.sync_tied_grads()
+    return clip_grad_norm(pipe.counted_parameters(), max_norm, pipe.group, pipe.mirrors)
 
 
 def pipeline_routing(pipe: Pipeline, micro_batches: list[dict[str, torch.Tensor]], over_step: bool) -> Routing | None:
@@ -69,16 +78,13 @@ def pipeline_micro_loss(
     routing: Routing | None,
     weight: float,
     index: int,
-    micro_steps: int = 1,
 ) -> tuple[torch.Tensor, float | None]:
-    """(loss, aux) of micro-step ``index`` of ``micro_steps`` over the pipeline (the gradients
-    reduced over dp after the last): this rank's cross entropy plus, for a
+    """(loss, aux) of micro-step ``index`` over the pipeline: this rank's cross entropy plus, for a
     MoE with transformers' aux loss, ``router_aux_loss_coef * weight`` times this rank's share of
     it; ``aux`` that unweighted share (None without one, or when the step's ``routing`` was counted
     at micro-step 0). Without the step's ``routing`` the aux loss is this micro-step's rows'."""
     own = routing if routing is not None else (pipe.route([batch]) if pipe.has_aux else None)
-    last = index == micro_steps - 1
-    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight, reduce=last)
+    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight)
     if own is None or (routing is not None and index > 0):
         return loss, None
     return loss + pipe.models[0].config.router_aux_loss_coef * weight * own.term, own.term

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.pipeline_checks import MULTI_STAGE, check_pipeline
+from hf_tp.pipeline_checks import V_SHAPED, check_pipeline
 
 
 def check_pipeline_settings(cfg: Any) -> None:
@@ -25,18 +25,17 @@ def check_pipeline_settings(cfg: Any) -> None:
             f"--batch-size ({rows}) must be a multiple of --microbatches ({cfg.pipeline_microbatches}): "
             "each pipeline micro-batch takes an equal share of a dp rank's rows"
         )
+    if cfg.pp_schedule in V_SHAPED and cfg.dp > 1 and cfg.grad_accum > 1:
+        raise ValueError(
+            f"--pp-schedule {cfg.pp_schedule} with --dp {cfg.dp} and --grad-accum {cfg.grad_accum}: FSDP2's gradients "
+            "over several micro-steps of a split backward are not exact yet; raise --batch-size or --microbatches "
+            "instead of --grad-accum, or use --pp-schedule 1f1b or interleaved1f1b"
+        )
     refused = {
         "--compile": cfg.compile,
         f"--objective {cfg.objective}": cfg.objective != "sft",
-        "--eval-dataset/--eval-split": cfg.has_eval,
         "--train-vision-tower": cfg.train_vision_tower,
     }
     for flag, on in refused.items():
         if on:
             raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
-    saves = cfg.save_every or cfg.resume or cfg.export_on_finish
-    if cfg.pp_schedule in MULTI_STAGE and saves:
-        raise ValueError(
-            f"--pp-schedule {cfg.pp_schedule} holds several stages per rank, which checkpoints do not save yet: "
-            "use --pp-schedule 1f1b or gpipe with --save-every/--resume/--export-on-finish"
-        )

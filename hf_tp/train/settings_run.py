@@ -112,7 +112,9 @@ class Pipeline:
         metavar="M",
     )
     pp_virtual_stages: int = setting(
-        1, "stages per rank for --pp-schedule interleaved1f1b or loopedbfs (2 or more)", metavar="V"
+        1,
+        "stages per rank for --pp-schedule interleaved1f1b or loopedbfs (2 or more), zbv or dualpipev (2)",
+        metavar="V",
     )
 
 

@@ -66,6 +66,11 @@ class Run:
     pipeline: Pipeline | None = None  # --pp: this rank's stages (model is the first of their HF models)
 
     @property
+    def saved_model(self) -> torch.nn.Module:
+        """What checkpoints save and load: the model, or (--pp) this rank's stages as one module."""
+        return self.pipeline.checkpoint_model if self.pipeline else self.model
+
+    @property
     def is_main(self) -> bool:
         return dist.get_rank() == 0
 
@@ -164,7 +169,7 @@ def resume(run: Run) -> int:
         return 0
     saved = load_trainer_state(ckpt)
     check_resume_compatible(saved["fingerprint"], run.fingerprint, ckpt)
-    load_checkpoint(ckpt, run.model, run.opt)
+    load_checkpoint(ckpt, run.saved_model, run.opt)
     restore_schedule_position(run.sched, saved["scheduler"])
     if isinstance(run.batches, StreamingBatchSource):
         run.batches.resume_at(int(saved["step"]), saved["data_position"])

@@ -13,7 +13,10 @@ from tests.pipeline_case import PipelineCase
 dist.init_process_group("gloo")
 lines = []
 for spec in json.loads(sys.argv[1]):
-    loss, weights = PipelineCase(**spec).check()
-    lines.append(f"PIPELINE OK {json.dumps(spec)} max rel loss diff {loss:.2e}, weights {weights:.2e} of their update")
+    loss, weights, held_out = PipelineCase(**spec).check()
+    lines.append(
+        f"PIPELINE OK {json.dumps(spec)} max rel loss diff {loss:.2e}, weights {weights:.2e} of their update, "
+        f"held-out loss {held_out:.2e}"
+    )
 lines = lines if dist.get_rank() == 0 else []
 end_rank(*lines)

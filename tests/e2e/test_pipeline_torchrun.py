@@ -21,13 +21,25 @@ _GEMMA3_WINDOWS = {"layer_types": ["full_attention", "sliding_attention", "slidi
 _AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 # One launch of 4 ranks (pp2 x tp2, pp2 x dp2 or pp2 x cp2 each): every schedule, MoEs with the router
-# aux loss, LoRA, sliding windows, HSDP, context and expert parallelism inside the stages.
+# aux loss, LoRA, sliding windows, HSDP, tied embeddings, the zero-bubble V-shaped schedules, context
+# and expert parallelism inside the stages.
 CASES = [
-    # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp)
-    {"family": "llama", "schedule": "1f1b", "tp": 2, "resume": {"at": 2, "tp": 2, "dp": 2}},
-    {"family": "qwen2", "schedule": "gpipe", "dp": 2},
-    {"family": "qwen2", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2},
-    {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2},
+    # saved after step 2 at pp2 x tp2, resumed at pp1 x tp2 x dp2 (same parameter names at any pp);
+    # lm_head tied to the embedding: a vocab-sharded copy on the first and last stage, saved once
+    {"family": "llama", "schedule": "1f1b", "tp": 2, "tied": True, "resume": {"at": 2, "tp": 2, "dp": 2}},
+    # the tied copies FSDP2-sharded; 2 micro-steps per step (FSDP2 reduces once, after the second)
+    {"family": "qwen2", "schedule": "gpipe", "dp": 2, "tied": True, "b": 8, "accum": 2},
+    # two stages per rank saved (one module over both: the whole model's names), resumed at pp2 x tp2 1F1B
+    # (tied: the first stage's rank also holds the third, whose lm_head gap holds no weight) and at dp4
+    {
+        "family": "qwen2",
+        "schedule": "interleaved1f1b",
+        "virtual": 2,
+        "dp": 2,
+        "tied": True,
+        "resume": {"at": 2, "pp": 2, "schedule": "1f1b", "tp": 2, "dp": 1},
+    },
+    {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2, "resume": {"at": 1, "tp": 1, "dp": 4}},
     # the router aux loss (coef 0.5: its gradients weigh): counted through the pipeline, each stage its layers' share
     {"family": "qwen3_moe", "schedule": "1f1b", "tp": 2, "overrides": _AUX},
     {"family": "mixtral", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2, "overrides": _AUX},
@@ -42,6 +54,16 @@ CASES = [
     {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": {**_AUX, "mlp_only_layers": [0, 1]}},
     # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
     {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX},
+    # V-shaped (rank r: stages r and 3 - r) with the backward split in input and weight parts: FSDP2's
+    # reduce-scatter after the step, the two stages saved as one and resumed at pp1 x tp2 x dp2
+    {
+        "family": "llama",
+        "schedule": "zbv",
+        "virtual": 2,
+        "dp": 2,
+        "resume": {"at": 2, "tp": 2, "dp": 2},
+    },
+    {"family": "qwen3_moe", "schedule": "dualpipev", "virtual": 2, "tp": 2, "microbatches": 4, "overrides": _AUX},
 ]
 
 

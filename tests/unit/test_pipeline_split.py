@@ -42,10 +42,18 @@ def test_a_stage_keeps_its_layers_names_and_attention_types() -> None:
     assert (gap.attention_type, gap.layer_idx) == ("sliding_attention", 3) and not list(gap.parameters())
 
 
+def test_a_tied_weight_is_held_by_the_first_and_last_stage_under_both_names() -> None:
+    model = tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=3))
+    adapter = get_adapter(model.config)
+    check_splittable(model, adapter)  # accepted
+    stages = [cut_stage(model, adapter, range(i, i + 1), copy_model=True) for i in range(3)]
+    for stage in (stages[0], stages[2]):  # a whole model's names, one Parameter: checkpoints hold it as at pp 1
+        assert stage.lm_head.weight is stage.model.embed_tokens.weight
+        assert torch.equal(stage.lm_head.weight, model.lm_head.weight)
+    assert not any("embed" in n or "lm_head" in n for n, _ in stages[1].named_parameters(remove_duplicate=False))
+
+
 def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
-    tied = tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=2))
-    with pytest.raises(ValueError, match=r"ties lm_head to the embedding.*untied weights \(train with --pp 1\)"):
-        check_splittable(tied, get_adapter(tied.config))
     granite = tiny_model(tiny_config("llama", num_hidden_layers=2))  # a scaled embedding, as Granite's forward has
     forward = type(granite.model).forward
 
@@ -69,13 +77,17 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
         (dict(pp=2, batch_size=3), r"--batch-size \(3\) must be a multiple of --microbatches \(2\)"),
         (dict(pp=2, pp_schedule="interleaved1f1b"), r"set --pp-virtual-stages 2 or more"),
         (dict(pp=2, pp_virtual_stages=2), r"needs --pp-schedule interleaved1f1b"),
-        (dict(pp=2, pp_schedule="zbv"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b"),
-        (dict(microbatches=4), r"are pipeline settings: add --pp N"),
+        (dict(pp=2, pp_schedule="zb"), r"--pp-schedule must be one of 1f1b, gpipe, interleaved1f1b, loopedbfs, zbv"),
+        (dict(pp=2, pp_schedule="zbv"), r"zbv places exactly 2 stages per rank \(V-shaped\): set --pp-virtual"),
         (dict(pp=2, compile=True, batch_size=2), r"--pp does not combine with --compile yet"),
-        (dict(pp=2, eval_split=0.1, batch_size=2), r"--pp does not combine with --eval-dataset/--eval-split yet"),
         (
-            dict(pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2, batch_size=2, save_every=1),
-            r"checkpoints do not save yet: use --pp-schedule 1f1b or gpipe",
+            dict(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2, microbatches=2, batch_size=2),
+            r"dualpipev needs at least as many micro-batches as stages: --microbatches 2 < 4",
+        ),
+        (dict(microbatches=4), r"are pipeline settings: add --pp N"),
+        (
+            dict(pp=2, dp=2, pp_schedule="zbv", pp_virtual_stages=2, batch_size=2, grad_accum=2),
+            r"--pp-schedule zbv with --dp 2 and --grad-accum 2: FSDP2's gradients over several micro-steps",
         ),
     ],
 )
@@ -121,3 +133,20 @@ def test_cp_and_ep_refusals_read_the_whole_model_on_every_rank() -> None:
                 pipeline_parallelize(models[rank], mesh, microbatches=2, ep=2 if "dp" in layout else 1)
 
         run_threaded(4, rank_fn)
+
+
+def test_a_tied_weight_under_a_v_shaped_schedule_is_refused() -> None:
+    """zbv / dualpipev run the first and last stage on one rank: a tied lm_head's two copies there
+    are not kept in step yet (refused before any stage is built)."""
+    import hf_tp
+    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from tests.helpers import run_threaded
+
+    models = [tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=4)) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        mesh = hf_tp.build_mesh(tp=1, dp=1, pp=2, device_type="cpu")
+        with pytest.raises(ValueError, match=r"--pp-schedule zbv runs the first and the last stage on one rank"):
+            pipeline_parallelize(models[rank], mesh, schedule="zbv", microbatches=2, virtual_stages=2)
+
+    run_threaded(2, rank_fn)
