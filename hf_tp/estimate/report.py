@@ -210,12 +210,17 @@ def format_sweep(result: Sweep) -> str:
     lines.append(RANK_RULE if result.cluster else RULE)
     lines.append("--batch-size is per dp rank: keep the global batch across splits with hf-tp train --grad-accum.")
     lines.append(f"Simulated in {sum(e.seconds for e in result.estimates):.1f} s on CPU (fake process group).")
+    return "\n".join(lines + _depths(result))
+
+
+def _depths(result: Sweep) -> list[str]:
+    """How many layouts were estimated from short runs (none: every layout at every layer)."""
     short = [e for e in result.estimates if e.extended_from]
-    if short:
-        best = result.recommended
-        whole = "; the recommended one at every layer" if best is not None and not best.extended_from else ""
-        lines.append(f"{len(short)} of {len(result.estimates)} layouts from {extended(short[0])}{whole}.")
-    return "\n".join(lines)
+    if not short:
+        return []
+    best = result.recommended
+    whole = "; the recommended one at every layer" if best is not None and not best.extended_from else ""
+    return [f"{len(short)} of {len(result.estimates)} layouts from {extended(short[0])}{whole}."]
 
 
 _PARTS = {"matmul": "matmuls", "attention": "attention (flash, causal)", "memory": "memory-bound kernels"}
