@@ -172,7 +172,7 @@ def simulate_spec(
         experts = find_experts(model, config)
         set_routing(experts, BALANCED)
         counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, spec.cp))
-        tracker = SegmentTracker(list(model.get_submodule(get_adapter(config).layers_path)))
+        tracker = SegmentTracker(decoder_layers(model, config))
         peak, state, moe, work = _tracked_step(
             fake, model, optimizer, batch, spec.dp, config, experts, counter, tracker
         )
@@ -205,6 +205,14 @@ def simulate_spec(
         model_flops_per_token=flops,
     )
     return est, tracker.breakdowns()
+
+
+def decoder_layers(model, config: PretrainedConfig) -> list:
+    """The model's decoder layers, where its adapter finds them (none: the step is not segmented)."""
+    try:
+        return list(model.get_submodule(get_adapter(config).layers_path))
+    except AttributeError:
+        return []
 
 
 def _checked_for_training(config: PretrainedConfig, lora_r: int, lora_target_modules: str) -> PretrainedConfig:
