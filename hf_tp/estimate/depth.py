@@ -20,7 +20,7 @@ number of periods:
   on a line in the number of periods, and the peak is the largest group extended to the depth.
 
 Not extended (simulated in full): multimodal wrappers, models whose layers after a prefix do not
-repeat with a period, models of at most 4 periods (nothing to gain), and a cut config that does
+repeat with a period, models of at most 5 periods (nothing to gain), and a cut config that does
 not build the same layer kinds as the full model's first layers.
 """
 
