@@ -76,7 +76,7 @@ def row(case: str) -> str:
     differ = ", ".join(k for k, v in same.items() if not v) or "-"
     return (
         f"| {name} | {config.num_hidden_layers}: {shape} | {layout} | {seq} | {'on' if ac == '1' else 'off'} "
-        f"| {full.peak.total / 2**30:.3f} | {diff / 2**30:+.4f} ({diff / full.peak.total:+.2%}) "
+        f"| {full.peak.total / 2**30:.3f} | {diff:+,d} ({diff / full.peak.total:+.2%}) "
         f"| {full.state.total / 2**30:.2f} | {sent:,.1f} | {full.work.model_flops / 1e12:,.1f} | {equal} | {differ} "
         f"| {t_fast:.1f} | {t_full:.1f} |"
     )
@@ -91,7 +91,7 @@ def main() -> int:
     # a process's first estimate pays one-off costs
     estimate_spec(config_of("llama-3.2-1b@1"), EstimateSpec(1, 2, 256, 1))
     print(
-        "| model | layers: prefix + periods x period | tp x dp | seq | act. ckpt | full peak GiB | fast - full GiB "
+        "| model | layers: prefix + periods x period | tp x dp | seq | act. ckpt | full peak GiB | fast - full bytes "
         "| state GiB | sent/step GiB | model TFLOP/step | equal | differ | fast CPU s | full CPU s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
