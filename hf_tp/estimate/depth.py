@@ -139,9 +139,9 @@ def extended_peak(
     found: Layering, lo: dict[SegmentKey, MemoryBreakdown], hi: dict[SegmentKey, MemoryBreakdown], steps: int
 ) -> MemoryBreakdown | None:
     """The largest group of segments extended ``steps`` periods past ``lo`` (``hi`` one period past
-    it); None when the two runs' groups differ."""
+    it); None when the two runs' groups differ or no decoder layer was seen."""
     low, high = grouped(found, PERIODS[0], lo), grouped(found, PERIODS[1], hi)
-    if set(low) != set(high):
+    if set(low) != set(high) or not any(key[2] for key in low):  # (no layer seen: torch's hooks moved)
         return None
     return max((_line(low[k], high[k], steps) for k in low), key=lambda b: b.total)
 
