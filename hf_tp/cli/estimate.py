@@ -32,7 +32,7 @@ rows): real routing is uneven, and a hot rank's all-to-all can be larger.
 
 A sweep estimates each layout from the model cut to a few periods of its decoder layers, extended
 to its depth, then simulates the recommended layout at every layer (--full: every layout at every
-layer); one layout is simulated at every layer (--fast: extended from short runs)."""
+layer; --fast: none); one layout is simulated at every layer (--fast: extended from short runs)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     depth.add_argument(
         "--fast",
         action="store_true",
-        help="one layout: simulate a few periods of the decoder layers and extend to the depth (a sweep's default)",
+        help="extend every estimate from a few periods of the decoder layers, a sweep's recommendation too",
     )
     depth.add_argument(
         "--full", action="store_true", help="a sweep: simulate every layer of every layout (one layout's default)"
@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
                 )
 
         result = sweep(
-            config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster, fast=not args.full
-        )
+            config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster,
+            fast=not args.full, verified=0 if args.fast else 1,
+        )  # fmt: skip
     except ValueError as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.memory import MemoryBreakdown, MoEStats, PeakMemTracker, RoutedRows, find_experts, moe_stats
-from hf_tp.estimate.segments import SegmentKey, SegmentTracker
+from hf_tp.estimate.segments import SegmentKey, SegmentTracker, decoder_layers
 from hf_tp.estimate.simulate import DataDependentBounds, expert_groups, functional_groups, mesh_and_groups, simulation
 from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
 from hf_tp.estimate.step import (
@@ -172,7 +172,7 @@ def simulate_spec(
         experts = find_experts(model, config)
         set_routing(experts, BALANCED)
         counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, spec.cp))
-        tracker = SegmentTracker(decoder_layers(model, config))
+        tracker = SegmentTracker(decoder_layers(model, get_adapter(config).layers_path))
         peak, state, moe, work = _tracked_step(
             fake, model, optimizer, batch, spec.dp, config, experts, counter, tracker
         )
@@ -205,14 +205,6 @@ def simulate_spec(
         model_flops_per_token=flops,
     )
     return est, tracker.breakdowns()
-
-
-def decoder_layers(model, config: PretrainedConfig) -> list:
-    """The model's decoder layers, where its adapter finds them (none: the step is not segmented)."""
-    try:
-        return list(model.get_submodule(get_adapter(config).layers_path))
-    except AttributeError:
-        return []
 
 
 def _checked_for_training(config: PretrainedConfig, lora_r: int, lora_target_modules: str) -> PretrainedConfig:

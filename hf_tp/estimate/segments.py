@@ -19,6 +19,14 @@ BEGIN: SegmentKey = ("begin", False, -1)  # before the first decoder layer's for
 OPTIMIZER: SegmentKey = ("optimizer", False, -1)  # inside the optimizer's step
 
 
+def decoder_layers(model: nn.Module, layers_path: str) -> list[nn.Module]:
+    """The model's decoder layers at ``layers_path`` (none where it is missing: no segments)."""
+    try:
+        return list(model.get_submodule(layers_path))
+    except AttributeError:
+        return []
+
+
 class SegmentTracker(PeakMemTracker):
     """:class:`PeakMemTracker` that also keeps each segment's largest moment (see the module docstring).
 
