@@ -6,12 +6,11 @@ and without activation checkpointing: the longest seq_len (a multiple of STEP, a
 model's max_position_embeddings) whose estimated peak fits a GPU of --gpu-memory by the sweep's
 rule (peak x 1.10 + 1 GiB). One sequence per dp rank. Prints a markdown table for docs/estimate.md.
 
-Each point is `hf-tp estimate` of the model cut to 2 and to 4 decoder layers, extrapolated
-linearly to its depth: every per-layer term (sharded weights, gradients, optimizer state, saved
-activations, per-layer collectives) is linear in the number of layers and the rest (embedding,
-logits, one unsharded layer) is not, so two depths fix both. A full-depth estimate takes a minute
-or more on 2 cores; a search needs a dozen points per row. `--check` runs the full-depth estimate
-at each row's answer and prints it beside the extrapolation.
+Each point is the fast estimate (`hf_tp.estimate.depth.estimate_fast`, what `hf-tp estimate`'s
+sweep uses): the model cut to 4 and 5 decoder layers, every count extended along the line through
+the two to its depth, the peak from the step's memory by segment (docs/estimate.md, "The fast
+estimate"). A full-depth estimate takes a minute or more on 2 cores; a search needs a dozen points
+per row. `--check` runs the full-depth estimate at each row's answer and prints it beside.
 
     OMP_NUM_THREADS=1 python scripts/cp_longest_sequence.py [--models llama-3.1-8b,llama-3.1-70b] [--gpu-memory 80GiB] [--check]
 """
@@ -19,7 +18,6 @@ at each row's answer and prints it beside the extrapolation.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import subprocess
 import sys
@@ -31,35 +29,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 STEP = 8192
 TP = 8
 FSDP = 8  # dp x cp
-DEPTHS = (2, 4)
 
 
-def measure(config, cp: int, ac: bool, seq: int, layers: int | None = None) -> dict[str, float]:
-    """Peak bytes and bytes sent per rank over tp and cp of one estimate (at ``layers`` decoder
-    layers, or the model's own depth)."""
-    from hf_tp.estimate.api import estimate
+def measure(config, cp: int, ac: bool, seq: int, full: bool = False) -> dict[str, float]:
+    """Peak bytes and bytes sent per rank over tp and cp of one estimate: the fast one, or every
+    layer simulated (``full``)."""
+    from hf_tp.estimate.spec import EstimateSpec
+    from hf_tp.estimate.sweep import estimate_candidate
 
-    config = copy.deepcopy(config)
-    if layers is not None:
-        config.num_hidden_layers = layers
-    est = estimate(config, TP, FSDP // cp, seq, 1, activation_checkpointing=ac, cp=cp).to_dict()
+    spec = EstimateSpec(TP, FSDP // cp, seq, 1, activation_checkpointing=ac, cp=cp)
+    est = estimate_candidate(config, spec, fast=not full).to_dict()
     sent = {dim: sum(c["sent_bytes"] for c in est["comms"] if c["dim"] == dim) for dim in ("tp", "cp")}
     return {"peak": est["peak"]["total"], **sent}
 
 
-def extrapolated(config, cp: int, ac: bool, seq: int) -> dict[str, float]:
-    """:func:`measure` at :data:`DEPTHS` layers, extended linearly to ``config.num_hidden_layers``."""
-    lo, hi = (measure(config, cp, ac, seq, n) for n in DEPTHS)
-    per_layer = {k: (hi[k] - lo[k]) / (DEPTHS[1] - DEPTHS[0]) for k in lo}
-    return {k: lo[k] + per_layer[k] * (config.num_hidden_layers - DEPTHS[0]) for k in lo}
-
-
 def longest(config, cp: int, ac: bool, gpu: int, cap: int, say) -> tuple[int, dict | None]:
-    """The longest fitting seq_len (0 if not even STEP fits) and its extrapolated figures."""
+    """The longest fitting seq_len (0 if not even STEP fits) and its figures."""
     from hf_tp.estimate.sweep import usable_peak
 
     def ok(seq: int):
-        got = extrapolated(config, cp, ac, seq)
+        got = measure(config, cp, ac, seq)
         say(f"  cp {cp} ac {ac} seq {seq}: peak {got['peak'] / 2**30:.1f} GiB")
         return got if usable_peak(got["peak"], gpu) >= 0 else None
 
@@ -105,7 +94,7 @@ def main() -> int:
         name, cp, ac = args.one.split(":")
         config, _ = resolve_model_config(name)
         seq, got = longest(config, int(cp), ac == "1", gpu, config.max_position_embeddings, say)
-        full = measure(config, int(cp), ac == "1", seq)["peak"] if args.check and seq else None
+        full = measure(config, int(cp), ac == "1", seq, full=True)["peak"] if args.check and seq else None
         print(json.dumps({"seq": seq, "got": got, "full_peak": full}))
         return 0
     rows = []

@@ -84,7 +84,8 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
         1, 1, cfg.seq_len, cfg.batch_size, "fp32" if cfg.dtype == "fp32" else "bf16", cfg.activation_checkpointing,
         cfg.ep, cfg.lora_r, cfg.lora_target_modules, cfg.cp,
     )  # fmt: skip
-    result = sweep(model_config, world, spec, progress=say, cluster=Cluster(get_gpu(cfg.gpu)), grow=False)
+    # the layouts estimated from short runs, the two it prints then simulated at every layer
+    result = sweep(model_config, world, spec, progress=say, cluster=Cluster(get_gpu(cfg.gpu)), grow=False, verified=2)
     ranked = [
         Choice(e.tp, e.dp, e.cp, e.activation_checkpointing, e.peak.total / 2**30, s.tokens_per_second_per_gpu, s.mfu)
         for e, s in result.ranking()

@@ -28,7 +28,11 @@ fit that GPU by predicted tokens/s, doubling the per-rank --batch-size (up to 8x
 allows; --cp, --ep and --lora-r stay fixed in a sweep.
 
 --ep simulates expert parallelism with balanced routing (every expert gets the same number of
-rows): real routing is uneven, and a hot rank's all-to-all can be larger."""
+rows): real routing is uneven, and a hot rank's all-to-all can be larger.
+
+A sweep estimates each layout from the model cut to a few periods of its decoder layers, extended
+to its depth, then simulates the recommended layout at every layer (--full: every layout at every
+layer; --fast: none); one layout is simulated at every layer (--fast: extended from short runs)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,17 +95,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_INTER_NODE_GBPS,
         help=f"network bandwidth per GPU across nodes in Gb/s, one direction (default {DEFAULT_INTER_NODE_GBPS:g})",
     )
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument(
+        "--fast",
+        action="store_true",
+        help="extend every estimate from a few periods of the decoder layers, a sweep's recommendation too",
+    )
+    depth.add_argument(
+        "--full", action="store_true", help="a sweep: simulate every layer of every layout (one layout's default)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hf_tp.estimate.api import estimate_spec
     from hf_tp.estimate.configs import resolve_model_config
     from hf_tp.estimate.report import format_ranking, format_sweep
     from hf_tp.estimate.spec import image_load, parse_memory
-    from hf_tp.estimate.sweep import sweep
+    from hf_tp.estimate.sweep import estimate_candidate, sweep
 
     try:
         cluster = make_cluster(args)
@@ -110,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_memory is None and args.world_size is None:
             shape = (args.images_per_row, args.image_size, args.seq_len, args.batch_size, args.tp, args.dtype)
             images = image_load(config, *shape, projector_trains=not args.lora_r) if args.images_per_row else None
-            one = replace(estimate_spec(config, spec, name), images=images)
+            one = replace(estimate_candidate(config, spec, name, args.fast), images=images)
             return print_single(one, cluster, args.json, _reference(args, one, config))
         if args.images_per_row:
             raise ValueError(
@@ -135,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
                     f"hf-tp estimate: [{time.perf_counter() - start:5.0f} s] {message} ...", file=sys.stderr, flush=True
                 )
 
-        result = sweep(config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster)
+        result = sweep(
+            config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster,
+            fast=not args.full, verified=0 if args.fast else 1,
+        )  # fmt: skip
     except ValueError as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "Sweep": "hf_tp.estimate.sweep",
     "bundled_models": "hf_tp.estimate.configs",
     "estimate": "hf_tp.estimate.api",
+    "estimate_fast": "hf_tp.estimate.depth",
     "estimate_spec": "hf_tp.estimate.api",
     "get_gpu": "hf_tp.gpus",
     "parse_memory": "hf_tp.estimate.spec",

@@ -36,6 +36,7 @@ from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.memory import MemoryBreakdown, MoEStats, PeakMemTracker, RoutedRows, find_experts, moe_stats
+from hf_tp.estimate.segments import SegmentKey, SegmentTracker, decoder_layers
 from hf_tp.estimate.simulate import DataDependentBounds, expert_groups, functional_groups, mesh_and_groups, simulation
 from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
 from hf_tp.estimate.step import (
@@ -98,6 +99,9 @@ class Estimate:
     # image + text rows of a wrapper: what their images add, counted from the config (hf_tp.estimate.spec)
     images: ImageLoad | None = None
     model_flops_per_token: float = 0.0  # hf_tp.gpus.model_flops_per_token: the numerator of MFU
+    # the decoder-layer counts simulated when the estimate was extended from short runs to the model's
+    # depth (hf_tp.estimate.depth); empty: every layer simulated
+    extended_from: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -141,11 +145,18 @@ def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str 
     At ``spec.ep`` > 1 the all-to-alls are simulated with balanced routing
     (:data:`hf_tp.parallel.routing.BALANCED`, installed on the experts: fake tensors have no routing).
     A LoRA run is sized as ``hf-tp train --lora-r`` runs it: the frozen base in the compute dtype,
-    fp32 adapters with gradients and AdamW state. One CPU core, ~0.3 s per decoder layer; no GPU or
+    fp32 adapters with gradients and AdamW state. One CPU core, ~0.2 s per decoder layer; no GPU or
     network. A multimodal wrapper is built and parallelized as ``hf-tp train`` does it (tower and
     projector whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image
-    activations).
+    activations). (:func:`hf_tp.estimate.depth.estimate_fast`: the same from two short runs.)
     """
+    return simulate_spec(config, spec, model_name)[0]
+
+
+def simulate_spec(
+    config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None
+) -> tuple[Estimate, dict[SegmentKey, MemoryBreakdown]]:
+    """:func:`estimate_spec` and the step's memory by segment (:mod:`hf_tp.estimate.segments`)."""
     validate(config, spec)
     config = _checked_for_training(config, spec.lora_r, spec.lora_target_modules)
     start = time.perf_counter()
@@ -161,10 +172,13 @@ def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str 
         experts = find_experts(model, config)
         set_routing(experts, BALANCED)
         counter = CommCounter(groups, expert_groups(experts, groups), functional_groups(mesh, spec.cp))
-        peak, state, moe, work = _tracked_step(fake, model, optimizer, batch, spec.dp, config, experts, counter)
+        tracker = SegmentTracker(decoder_layers(model, get_adapter(config).layers_path))
+        peak, state, moe, work = _tracked_step(
+            fake, model, optimizer, batch, spec.dp, config, experts, counter, tracker
+        )
         tower, projector = _passenger_params(model, config)
         flops = model_flops_per_token(config, num_params, spec.seq_len, unrouted_expert_params(model, config))
-    return Estimate(
+    est = Estimate(
         model=model_name or getattr(config, "name_or_path", "") or config.model_type,
         model_type=config.model_type,
         num_params=num_params,
@@ -190,6 +204,7 @@ def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str 
         projector_params=projector,
         model_flops_per_token=flops,
     )
+    return est, tracker.breakdowns()
 
 
 def _checked_for_training(config: PretrainedConfig, lora_r: int, lora_target_modules: str) -> PretrainedConfig:
@@ -220,10 +235,10 @@ def _tracked_step(
     config: PretrainedConfig,
     experts,
     counter: CommCounter,
+    tracker: PeakMemTracker,
 ) -> tuple[MemoryBreakdown, MemoryBreakdown, MoEStats | None, Work]:
-    """Run the training step under the memory tracker, ``counter`` and a work counter: the peak,
+    """Run the training step under the memory ``tracker``, ``counter`` and a work counter: the peak,
     the state right after the optimizer step, the MoE figures (None for a dense model), the work."""
-    tracker = PeakMemTracker()
     tracker.track_external(model, optimizer)
     tracker.watch(experts)
     routed = RoutedRows(experts)

@@ -106,9 +106,16 @@ def format_estimate(est: Estimate) -> str:
         "with FSDP-unsharded parameters counted as parameters. 'after step': the sharded state kept between",
         "steps (gradients are freed by zero_grad). Not included: CUDA context, NCCL buffers, allocator",
         "fragmentation (leave 1-2 GiB and ~10%). sent/rank: bytes one rank sends with ring algorithms.",
-        f"Simulated in {est.seconds:.1f} s on CPU with a fake process group and fake tensors (no weights, no GPU).",
+        f"Simulated in {est.seconds:.1f} s on CPU with a fake process group and fake tensors (no weights, no GPU)"
+        + (f"; {extended(est)}." if est.extended_from else "."),
     ]
     return "\n".join(lines)
+
+
+def extended(est: Estimate) -> str:
+    """How a fast estimate was made (``est.extended_from``: the layer counts simulated)."""
+    lo, hi = est.extended_from
+    return f"the model cut to {lo} and {hi} decoder layers, extended to its depth (hf-tp estimate --full: every layer)"
 
 
 def format_moe(est: Estimate) -> list[str]:
@@ -203,7 +210,17 @@ def format_sweep(result: Sweep) -> str:
     lines.append(RANK_RULE if result.cluster else RULE)
     lines.append("--batch-size is per dp rank: keep the global batch across splits with hf-tp train --grad-accum.")
     lines.append(f"Simulated in {sum(e.seconds for e in result.estimates):.1f} s on CPU (fake process group).")
-    return "\n".join(lines)
+    return "\n".join(lines + _depths(result))
+
+
+def _depths(result: Sweep) -> list[str]:
+    """How many layouts were estimated from short runs (none: every layout at every layer)."""
+    short = [e for e in result.estimates if e.extended_from]
+    if not short:
+        return []
+    best = result.recommended
+    whole = "; the recommended one at every layer" if best is not None and not best.extended_from else ""
+    return [f"{len(short)} of {len(result.estimates)} layouts from {extended(short[0])}{whole}."]
 
 
 _PARTS = {"matmul": "matmuls", "attention": "attention (flash, causal)", "memory": "memory-bound kernels"}

@@ -24,6 +24,11 @@ tokens/s. Three dimensions besides the (tp, dp) split (``cp`` and ``ep`` stay as
 
 A sweep's result: the layouts it simulated, which of them fit a GPU's memory, and how the
 fitting ones rank by predicted speed (shared by the sweep, its speed search and the reports).
+
+Fast by default: each candidate layout is estimated from short runs of the model extended to its
+depth (:func:`estimate_candidate`, :mod:`hf_tp.estimate.depth`), and only the recommended layout is
+then simulated at every layer (:func:`verify_best`): the recommendation's memory is the full
+simulation's, and where that does not fit, the next layout is checked the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, estimate_spec
+from hf_tp.estimate.depth import estimate_fast
 from hf_tp.estimate.spec import EstimateSpec, GiB, validate
 from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
 from hf_tp.layout import row_multiple
@@ -164,6 +170,8 @@ def sweep(
     progress: Callable[[str], None] | None = None,
     cluster: Cluster | None = None,
     grow: bool = True,
+    fast: bool = True,
+    verified: int = 1,
     **named,
 ) -> Sweep:
     """Estimate every valid (tp, dp) of ``world_size / cp`` ranks of ``spec`` (or of the
@@ -176,7 +184,9 @@ def sweep(
     (:func:`speed_sweep`); otherwise the smallest tp that fits, at ``batch_size``. ``ep``
     and ``cp`` stay fixed: splits whose dp ep does not divide, or whose 2 x cp x tp does not divide
     ``seq_len``, are left out. ``grow=False`` keeps the batch as given (``hf-tp train --layout auto``).
-    ``progress`` gets one line before each simulation."""
+    ``progress`` gets one line before each simulation. ``fast`` estimates each layout from short
+    runs (:func:`estimate_candidate`), then simulates the best ``verified`` layouts in full
+    (:func:`verify_best`); ``fast=False`` simulates every layout at every layer."""
     spec = spec or EstimateSpec(tp=1, dp=1, **named)
     validate(config, spec.replace(tp=1, dp=spec.ep, dp_replicate=1))  # sizes, positions, ep and cp, once
     if cluster is not None:
@@ -186,18 +196,52 @@ def sweep(
     splits = cp_splits(config, world_size, spec.seq_len, spec.ep, spec.cp, result.skipped)
 
     def run(**changes) -> Estimate:
-        return estimate_spec(config, spec.replace(**changes), model_name)
+        return estimate_candidate(config, spec.replace(**changes), model_name, fast)
 
     if cluster is not None:
         speed_sweep(result, splits, run, spec.activation_checkpointing, progress, grow)
-        return result
-    cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
-    for i, (tp, dp) in enumerate(splits):
-        if progress is not None:
-            progress(f"simulating tp={tp}{cp} x dp={dp} (split {i + 1} of {len(splits)})")
-        result.estimates.append(run(tp=tp, dp=dp))
-    result.recommended = recommend(result.estimates, gpu_memory)
+    else:
+        cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
+        for i, (tp, dp) in enumerate(splits):
+            _say(progress, f"simulating tp={tp}{cp} x dp={dp} (split {i + 1} of {len(splits)})")
+            result.estimates.append(run(tp=tp, dp=dp))
+        result.recommended = recommend(result.estimates, gpu_memory)
+    verify_best(result, config, model_name, progress, verified)
     return result
+
+
+def estimate_candidate(
+    config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None, fast: bool = True
+) -> Estimate:
+    """One candidate layout's estimate, the one call a sweep makes per layout it tries: from the model
+    cut to a few periods of its layers and extended to its depth (``fast``,
+    :func:`hf_tp.estimate.depth.estimate_fast`), or every layer simulated."""
+    return estimate_fast(config, spec, model_name) if fast else estimate_spec(config, spec, model_name)
+
+
+def ordered(result: Sweep) -> list[Estimate]:
+    """The layouts that fit, best first: by predicted speed with a cluster, else by the smallest tp."""
+    if result.cluster is not None:
+        return [e for e, _ in result.ranking()]
+    if result.gpu_memory is None:
+        return []
+    return sorted((e for e in result.estimates if fits(e, result.gpu_memory)), key=lambda e: e.tp)
+
+
+def verify_best(
+    result: Sweep, config: PretrainedConfig, model_name: str | None, progress: Progress, count: int = 1
+) -> None:
+    """Simulate at every layer the best ``count`` layouts that were estimated from short runs,
+    replacing their estimates, until the best ``count`` are all full simulations (a layout that no
+    longer fits drops out, and the next is checked); then recommend the best."""
+    while todo := [e for e in ordered(result)[:count] if e.extended_from]:
+        for est in todo:
+            ac = ", activation checkpointing" if est.activation_checkpointing else ""
+            _say(progress, f"simulating {layout_name(est)}{ac}, batch {est.batch_size}, at every layer (the best)")
+            at = next(i for i, e in enumerate(result.estimates) if e is est)
+            result.estimates[at] = estimate_spec(config, est.spec, model_name)
+    best = ordered(result)
+    result.recommended = best[0] if best else None
 
 
 def cp_splits(

@@ -45,8 +45,8 @@ def test_with_a_gpu_the_fastest_fitting_layout_is_chosen_and_logged(monkeypatch)
     too_big = make(tp=1, dp=8, peak_gib=90.0, matmul_flops=10**15, flops_per_token=10**15 / (4096 * 2))
     seen = {}
 
-    def fake_sweep(config, world, spec, *, cluster, grow, progress):
-        seen.update(world=world, spec=spec, grow=grow)
+    def fake_sweep(config, world, spec, *, cluster, grow, progress, verified):
+        seen.update(world=world, spec=spec, grow=grow, verified=verified)
         result = Sweep(world_size=world, gpu_memory=cluster.gpu.memory_bytes, cluster=cluster)
         result.estimates += [lean, tp_heavy, too_big]
         return result
@@ -56,6 +56,7 @@ def test_with_a_gpu_the_fastest_fitting_layout_is_chosen_and_logged(monkeypatch)
     best, runner = auto_layout.choose(cfg, tiny_config("llama"), 8, print)
     assert (best.tp, best.dp, runner.tp, runner.dp) == (2, 4, 4, 2)
     assert seen["world"] == 8 and seen["grow"] is False  # the batch stays --batch-size
+    assert seen["verified"] == 2  # the chosen layout and the runner-up simulated at every layer
     assert (seen["spec"].seq_len, seen["spec"].batch_size, seen["spec"].activation_checkpointing) == (64, 2, True)
     assert "predicted peak 10.0 GiB per GPU" in best.describe()
     chosen = auto_layout.apply(cfg, best, 8)

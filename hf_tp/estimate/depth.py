@@ -1,0 +1,178 @@
+"""A fast estimate: the model cut to a few periods of its decoder-layer kinds, extended to its depth.
+
+The decoder layers of a model repeat: the same layer (Llama), a period of kinds (Gemma-2's sliding
+and full attention, a MoE layer every n-th), after a prefix of layers unlike the rest (DeepSeek-V3's
+first dense layers). :func:`estimate_fast` simulates the prefix and 3, then 4 periods of the rest
+(:data:`PERIODS`), and extends every count along the line through the two to the model's own
+number of periods:
+
+- exact for what is a fixed part plus the same amount per period: parameters, gradients and
+  optimizer state, every collective (count, bytes, bytes sent), FLOPs and bytes moved, the MoE
+  figures, the state after the optimizer step;
+- the peak, from the step's memory by segment (:mod:`hf_tp.estimate.segments`). At any op of a
+  layer's forward or backward, what is live is a fixed part plus an amount per layer before or
+  after it (saved activations, gradient shards) plus the sharded state (per layer of the model), so
+  a segment's largest moment moves along a line with the depth, and with the layer's index. The
+  segments are grouped by where their layer sits: the prefix layers one by one, the first period,
+  the last, and the periods between (each position in a period apart). Over the periods between,
+  the largest moment is that of the one next to the first or the last (a line in the index peaks at
+  an end), the same neighbour at 3 and 4 periods as at any depth. So every group's largest moment is
+  on a line in the number of periods, and the peak is the largest group extended to the depth.
+
+Not extended (simulated in full): multimodal wrappers, models whose layers after a prefix do not
+repeat with a period, models of at most 5 periods (nothing to gain), and a cut config that does
+not build the same layer kinds as the full model's first layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from hf_tp.adapters import get_adapter
+from hf_tp.estimate.api import Estimate, simulate_spec
+from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.memory import MemoryBreakdown
+from hf_tp.estimate.segments import SegmentKey
+from hf_tp.estimate.spec import EstimateSpec
+from hf_tp.verify.shrink import layer_kinds
+
+PERIODS = (4, 5)  # periods of the repeating layers simulated
+# MoEStats fields that are one layer's figure (the rest sum over the MoE layers)
+_PER_LAYER_MOE = {"experts", "experts_per_rank", "top_k", "routed_rows", "forward_peak_bytes", "balanced_routing"}
+
+
+@dataclass(frozen=True)
+class Layering:
+    """Decoder layers as ``prefix`` layers unlike the rest, then ``periods`` repeats of ``period`` layers."""
+
+    prefix: int
+    period: int
+    periods: int
+
+    def layers(self, periods: int) -> int:
+        return self.prefix + periods * self.period
+
+    def position(self, index: int, periods: int) -> tuple[str, int]:
+        """Where layer ``index`` sits in a model of ``periods`` periods: ("prefix", i), or ("first" /
+        "between" / "last", its place in its period)."""
+        if index < self.prefix:
+            return "prefix", index
+        j, offset = divmod(index - self.prefix, self.period)
+        return ("first" if j == 0 else "last" if j == periods - 1 else "between"), offset
+
+
+def layering(config: PretrainedConfig) -> Layering | None:
+    """How ``config``'s decoder layers repeat, or None where the fast estimate does not apply (see
+    the module docstring). Read once per config (a meta model of each depth: no memory)."""
+    if get_adapter(config).language_model:
+        return None
+    key = config.to_json_string()
+    if key not in _KNOWN:
+        _KNOWN[key] = _find_layering(config)
+    return _KNOWN[key]
+
+
+_KNOWN: dict[str, Layering | None] = {}
+
+
+def _find_layering(config: PretrainedConfig) -> Layering | None:
+    kinds = layer_kinds(config)
+    depth = len(kinds)
+    shapes = [
+        (prefix, period)
+        for prefix in range(depth)
+        for period in range(1, (depth - prefix) // (PERIODS[1] + 1) + 1)
+        if (depth - prefix) % period == 0
+        and all(kinds[i] == kinds[prefix + (i - prefix) % period] for i in range(prefix, depth))
+    ]
+    if not shapes:
+        return None
+    prefix, period = min(shapes, key=lambda s: s[0] + PERIODS[1] * s[1])  # the fewest layers simulated
+    found = Layering(prefix, period, (depth - prefix) // period)
+    for n in PERIODS:
+        if layer_kinds(cut_config(config, found.layers(n))) != kinds[: found.layers(n)]:
+            return None
+    return found
+
+
+def cut_config(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """``config`` with its first ``layers`` decoder layers (every per-layer list cut to match)."""
+    whole = config.to_dict()
+    depth = config.num_hidden_layers
+    cut = {k: v[:layers] for k, v in whole.items() if isinstance(v, list) and len(v) == depth and k != "architectures"}
+    return config.__class__.from_dict({**whole, **cut, "num_hidden_layers": layers})
+
+
+def estimate_fast(config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
+    """One rank's estimate of ``config`` laid out as ``spec``, from the model cut to :data:`PERIODS`
+    periods of its layers and extended to its depth (see the module docstring); simulated in full
+    where that does not apply."""
+    found = layering(config)
+    name = model_name or getattr(config, "name_or_path", "") or config.model_type
+    if found is None or found.periods <= PERIODS[1]:
+        return simulate_spec(config, spec, name)[0]
+    (lo, lo_segments), (hi, hi_segments) = (
+        simulate_spec(cut_config(config, found.layers(n)), spec, name) for n in PERIODS
+    )
+    steps = found.periods - PERIODS[0]
+    peak = extended_peak(found, lo_segments, hi_segments, steps)
+    if peak is None:
+        return simulate_spec(config, spec, name)[0]
+    layers = tuple(found.layers(n) for n in PERIODS)
+    return dataclasses.replace(extend(lo, hi, steps), peak=peak, extended_from=layers)
+
+
+def grouped(found: Layering, periods: int, segments: dict[SegmentKey, MemoryBreakdown]) -> dict[tuple, MemoryBreakdown]:
+    """``segments`` of a run of ``periods`` periods, grouped by where their layer sits: the largest of each group."""
+    out: dict[tuple, MemoryBreakdown] = {}
+    for (event, backward, index), held in segments.items():
+        key = (event, backward, found.position(index, periods) if index >= 0 else None)
+        if key not in out or out[key].total < held.total:
+            out[key] = held
+    return out
+
+
+def extended_peak(
+    found: Layering, lo: dict[SegmentKey, MemoryBreakdown], hi: dict[SegmentKey, MemoryBreakdown], steps: int
+) -> MemoryBreakdown | None:
+    """The largest group of segments extended ``steps`` periods past ``lo`` (``hi`` one period past
+    it); None when the two runs' groups differ or no decoder layer was seen."""
+    low, high = grouped(found, PERIODS[0], lo), grouped(found, PERIODS[1], hi)
+    if set(low) != set(high) or not any(key[2] for key in low):  # (no layer seen: torch's hooks moved)
+        return None
+    return max((_line(low[k], high[k], steps) for k in low), key=lambda b: b.total)
+
+
+def extend(lo: Estimate, hi: Estimate, steps: int) -> Estimate:
+    """The estimate ``steps`` periods past ``lo``, ``hi`` being one period past it (all but the peak)."""
+    key = lambda c: (c.dim, c.collective, c.group_size)  # noqa: E731
+    low, high = {key(c): c for c in lo.comms}, {key(c): c for c in hi.comms}
+    zero = {k: CommStat(*k, 0, 0, 0) for k in {**low, **high}}
+    comms = [_line(low.get(k, zero[k]), high.get(k, zero[k]), steps) for k in sorted(zero)]
+    return dataclasses.replace(
+        _line(lo, hi, steps, {"peak", "comms", "moe", "work", "seconds"}),
+        comms=comms,
+        moe=None if hi.moe is None else _line(lo.moe, hi.moe, steps, _PER_LAYER_MOE),
+        work=None if hi.work is None else _line(lo.work, hi.work, steps),
+        seconds=lo.seconds + hi.seconds,
+    )
+
+
+def _line(lo, hi, steps: int, keep: frozenset[str] | set[str] = frozenset()):
+    """The dataclass ``lo + steps * (hi - lo)`` field by field: numbers, dicts of numbers and nested
+    dataclasses; other fields and those in ``keep`` are ``hi``'s."""
+    changes = {}
+    for f in dataclasses.fields(lo):
+        a, b = getattr(lo, f.name), getattr(hi, f.name)
+        if f.name in keep:
+            continue
+        if dataclasses.is_dataclass(a):
+            changes[f.name] = _line(a, b, steps)
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            changes[f.name] = a + steps * (b - a)
+        elif isinstance(a, dict):
+            changes[f.name] = {k: a.get(k, 0) + steps * (b.get(k, 0) - a.get(k, 0)) for k in {**a, **b}}
+    return dataclasses.replace(hi, **changes)

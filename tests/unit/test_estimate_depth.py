@@ -1,0 +1,93 @@
+"""The fast estimate (:mod:`hf_tp.estimate.depth`: the model cut to 4 and 5 periods of its layer
+kinds, extended to its depth) against the simulation of every layer, on tiny dense, MoE and
+mixed-kind configs: the state after the step, every collective, the work, the MoE figures and the
+parameter counts equal; the peak equal too (the tolerance stated: 0.1%, met to the byte here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import CONFIG_MAPPING
+
+from hf_tp.compat import family_refusal
+from hf_tp.estimate import EstimateSpec, estimate_spec
+from hf_tp.estimate import sweep as sweep_module
+from hf_tp.estimate.depth import Layering, cut_config, estimate_fast, layering
+from hf_tp.estimate.speed import Cluster
+from hf_tp.estimate.sweep import Sweep, verify_best
+from hf_tp.gpus import get_gpu
+from tests.unit.test_estimate_speed_layouts import make
+
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+PEAK_TOLERANCE = 1e-3
+
+
+def _family(model_type: str, **fields):
+    if model_type not in CONFIG_MAPPING or family_refusal(model_type):
+        pytest.skip(f"{model_type} is not supported by this transformers release")
+    return CONFIG_MAPPING[model_type](max_position_embeddings=256, **SIZES, **fields)
+
+
+def same(config, spec: EstimateSpec) -> None:
+    """The fast estimate equals the full one in everything it reports but the time taken."""
+    fast, full = estimate_fast(config, spec), estimate_spec(config, spec)
+    assert fast.extended_from and not full.extended_from
+    assert fast.peak.total == pytest.approx(full.peak.total, rel=PEAK_TOLERANCE)
+    assert fast.state == full.state
+    key = lambda c: (c.dim, c.collective)  # noqa: E731
+    assert sorted(fast.comms, key=key) == sorted(full.comms, key=key)
+    assert fast.work == full.work and fast.moe == full.moe
+    assert (fast.num_params, fast.trainable_params) == (full.num_params, full.trainable_params)
+    assert fast.model_flops_per_token == pytest.approx(full.model_flops_per_token, rel=1e-12)
+
+
+def test_dense_with_activation_checkpointing_matches_full() -> None:
+    # with recompute the peak's moment moves with the depth (the start of backward against a layer
+    # next to the first): the segments of both short runs still place it exactly
+    config = _family("llama", num_hidden_layers=6)
+    assert layering(config) == Layering(0, 1, 6)
+    same(config, EstimateSpec(2, 2, 64, 1, activation_checkpointing=True))
+
+
+def test_moe_with_ep_matches_full() -> None:
+    config = _family("qwen3_moe", num_hidden_layers=6, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    same(config, EstimateSpec(1, 2, 64, 1, ep=2))
+
+
+def test_mixed_layer_kinds_match_full() -> None:
+    config = _family("gemma2", num_hidden_layers=12, head_dim=16, sliding_window=16)
+    assert layering(config) == Layering(0, 2, 6)
+    assert cut_config(config, 8).layer_types == config.layer_types[:8]
+    same(config, EstimateSpec(1, 2, 64, 1))
+
+
+def test_layerings() -> None:
+    # DeepSeek-V3's first dense layer is a prefix simulated on its own; too shallow or not
+    # repeating: simulated in full
+    dense_first = _family(
+        "deepseek_v3", num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2
+    )
+    assert layering(dense_first) == Layering(1, 1, 7)
+    assert layering(_family("llama", num_hidden_layers=5)) is None
+    assert layering(_family("gemma2", num_hidden_layers=11, head_dim=16)) is None  # 11 layers of a period of 2
+
+
+def test_the_best_layout_is_simulated_at_every_layer_and_the_next_checked_where_it_does_not_fit(monkeypatch) -> None:
+    # tp 1 is the fastest by its fast estimate, but its full simulation does not fit 80 GiB: tp 2 is
+    # then simulated in full and recommended; tp 4 (slower) is never simulated again
+    fast = [dataclasses.replace(make(tp=t, dp=8 // t, matmul_flops=10**15), extended_from=(4, 5)) for t in (1, 2, 4)]
+    full = {1: make(tp=1, dp=8, fixed_gib=90.0, matmul_flops=10**15), 2: make(tp=2, dp=4, matmul_flops=10**15)}
+    calls = []
+
+    def simulate(config, spec, model_name=None):
+        calls.append(spec.tp)
+        return full[spec.tp]
+
+    monkeypatch.setattr(sweep_module, "estimate_spec", simulate)
+    result = Sweep(world_size=8, gpu_memory=80 * 2**30, cluster=Cluster(get_gpu("h100-sxm")), estimates=list(fast))
+    lines: list[str] = []
+    verify_best(result, None, "m", lines.append)
+    assert calls == [1, 2] and result.recommended is full[2]
+    assert result.estimates == [full[1], full[2], fast[2]]  # replaced in place, the rest kept
+    assert lines[0] == "simulating tp=1 x dp=8, batch 1, at every layer (the best)"
