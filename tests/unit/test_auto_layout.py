@@ -45,8 +45,8 @@ def test_with_a_gpu_the_fastest_fitting_layout_is_chosen_and_logged(monkeypatch)
     too_big = make(tp=1, dp=8, peak_gib=90.0, matmul_flops=10**15, flops_per_token=10**15 / (4096 * 2))
     seen = {}
 
-    def fake_sweep(config, world, spec, *, cluster, grow, progress):
-        seen.update(world=world, spec=spec, grow=grow)
+    def fake_sweep(config, world, spec, *, cluster, grow, progress, pp_schedules):
+        seen.update(world=world, spec=spec, grow=grow, pp_schedules=pp_schedules)
         result = Sweep(world_size=world, gpu_memory=cluster.gpu.memory_bytes, cluster=cluster)
         result.estimates += [lean, tp_heavy, too_big]
         return result
@@ -85,7 +85,7 @@ def test_requests_that_cannot_be_honoured_fail_before_launch(capsys, monkeypatch
         (["--gpu", "h100-sxm"], "--gpu and --world choose a layout: add --layout auto"),
         (["--layout", "auto", "--gpu", "h9000", "--world", "2"], "unknown --gpu 'h9000'"),
         (["--layout", "auto", "--device", "cpu"], "--layout auto on CPU needs --world N"),
-        (["--layout", "auto", "--world", "4", "--dp-replicate", "2"], "--layout auto does not choose HSDP"),
+        (["--layout", "auto", "--world", "4", "--dp-replicate", "2"], "--layout auto chooses --pp and --dp-replicate"),
     ]
     for flags, message in cases:
         capsys.readouterr()
