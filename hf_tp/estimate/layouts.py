@@ -12,8 +12,11 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
 - HSDP (:func:`replicated`): a rank of R replicas x an FSDP2 shard group of S holds what a rank of
   plain FSDP2 over S holds; FSDP2 adds one all-reduce across the replicas per reduce-scatter, of
   its output (the shard), and collectives over every dp rank (a router's gradient) span R x S;
-- pipeline (:func:`staged`): the peak adds ``in_flight - 1`` more micro-batches' saved activations
-  (the simulated peak's activations each: a bound, they include one micro-batch's loss chunk);
+- pipeline (:func:`staged`): the peak adds the larger of ``in_flight - 1`` more micro-batches'
+  saved activations (the simulated peak's activations each: a bound, they include one micro-batch's
+  loss chunk; the first rank's) and the last stage's unfused loss (``hf-tp train --pp``'s last
+  stage computes transformers' loss on a micro-batch's whole logits, not hf_tp's fused lm_head +
+  loss: :data:`LOGIT_BYTES` per logit, its tp shard);
   every per-micro-batch collective and kernel runs ``microbatches`` times (FSDP2 gathers and
   reduce-scatters each micro-batch: torch's pipeline stage is not the FSDP2 module here), AdamW and
   the gradient norm once; each micro-batch's boundary activations go to the next stage and their
@@ -38,6 +41,9 @@ from hf_tp.gpus import model_flops_per_token
 
 Simulate = Callable[[PretrainedConfig, EstimateSpec, "str | None"], Estimate]
 ONCE_PER_STEP_OPS = ("_fused_adamw_", "_fused_adam_")  # the optimizer's kernels: once per step, not per micro-batch
+# The last stage's loss on whole logits: the logits, their fp32 copy, log_softmax's saved output and
+# the gradient, 4 bytes each (a bound; 12 bytes per logit measured on CPU in fp32, docs/scale.md)
+LOGIT_BYTES = 16
 
 
 class SimulationCache:
@@ -114,7 +120,9 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     """``est`` (one micro-batch of the busiest rank's layers) as that rank's whole pipeline step."""
     m, v = spec.microbatches, spec.pp_virtual_stages
     held = in_flight(spec.pp_schedule, spec.pp, m, v)
-    extra = int((held - 1) * est.peak.activations)
+    rows = spec.batch_size // m
+    logits = rows * spec.seq_len * config.vocab_size // spec.tp * LOGIT_BYTES
+    extra = max(int((held - 1) * est.peak.activations), logits)
     peak = dataclasses.replace(est.peak, activations=est.peak.activations + extra)
     world = spec.world_size
     comms = [
@@ -123,7 +131,6 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
         else CommStat(c.dim, c.collective, c.group_size, c.count * m, c.bytes * m, c.sent_bytes * m)
         for c in est.comms
     ]
-    rows = spec.batch_size // m
     message = rows * spec.seq_len * config.hidden_size * BYTES[spec.dtype] // (spec.tp * spec.cp)
     count = 2 * v * m
     comms.append(CommStat("pp", "send_recv", spec.pp, count, count * message, count * message))

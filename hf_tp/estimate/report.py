@@ -111,7 +111,8 @@ def format_estimate(est: Estimate) -> str:
             f"Pipeline: one rank of the busiest stage over the whole step ({est.microbatches} micro-batches of "
             f"{est.batch_size // est.microbatches} row(s)): simulated with its {est.stage_layers} decoder layers, the",
             "embedding and the lm_head (a bound: each sits on one stage only), one micro-batch; the peak adds the "
-            f"saved activations of {est.in_flight:g} micro-batches in flight in all ({est.pp_schedule}, the first rank's count);",
+            f"saved activations of {est.in_flight:g} micro-batches in flight in all ({est.pp_schedule}, the first rank's count)",
+            "or the last stage's loss on a micro-batch's whole logits, whichever is larger;",
             "collectives and work per step: each micro-batch's, times the micro-batches (the optimizer once).",
         ]
     if est.tower_params or est.projector_params:

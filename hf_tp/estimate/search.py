@@ -3,6 +3,7 @@ given batch, activation checkpointing where one does not fit, the batch grown in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from hf_tp.estimate.api import Estimate
@@ -61,6 +62,9 @@ def simulate_splits(
     for i, lay in enumerate(kept):
         where = f"(split {i + 1} of {len(kept)})"
         name = _plain_name(lay, cp)
+        if (why := hsdp_pruned(result, lay)) is not None:
+            result.skipped.append(f"{name}: {why}")
+            continue
         _say(progress, f"simulating {name}{', activation checkpointing' if ac else ''} {where}")
         est = run(**lay.changes(), activation_checkpointing=ac)
         result.estimates.append(est)
@@ -75,6 +79,33 @@ def simulate_splits(
             continue
         _say(progress, f"simulating {name}, activation checkpointing {where}")
         result.estimates.append(run(**lay.changes(), activation_checkpointing=True))
+
+
+def hsdp_pruned(result: Sweep, lay: Layout) -> str | None:
+    """Why HSDP layout ``lay`` need not be simulated, or None: a rank of it holds more than one of
+    its plain FSDP2 counterpart (the state sharded over a node, not over every dp rank), so it
+    cannot fit where that one does not even with checkpointing, and it can at most remove that
+    one's exposed FSDP2 time."""
+    if lay.dp_replicate == 1:
+        return None
+    plain = dataclasses.replace(lay, dp_replicate=1)
+    twins = [e for e in result.estimates if layout_of(e) == dataclasses.replace(plain, batch_size=e.batch_size)]
+    if not twins or plain.batch_size not in (None, twins[0].batch_size):
+        return None
+    fitting = [e for e in twins if fits(e, result.gpu_memory)]
+    if not fitting and any(e.activation_checkpointing for e in twins):
+        return "its FSDP2 counterpart does not fit even with checkpointing, and HSDP holds more per rank"
+    if not fitting:
+        return None
+    best = result.best_speed()
+    bounds = []
+    for e in fitting:
+        speed = predict(e, result.cluster)
+        dp = sum(v for k, v in speed.seconds.items() if k.split()[0] in ("dp", "dp_out", "dp_all", "dp_replicate"))
+        bounds.append(speed.tokens_per_second_per_gpu * speed.step_seconds / (speed.step_seconds - dp))
+    if best and max(bounds) <= best:
+        return f"at most {max(bounds):,.0f} tokens/s per GPU (its FSDP2 counterpart without exposed FSDP2 time), below the best that fits"
+    return None
 
 
 def _plain_name(lay: Layout, cp: str) -> str:

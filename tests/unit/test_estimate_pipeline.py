@@ -13,7 +13,7 @@ from transformers import DeepseekV3Config
 
 from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work
-from hf_tp.estimate.layouts import SimulationCache, estimate_layout
+from hf_tp.estimate.layouts import LOGIT_BYTES, SimulationCache, estimate_layout
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.pipeline import bubble_fraction, in_flight, stage_config, stage_plan
 from hf_tp.estimate.report import format_ranking
@@ -87,8 +87,9 @@ def test_a_pipeline_layout_is_its_busiest_stage_times_the_schedule() -> None:
     assert len(cache.runs) == 1 and cache.hits == 1  # one simulated stage serves both schedules
     stage = next(iter(cache.runs.values()))  # 2 layers, 1 row, the stage's 2 dp ranks
     assert (stage.batch_size, stage.dp, stage.world_size) == (1, 2, 2) and one.world_size == 4
-    assert one.peak.activations == 2 * stage.peak.activations and one.in_flight == 2  # min(pp, M)
-    assert gpipe.peak.activations == 4 * stage.peak.activations  # every micro-batch
+    act, logits = stage.peak.activations, 64 * 8000 * LOGIT_BYTES  # the last stage's loss on whole logits
+    assert one.peak.activations == act + max(act, logits) and one.in_flight == 2  # min(pp, M) on rank 0
+    assert gpipe.peak.activations == act + max(3 * act, logits)  # every micro-batch
     assert one.peak.parameters == stage.peak.parameters and one.state == stage.state
     sent = {(c.dim, c.collective): c for c in one.comms}
     for c in stage.comms:  # every collective of a micro-batch, once per micro-batch
