@@ -12,11 +12,12 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
 - HSDP (:func:`replicated`): a rank of R replicas x an FSDP2 shard group of S holds what a rank of
   plain FSDP2 over S holds; FSDP2 adds one all-reduce across the replicas per reduce-scatter, of
   its output (the shard), and collectives over every dp rank (a router's gradient) span R x S;
-- pipeline (:func:`staged`): the peak adds the larger of ``in_flight - 1`` more micro-batches'
-  saved activations (the simulated peak's activations each: a bound, they include one micro-batch's
-  loss chunk; the first rank's) and the last stage's unfused loss (``hf-tp train --pp``'s last
-  stage computes transformers' loss on a micro-batch's whole logits, not hf_tp's fused lm_head +
-  loss: :data:`LOGIT_BYTES` per logit, its tp shard);
+- pipeline (:func:`staged`): the peak adds the larger of the first rank's ``in_flight - 1`` more
+  micro-batches' saved activations (the simulated peak's activations each: a bound, they include
+  one micro-batch's loss chunk) and the last rank's, with its loss on whole logits per micro-batch
+  it holds (``hf-tp train --pp``'s last stage computes transformers' loss on a micro-batch's whole
+  logits, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per logit of the tp shard
+  kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one micro-batch's backward);
   every per-micro-batch collective and kernel runs ``microbatches`` times (FSDP2 gathers and
   reduce-scatters each micro-batch: torch's pipeline stage is not the FSDP2 module here), AdamW and
   the gradient norm once; each micro-batch's boundary activations go to the next stage and their
@@ -35,15 +36,17 @@ from transformers import PretrainedConfig
 
 from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
-from hf_tp.estimate.pipeline import StagePlan, config_key, in_flight, stage_config, stage_plan
+from hf_tp.estimate.pipeline import StagePlan, config_key, in_flight, last_in_flight, stage_config, stage_plan
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
 
 Simulate = Callable[[PretrainedConfig, EstimateSpec, "str | None"], Estimate]
 ONCE_PER_STEP_OPS = ("_fused_adamw_", "_fused_adam_")  # the optimizer's kernels: once per step, not per micro-batch
-# The last stage's loss on whole logits: the logits, their fp32 copy, log_softmax's saved output and
-# the gradient, 4 bytes each (a bound; 12 bytes per logit measured on CPU in fp32, docs/scale.md)
-LOGIT_BYTES = 16
+# The last stage's loss on whole logits, per logit of the tp shard: kept from a micro-batch's forward
+# to its backward, the logits (stage output) and log_softmax's fp32 output (4 + 4: a bound for
+# bf16's 2 + 4); in its backward, the fp32 copy and the gradient (docs/scale.md measures them)
+HELD_LOGIT_BYTES = 8
+BACKWARD_LOGIT_BYTES = 8
 
 
 class SimulationCache:
@@ -121,8 +124,10 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     m, v = spec.microbatches, spec.pp_virtual_stages
     held = in_flight(spec.pp_schedule, spec.pp, m, v)
     rows = spec.batch_size // m
-    logits = rows * spec.seq_len * config.vocab_size // spec.tp * LOGIT_BYTES
-    extra = max(int((held - 1) * est.peak.activations), logits)
+    logits = rows * spec.seq_len * config.vocab_size // spec.tp
+    last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
+    at_last = (last - 1) * est.peak.activations + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
+    extra = int(max((held - 1) * est.peak.activations, at_last))
     peak = dataclasses.replace(est.peak, activations=est.peak.activations + extra)
     world = spec.world_size
     comms = [

@@ -14,7 +14,9 @@ forwards before its first backward, so it holds ``min(pp - r, M)`` micro-batches
 most); GPipe runs every forward first: all ``M``; Interleaved 1F1B warms up with ``(V - 1) x
 micro-batches per round + 2 (pp - 1 - r)`` forwards of one stage each, so rank 0 holds that plus
 one stage-sized chunks (at most ``V x M``), i.e. that / V of its whole layers' micro-batches;
-LoopedBFS runs every forward of every local stage first: ``M``.
+LoopedBFS runs every forward of every local stage first: ``M``. The last rank, which computes the
+loss: 1F1B and Interleaved 1F1B hold one micro-batch of the last stage at a time (the last rank
+runs no warm-up forwards of it), GPipe and LoopedBFS all ``M`` (:func:`last_in_flight`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,17 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
         warmup = min((virtual - 1) * per_round + 2 * (pp - 1), m * virtual)
         return min(warmup + 1, m * virtual) / virtual
     return float(m)  # gpipe, loopedbfs: every forward before any backward
+
+
+def last_in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[float, int]:
+    """(micro-batches of its whole layers, micro-batches of the last stage) the last rank holds at once."""
+    m = microbatches
+    if schedule in ("gpipe", "loopedbfs"):
+        return float(m), m
+    if schedule == "interleaved1f1b":
+        per_round = m // max(1, m // pp)
+        return min((virtual - 1) * per_round + 1, m * virtual) / virtual, 1
+    return 1.0, 1
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual: int) -> float:

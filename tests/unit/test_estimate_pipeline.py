@@ -12,11 +12,14 @@ from torch.distributed.pipelining.schedules import _get_warmup_ops
 from transformers import DeepseekV3Config
 
 from hf_tp.estimate.api import Estimate, GiB, estimate
+from hf_tp.estimate.candidates import Layout
 from hf_tp.estimate.counters import CommStat, Work
-from hf_tp.estimate.layouts import LOGIT_BYTES, SimulationCache, estimate_layout
+from hf_tp.estimate.layouts import SimulationCache, estimate_layout
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.pipeline import bubble_fraction, in_flight, stage_config, stage_plan
+from hf_tp.estimate.ranking import Sweep
 from hf_tp.estimate.report import format_ranking
+from hf_tp.estimate.search import hsdp_pruned
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
 from hf_tp.estimate.sweep import sweep
@@ -87,9 +90,9 @@ def test_a_pipeline_layout_is_its_busiest_stage_times_the_schedule() -> None:
     assert len(cache.runs) == 1 and cache.hits == 1  # one simulated stage serves both schedules
     stage = next(iter(cache.runs.values()))  # 2 layers, 1 row, the stage's 2 dp ranks
     assert (stage.batch_size, stage.dp, stage.world_size) == (1, 2, 2) and one.world_size == 4
-    act, logits = stage.peak.activations, 64 * 8000 * LOGIT_BYTES  # the last stage's loss on whole logits
-    assert one.peak.activations == act + max(act, logits) and one.in_flight == 2  # min(pp, M) on rank 0
-    assert gpipe.peak.activations == act + max(3 * act, logits)  # every micro-batch
+    act, logits = stage.peak.activations, 64 * 8000  # the last stage's loss on whole logits
+    assert one.peak.activations == act + max(act, logits * 16) and one.in_flight == 2  # min(pp, M) on rank 0
+    assert gpipe.peak.activations == act + 3 * act + logits * (4 * 8 + 8)  # every micro-batch, on both ranks
     assert one.peak.parameters == stage.peak.parameters and one.state == stage.state
     sent = {(c.dim, c.collective): c for c in one.comms}
     for c in stage.comms:  # every collective of a micro-batch, once per micro-batch
@@ -150,3 +153,19 @@ def test_a_sweep_across_nodes_tries_hsdp_and_pipelines_sharing_simulations() -> 
     assert {e.microbatches for e in result.estimates if e.pp == 2} == {4}  # --batch-size 4 split for pp 2
     header = format_ranking(result).splitlines()[1].split()
     assert header[:7] == ["#", "pp", "sched", "M", "repl", "tp", "dp"] and "bubble" in header
+
+
+def test_hsdp_is_not_simulated_where_its_fsdp2_counterpart_rules_it_out() -> None:
+    gpu = dataclasses.replace(H100, gpus_per_node=2)
+
+    def plain(peak_gib: float, ac: bool) -> Estimate:
+        mem = MemoryBreakdown(parameters=int(peak_gib * GiB))
+        return Estimate("m", "llama", 10**9, 1, 4, 1, 4096, 1, "bf16", ac, mem, mem, [], work=Work(matmul_flops=10**14))
+
+    hsdp = Layout(1, 4, dp_replicate=2)
+    result = Sweep(world_size=4, gpu_memory=80 * GiB, cluster=Cluster(gpu))
+    assert hsdp_pruned(result, hsdp) is None  # nothing to compare with yet
+    result.estimates += [plain(90.0, False), plain(85.0, True)]
+    assert "does not fit even with checkpointing" in hsdp_pruned(result, hsdp)
+    result.estimates[1] = plain(20.0, True)  # fits, and no FSDP2 time to save: HSDP cannot be faster
+    assert "below the best that fits" in hsdp_pruned(result, hsdp)
