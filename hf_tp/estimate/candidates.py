@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from hf_tp.estimate.api import Estimate
-from hf_tp.estimate.pipeline import stage_plan
+from hf_tp.estimate.pipeline import stage_config, stage_plan
 from hf_tp.estimate.spec import EstimateSpec
 
 MAX_PP = 16
@@ -112,10 +112,22 @@ def pipeline_layouts(
             continue
         m, batch = micro
         tried = [(s, 2 if s == "interleaved1f1b" else 1) for s in schedules if s == "1f1b" or 2 * pp <= layers]
+        tried = [(s, v) for s, v in tried if _cuttable(config, pp, v, skipped)]
         for tp, dp in splits_of(world // pp):
             for schedule, v in tried:
                 out.append(Layout(tp, dp, pp, 1, m, schedule, v, batch))
     return out
+
+
+def _cuttable(config: PretrainedConfig, pp: int, virtual: int, skipped: list[str]) -> bool:
+    """Whether the busiest rank's layers of ``pp x virtual`` stages can be sized (noted in ``skipped`` if not)."""
+    plan = stage_plan(config, pp * virtual)
+    try:
+        stage_config(config, plan, plan.rank_layers(pp, plan.busiest_rank(pp)))
+    except ValueError as exc:
+        skipped.append(f"pp={pp} x {virtual} stages per rank: {exc}")
+        return False
+    return True
 
 
 def _microbatches(pp: int, batch: int, grow: bool) -> tuple[int, int] | None:
