@@ -9,8 +9,8 @@ microbatches``), tp x cp x the FSDP2 shard group's ranks. Its result depends on 
 schedule nor the micro-batch count nor the replicas, so one simulation serves every such layout
 (:class:`SimulationCache`, keyed by the simulated config and shape). Then:
 
-- HSDP (:func:`replicated`): a rank of R replicas x an FSDP2 shard group of S holds what a rank of
-  plain FSDP2 over S holds; FSDP2 adds one all-reduce across the replicas per reduce-scatter, of
+- HSDP (:func:`replicated`): a rank of R replicas x an FSDP2 shard group of S > 1 holds what a rank
+  of plain FSDP2 over S holds (S = 1, pure replication, is simulated as HSDP itself); FSDP2 adds one all-reduce across the replicas per reduce-scatter, of
   its output (the shard), and collectives over every dp rank (a router's gradient) span R x S;
 - pipeline (:func:`staged`): the peak adds the larger of the first rank's ``in_flight - 1`` more
   micro-batches' saved activations (the simulated peak's activations each: a bound, they include
@@ -77,19 +77,23 @@ def estimate_layout(
     :class:`SimulationCache`) with the arithmetic of the module docstring."""
     validate(config, spec)
     simulate = simulate or estimate_spec
-    if spec.pp == 1 and spec.dp_replicate == 1:
+    # HSDP from its shard group's simulation; a shard group of 1 (replicas only) has no reduce-scatter
+    # to derive the all-reduce from, and is simulated as HSDP itself
+    derive = 1 < spec.dp_replicate < spec.dp
+    if spec.pp == 1 and not derive:
         return simulate(config, spec, model_name)
     name = model_name or getattr(config, "name_or_path", "") or config.model_type
     plan = stage_plan(config, spec.pp * spec.pp_virtual_stages) if spec.pp > 1 else None
     layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp)) if plan else []
     simulated = stage_config(config, plan, layers) if plan else config
+    replicas = spec.dp_replicate if derive else 1
     shard = spec.replace(
-        dp=spec.dp // spec.dp_replicate, dp_replicate=1, batch_size=spec.batch_size // spec.microbatches,
+        dp=spec.dp // replicas, dp_replicate=spec.dp_replicate // replicas, batch_size=spec.batch_size // spec.microbatches,
         pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1,
     )  # fmt: skip
     est = simulate(simulated, shard, name)
-    if spec.dp_replicate > 1:
-        est = replicated(est, spec.dp_replicate)
+    if derive:
+        est = replicated(est, replicas)
     if plan is not None:
         est = staged(est, spec, plan, len(layers), config)
     return est

@@ -108,6 +108,8 @@ def test_hsdp_from_its_shard_groups_simulation_equals_hsdp_simulated() -> None:
     derived, direct = estimate_layout(tiny_llama(), spec), estimate(tiny_llama(), **dataclasses.asdict(spec))
     assert (derived.peak, derived.state, derived.work) == (direct.peak, direct.state, direct.work)
     assert sorted(derived.comms, key=lambda c: (c.dim, c.collective)) == direct.comms
+    replicas_only = estimate_layout(tiny_llama(), spec.replace(dp=2, dp_replicate=2))  # simulated as HSDP
+    assert [c.group_size for c in replicas_only.comms if c.dim == "dp_replicate"] == [2]
 
 
 def staged(pp=4, m=8, v=1, tp=8, dp=8) -> Estimate:
