@@ -13,8 +13,9 @@ collectives of :class:`hf_tp.estimate.counters.CommStat`):
   per GPU / the GPU's peak, so an estimate's MFU and a run's metrics.jsonl ``mfu`` compare;
 - exposed: tensor-parallel, context-parallel, expert-parallel and norm collectives sit on the
   critical path; FSDP's
-  (dp) all-gathers and reduce-scatters hide behind compute except the first all-gather and the
-  last reduce-scatter, and except what is longer than the compute itself;
+  (dp) all-gathers and reduce-scatters (and HSDP's all-reduce across replicas) hide behind compute
+  except the first all-gather and the last reduction, and except what all of them together take
+  beyond the compute itself;
 - pipeline parallelism (``pp`` > 1, the busiest rank's whole step: :mod:`hf_tp.estimate.layouts`):
   each micro-batch's boundary send and receive is exposed (over the network when a stage's ranks
   fill a node or more: pp is the outermost mesh dim), and the rank idles for the bubble, ``(pp - 1)
@@ -176,15 +177,25 @@ def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]
     return out
 
 
-def fsdp_exposed(times: dict[str, float], counts: dict[str, int], compute: float) -> float:
-    """FSDP's exposed communication: the first all-gather (nothing to hide it behind yet), the last
-    reduce-scatter (the step waits for it before the optimizer), and whatever of the rest is longer
-    than the compute it overlaps."""
+def fsdp_edges(times: dict[str, float], counts: dict[str, int]) -> tuple[float, float]:
+    """(the first all-gather and the last reduction, the rest) of one dim's overlapped collectives."""
     first = times.get("all_gather", 0.0) / max(counts.get("all_gather", 1), 1)
     last_key = "reduce_scatter" if "reduce_scatter" in times else "all_reduce"
     last = times.get(last_key, 0.0) / max(counts.get(last_key, 1), 1)
-    rest = sum(times.values()) - first - last
-    return first + last + max(0.0, rest - compute)
+    return first + last, sum(times.values()) - first - last
+
+
+def overlapped_exposed(est: Estimate, comm: dict[str, dict[str, float]], compute: float) -> dict[str, float]:
+    """Each overlapped dim's exposed time: its edges (:func:`fsdp_edges`) and its share of what all
+    of them together take beyond the compute (FSDP2's gathers and reductions and HSDP's all-reduce
+    across replicas hide behind the same compute, not each behind all of it)."""
+    parts = {}
+    for dim in (d for d in sorted(comm) if d in OVERLAPPED_DIMS):
+        counts = {c.collective: c.count for c in est.comms if c.dim == dim}
+        parts[dim] = fsdp_edges(comm[dim], counts)
+    rest = sum(r for _, r in parts.values())
+    excess = max(0.0, rest - compute)
+    return {dim: edges + (excess * r / rest if rest else 0.0) for dim, (edges, r) in parts.items()}
 
 
 def predict(est: Estimate, cluster: Cluster) -> Speed:
@@ -192,13 +203,9 @@ def predict(est: Estimate, cluster: Cluster) -> Speed:
     seconds = compute_seconds(est, cluster.gpu)
     compute = sum(seconds.values())
     comm = comm_seconds(est, cluster)
+    hidden = overlapped_exposed(est, comm, compute)
     for dim, times in sorted(comm.items()):
-        if dim in OVERLAPPED_DIMS:
-            counts = {c.collective: c.count for c in est.comms if c.dim == dim}
-            exposed = fsdp_exposed(times, counts, compute)
-        else:
-            exposed = sum(times.values())
-        seconds[f"{dim} exposed"] = exposed
+        seconds[f"{dim} exposed"] = hidden[dim] if dim in hidden else sum(times.values())
     if est.pp > 1:
         busy = sum(
             t for k, t in seconds.items() if k in COMPUTE_PARTS or k.split()[0] not in (*OVERLAPPED_DIMS, "world")

@@ -171,3 +171,18 @@ def test_hsdp_is_not_simulated_where_its_fsdp2_counterpart_rules_it_out() -> Non
     assert "does not fit even with checkpointing" in hsdp_pruned(result, hsdp)
     result.estimates[1] = plain(20.0, True)  # fits, and no FSDP2 time to save: HSDP cannot be faster
     assert "below the best that fits" in hsdp_pruned(result, hsdp)
+
+
+def test_fsdp2_and_the_replicas_all_reduce_hide_behind_one_compute_window() -> None:
+    compute = 10**15 / (989.4e12 * 0.803)  # 1.26 s
+    nbytes = int(0.8 * compute * NIC)  # each dim's traffic alone fits in the compute, both together do not
+    comms = [
+        CommStat("dp", "all_gather", 8, 100, 8 * nbytes // 7, nbytes),
+        CommStat("dp_replicate", "all_reduce", 8, 100, 4 * nbytes // 7, nbytes),
+    ]
+    est = dataclasses.replace(staged(pp=1, m=1), comms=comms, dp_replicate=8, dp=64)
+    speed = predict(est, Cluster(H100))
+    total = sum(speed.comm[d] for d in ("dp", "dp_replicate"))
+    edges = speed.comm["dp"] / 100 + speed.comm["dp_replicate"] / 100
+    exposed = speed.seconds["dp exposed"] + speed.seconds["dp_replicate exposed"]
+    assert exposed == pytest.approx(edges + (total - edges - compute))
