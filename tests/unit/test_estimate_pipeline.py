@@ -6,11 +6,13 @@ and a sweep across nodes on a stand-in simulation (no simulation for the sweep).
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from torch.distributed.pipelining.schedules import _get_warmup_ops
 from transformers import DeepseekV3Config
 
+from hf_tp.cli.estimate import main
 from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.candidates import Layout
 from hf_tp.estimate.counters import CommStat, Work
@@ -25,7 +27,7 @@ from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
 from hf_tp.estimate.sweep import sweep
 from hf_tp.gpus import get_gpu
 from tests.helpers import tiny_config
-from tests.unit.test_estimate import tiny_llama
+from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
 
 H100 = get_gpu("h100-sxm")
 NIC = 400e9 / 8 * 0.80
@@ -186,3 +188,12 @@ def test_fsdp2_and_the_replicas_all_reduce_hide_behind_one_compute_window() -> N
     edges = speed.comm["dp"] / 100 + speed.comm["dp_replicate"] / 100
     exposed = speed.seconds["dp exposed"] + speed.seconds["dp_replicate exposed"]
     assert exposed == pytest.approx(edges + (total - edges - compute))
+
+
+def test_cli_estimates_one_pipeline_layout_and_leaves_pp_to_the_sweep(tiny_dir, capsys) -> None:  # noqa: F811
+    args = ["--model", str(tiny_dir), "--seq-len", "64", "--dtype", "fp32", "--pp", "2", "--microbatches", "2"]
+    assert main([*args, "--batch-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["pp"], out["microbatches"], out["stage_layers"], out["in_flight"], out["world_size"]) == (2, 2, 1, 2, 2)
+    assert main([*args, "--world-size", "4"]) == 2
+    assert "the --gpu-memory/--world-size sweep chooses them itself" in capsys.readouterr().err
