@@ -1,8 +1,10 @@
 """Predict published training runs with ``hf-tp estimate --gpu`` and print the comparison table.
 
 Each row is a run whose layout and throughput were published (source URL in the row); hf_tp
-simulates its nearest layout (hf_tp has no pipeline or context parallelism, float8 or
-torch.compile in the model) on the named GPU and predicts tokens/s per GPU. The published figures
+simulates its nearest layout (hf_tp's estimate has no float8, torch.compile or async TP, and its
+pipeline layouts no expert parallelism yet) on the named GPU and predicts tokens/s per GPU; pipeline
+rows (10-12) go through :func:`hf_tp.estimate.layouts.estimate_layout` (the busiest stage simulated,
+the schedule by arithmetic). The published figures
 are inputs typed from their sources; the predictions are computed here. Offline, CPU only:
 
     python scripts/estimate_published_runs.py            # every row (a few minutes on 2 cores)
@@ -15,8 +17,10 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from hf_tp.estimate.api import GiB, estimate
+from hf_tp.estimate.api import GiB
 from hf_tp.estimate.configs import resolve_model_config
+from hf_tp.estimate.layouts import estimate_layout
+from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import Cluster, predict
 from hf_tp.gpus import get_gpu
 
@@ -39,8 +43,12 @@ class Run:
     tp: int
     dp: int
     seq_len: int
-    batch_size: int
+    batch_size: int  # rows per dp rank per step (all its micro-batches)
     activation_checkpointing: bool
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    microbatches: int = 1
 
 
 RUNS = [
@@ -64,15 +72,26 @@ RUNS = [
     Run("NeMo AutoModel Llama3 70B, 64 H100", AUTOMODEL,
         "FSDP 32 x CP 2, micro-batch 1, seq 8192, TE kernels, FSDP2 prefetch", 866.77,
         "llama-3.1-70b", "h100-sxm", 2, 32, 8192, 1, True),
+    Run("torchtitan Llama 3.1 405B, 512 H100, 1F1B", TITAN_H100,
+        "FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, seq 8192, full AC, compile + float8 + async TP", 100,
+        "llama-3.1-405b", "h100-sxm", 8, 8, 8192, 32, True, 8, "1f1b", 1, 32),
+    Run("torchtitan Llama 3.1 405B, 512 H100, Interleaved 1F1B", TITAN_H100,
+        "FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, local batch 32, seq 8192, full AC, compile + float8 + async TP", 128,
+        "llama-3.1-405b", "h100-sxm", 8, 8, 8192, 32, True, 8, "interleaved1f1b", 2, 32),
+    Run("NeMo AutoModel DeepSeek-V3, 256 H100", AUTOMODEL,
+        "PP 4 x VP 8 x EP 64 x FSDP 64, MBS 1, LBS 8, seq 4096, TE + DeepEP, balanced gate", 1_002,
+        "deepseek-v3", "h100-sxm", 1, 64, 4096, 8, True, 4, "interleaved1f1b", 8, 8),
 ]  # fmt: skip
 
 
 def predict_run(run: Run) -> tuple[float, float, float, float, float]:
     """(predicted tokens/s per GPU, MFU, exposed comm share, peak GiB, simulation seconds) of ``run``."""
     config, name = resolve_model_config(run.model)
-    est = estimate(
-        config, run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, model_name=name
-    )
+    spec = EstimateSpec(
+        run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, pp=run.pp,
+        pp_schedule=run.pp_schedule, pp_virtual_stages=run.pp_virtual_stages, microbatches=run.microbatches,
+    )  # fmt: skip
+    est = estimate_layout(config, spec, name)
     speed = predict(est, Cluster(get_gpu(run.gpu)))
     return speed.tokens_per_second_per_gpu, speed.mfu, speed.exposed_comm_share, est.peak.total / GiB, est.seconds
 
@@ -89,7 +108,12 @@ def main() -> None:
         if args.only and i not in args.only:
             continue
         tokens, mfu, exposed, peak, _ = predict_run(run)
-        layout = f"tp {run.tp} x dp {run.dp}, {run.seq_len} x {run.batch_size}, {'AC' if run.activation_checkpointing else 'no AC'}"
+        pp = ""
+        if run.pp > 1:
+            v = f" x V {run.pp_virtual_stages}" if run.pp_virtual_stages > 1 else ""
+            pp = f"pp {run.pp}{v} ({run.pp_schedule}, {run.microbatches} micro-batches) x "
+        ac = "AC" if run.activation_checkpointing else "no AC"
+        layout = f"{pp}tp {run.tp} x dp {run.dp}, {run.seq_len} x {run.batch_size}, {ac}"
         print(
             f"| {i} | {run.label} | {run.published} | {layout} | {run.tokens_per_second:,.0f} | {tokens:,.0f} "
             f"| {tokens / run.tokens_per_second:.2f} | {mfu:.1%} | {exposed:.0%} | {peak:.1f} | {run.source} |",

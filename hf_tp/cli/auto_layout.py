@@ -1,13 +1,18 @@
-"""``hf-tp train --layout auto``: tp, dp and activation checkpointing chosen for a number of ranks, before launch.
+"""``hf-tp train --layout auto``: tp, dp, pipeline stages, HSDP and activation checkpointing chosen for a
+number of ranks, before launch.
 
 With ``--gpu NAME`` the estimate's sweep on that GPU (:func:`hf_tp.estimate.sweep.sweep`, the per-rank
 batch kept at ``--batch-size``; ``--cp``, ``--ep`` and LoRA as given) picks the fastest layout that
 fits, printed with its predicted peak memory and tokens/s and the runner-up; the prediction is
-logged next to the measured tokens/s in metrics.jsonl. Without ``--gpu`` (a CPU run, or no plan
-wanted) nothing is predicted: the largest tp the model's heads and widths allow that divides the
-ranks, the rest dp. The chosen layout is written into the run's settings (``--layout manual`` with
-its --tp and --dp, the prediction in ``predicted_speed`` and ``predicted_mfu``), so the
-ranks, config.yaml and a resume see it as given.
+logged next to the measured tokens/s in metrics.jsonl. Across nodes the sweep also tries HSDP
+(``--dp-replicate``) and pipeline layouts (``--pp`` with 1F1B or Interleaved 1F1B, ``--microbatches``
+splitting ``--batch-size``), unless the run uses what ``--pp`` does not combine with yet (--compile,
+a preference objective, a trained vision tower) or what the estimate does not model with pp yet
+(cp, ep). Without ``--gpu`` (a CPU run, or no plan wanted) nothing is predicted: the largest
+tp the model's heads and widths allow that divides the ranks, the rest dp. The chosen layout is
+written into the run's settings (``--layout manual`` with its --tp, --dp, --pp, --pp-schedule,
+--pp-virtual-stages, --microbatches and --dp-replicate, the prediction in ``predicted_speed`` and
+``predicted_mfu``), so the ranks, config.yaml and a resume see it as given.
 """
 
 from __future__ import annotations
@@ -32,10 +37,20 @@ class Choice:
     peak_gib: float | None = None
     tokens_per_sec_per_gpu: float | None = None
     mfu: float | None = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    microbatches: int | None = None
+    dp_replicate: int = 1
 
     def describe(self) -> str:
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        text = f"tp {self.tp}{cp} x dp {self.dp}" + (
+        pp = ""
+        if self.pp > 1:
+            v = f" x {self.pp_virtual_stages} stages per rank" if self.pp_virtual_stages > 1 else ""
+            pp = f"pp {self.pp} ({self.pp_schedule}{v}, {self.microbatches} micro-batches) x "
+        hsdp = f" (HSDP: {self.dp_replicate} replicas)" if self.dp_replicate > 1 else ""
+        text = f"{pp}tp {self.tp}{cp} x dp {self.dp}{hsdp}" + (
             ", activation checkpointing" if self.activation_checkpointing else ""
         )
         if self.tokens_per_sec_per_gpu is None:
@@ -85,9 +100,25 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
         cfg.ep, cfg.lora_r, cfg.lora_target_modules, cfg.cp,
     )  # fmt: skip
     # the layouts estimated from short runs, the two it prints then simulated at every layer
-    result = sweep(model_config, world, spec, progress=say, cluster=Cluster(get_gpu(cfg.gpu)), grow=False, verified=2)
+    cluster = Cluster(get_gpu(cfg.gpu))
+    result = sweep(
+        model_config, world, spec, progress=say, cluster=cluster, grow=False, verified=2, pp_schedules=_schedules(cfg)
+    )
     ranked = [
-        Choice(e.tp, e.dp, e.cp, e.activation_checkpointing, e.peak.total / 2**30, s.tokens_per_second_per_gpu, s.mfu)
+        Choice(
+            e.tp,
+            e.dp,
+            e.cp,
+            e.activation_checkpointing,
+            e.peak.total / 2**30,
+            s.tokens_per_second_per_gpu,
+            s.mfu,
+            e.pp,
+            e.pp_schedule,
+            e.pp_virtual_stages,
+            e.microbatches if e.pp > 1 else None,
+            e.dp_replicate,
+        )  # fmt: skip
         for e, s in result.ranking()
     ]
     if not ranked:
@@ -99,6 +130,15 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
     return ranked[0], (ranked[1] if len(ranked) > 1 else None)
 
 
+def _schedules(cfg: TrainConfig) -> tuple[str, ...]:
+    """The pipeline schedules the sweep tries for ``cfg``'s run: none where ``--pp`` does not combine
+    with it yet (:mod:`hf_tp.train.pipeline_settings`) or the estimate does not model it (pp with cp
+    or ep: :mod:`hf_tp.estimate.candidates`)."""
+    if cfg.cp > 1 or cfg.ep > 1 or cfg.compile or cfg.objective != "sft" or cfg.train_vision_tower:
+        return ()
+    return ("1f1b", "interleaved1f1b")
+
+
 def apply(cfg: TrainConfig, choice: Choice, world: int) -> TrainConfig:
     """``cfg`` with the chosen layout, as if given by hand, and the prediction to log."""
     tokens = None if choice.tokens_per_sec_per_gpu is None else choice.tokens_per_sec_per_gpu * world
@@ -107,6 +147,11 @@ def apply(cfg: TrainConfig, choice: Choice, world: int) -> TrainConfig:
         tp=choice.tp,
         dp=choice.dp,
         activation_checkpointing=choice.activation_checkpointing,
+        pp=choice.pp,
+        pp_schedule=choice.pp_schedule,
+        pp_virtual_stages=choice.pp_virtual_stages,
+        microbatches=choice.microbatches,
+        dp_replicate=choice.dp_replicate,
         layout="manual",
         gpu=None,
         world=None,

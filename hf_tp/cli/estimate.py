@@ -21,11 +21,13 @@ EPILOG = """examples:
   hf-tp estimate --model llama-3.1-70b --gpu h100-sxm --world-size 64 --seq-len 8192
   hf-tp estimate --model llama-3.1-70b --tp 8 --dp 1 --seq-len 4096 --lora-r 16
   hf-tp estimate --model llama-3.1-8b --gpu h100-sxm --world-size 16 --cp 2 --seq-len 32768
+  hf-tp estimate --model llama-3.1-405b --pp 8 --tp 8 --dp 8 --microbatches 16 --batch-size 16 --seq-len 8192 --gpu h100-sxm
 
 --gpu predicts step time, tokens/s per GPU and MFU (docs/estimate.md: the model, its published
 constants and how it compares with published runs); with --world-size it ranks the layouts that
 fit that GPU by predicted tokens/s, doubling the per-rank --batch-size (up to 8x) where memory
-allows; --cp, --ep and --lora-r stay fixed in a sweep.
+allows; --cp, --ep and --lora-r stay fixed in a sweep; across nodes it also tries HSDP and pipeline
+layouts (docs/scale.md).
 
 --ep simulates expert parallelism with balanced routing (every expert gets the same number of
 rows): real routing is uneven, and a hot rank's all-to-all can be larger.
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="HSDP: dp = R replicas x an FSDP2 shard group of dp/R ranks (state sharded over dp/R only); divides dp",
     )
+    add_pipeline_arguments(p)
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument(
         "--batch-size",
@@ -95,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_INTER_NODE_GBPS,
         help=f"network bandwidth per GPU across nodes in Gb/s, one direction (default {DEFAULT_INTER_NODE_GBPS:g})",
     )
+    _add_depth_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _add_depth_arguments(p: argparse.ArgumentParser) -> None:
+    """``--fast`` / ``--full``: how many decoder layers each estimate simulates."""
     depth = p.add_mutually_exclusive_group()
     depth.add_argument(
         "--fast",
@@ -104,7 +113,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     depth.add_argument(
         "--full", action="store_true", help="a sweep: simulate every layer of every layout (one layout's default)"
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    """One layout's pipeline flags, as ``hf-tp train`` takes them."""
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (decoder layers cut as hf-tp train --pp cuts them)"
+    )
+    p.add_argument(
+        "--pp-schedule", default="1f1b", help="with --pp: 1f1b, gpipe, interleaved1f1b or loopedbfs (as hf-tp train)"
+    )
+    p.add_argument(
+        "--pp-virtual-stages", type=int, default=1, help="with --pp: stages per rank (interleaved schedules)"
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="with --pp: micro-batches a dp rank's --batch-size splits into (default pp)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
                 "--objective dpo's frozen reference copy is counted for one layout (--tp/--dp), not in the "
                 "--gpu-memory/--world-size sweep yet; give one layout, or --lora-r / --precompute-ref (no copy)"
             )
-        if args.dp_replicate != 1:
+        if args.dp_replicate != 1 or args.pp != 1:
             raise ValueError(
-                "--dp-replicate sizes one layout; the --gpu-memory/--world-size sweep does not try HSDP yet"
+                "--dp-replicate and --pp size one layout: the --gpu-memory/--world-size sweep chooses them itself "
+                "(with --gpu, across nodes); drop them"
             )
         gpu = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
         world = args.world_size if args.world_size is not None else spec.world_size
@@ -180,6 +208,10 @@ def spec_of(args: argparse.Namespace):
         lora_target_modules=args.lora_target_modules,
         cp=args.cp,
         dp_replicate=args.dp_replicate,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        pp_virtual_stages=args.pp_virtual_stages,
+        microbatches=args.microbatches or args.pp,
     )
 
 

@@ -102,17 +102,26 @@ class Estimate:
     # the decoder-layer counts simulated when the estimate was extended from short runs to the model's
     # depth (hf_tp.estimate.depth); empty: every layer simulated
     extended_from: tuple[int, ...] = ()
+    # pipeline parallelism (hf_tp.estimate.pipeline): the busiest rank's stage(s) over a whole step
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    microbatches: int = 1
+    stage_layers: int = 0  # decoder layers on the simulated rank (0: all, no pipeline)
+    in_flight: float = 1.0  # micro-batches whose saved activations that rank holds at once
+    routing_pass: bool = False  # a MoE's aux loss under pp: one no-grad forward first
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.pp * self.tp * self.cp * self.dp
 
     @property
     def spec(self) -> EstimateSpec:
         """The layout and shape this estimate simulated (another batch or split: ``est.spec.replace(...)``)."""
         return EstimateSpec(
             self.tp, self.dp, self.seq_len, self.batch_size, self.dtype, self.activation_checkpointing, self.ep,
-            self.lora_r, self.lora_target_modules or "all-linear", self.cp, self.dp_replicate,
+            self.lora_r, self.lora_target_modules or "all-linear", self.cp, self.dp_replicate, self.pp,
+            self.pp_schedule, self.pp_virtual_stages, self.microbatches,
         )  # fmt: skip
 
     def sent_bytes(self, dim: str) -> int:
@@ -158,6 +167,10 @@ def simulate_spec(
 ) -> tuple[Estimate, dict[SegmentKey, MemoryBreakdown]]:
     """:func:`estimate_spec` and the step's memory by segment (:mod:`hf_tp.estimate.segments`)."""
     validate(config, spec)
+    if spec.pp > 1:
+        raise ValueError(
+            "estimate_spec simulates one stage's layout: estimate pp > 1 with hf_tp.estimate.estimate_layout"
+        )
     config = _checked_for_training(config, spec.lora_r, spec.lora_target_modules)
     start = time.perf_counter()
     with simulation(spec.world_size):

@@ -1,13 +1,13 @@
-"""Plain-text tables for the terminal: an estimate's memory and collectives, a sweep's splits, one
-layout's predicted speed and a sweep's ranking by it."""
+"""Plain-text tables for the terminal: an estimate's memory and collectives and a sweep's splits (one
+layout's predicted speed and a sweep's ranking by it: :mod:`hf_tp.estimate.report_speed`)."""
 
 from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.memory import BALANCED_NOTE_LINES
+from hf_tp.estimate.report_speed import _layout_cells, _layout_columns, _layout_header, format_ranking, format_speed
 from hf_tp.estimate.spec import GiB, MiB
-from hf_tp.estimate.speed import Cluster, Speed
-from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits, headroom, layout_name
+from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits
 
 _CATEGORIES = (
     ("parameters", "parameters"),
@@ -43,14 +43,21 @@ def describe(est: Estimate) -> str:
     ep = f", ep={est.ep} (of dp's ranks)" if est.ep > 1 else ""
     if est.dp_replicate > 1:
         ep += f", HSDP: {est.dp_replicate} replicas x {est.dp // est.dp_replicate} ranks sharding the state"
+    if est.pp > 1:
+        v = f" x {est.pp_virtual_stages} stages per rank" if est.pp_virtual_stages > 1 else ""
+        ep += (
+            f", pp={est.pp}{v} ({est.pp_schedule}, {est.microbatches} micro-batches; the busiest rank: "
+            f"{est.stage_layers} decoder layers, {est.in_flight:g} micro-batches in flight)"
+        )
     lora = ""
     if est.lora_r:
         lora = (
             f", LoRA r={est.lora_r} on {est.lora_target_modules} ({_params(est.trainable_params)} trainable; "
             f"frozen base in {est.dtype})"
         )
+    pp = f"pp={est.pp} x " if est.pp > 1 else ""
     return (
-        f"{describe_model(est)}, tp={est.tp}{f' x cp={est.cp}' if est.cp > 1 else ''} x dp={est.dp} "
+        f"{describe_model(est)}, {pp}tp={est.tp}{f' x cp={est.cp}' if est.cp > 1 else ''} x dp={est.dp} "
         f"({est.world_size} ranks){ep}, seq {est.seq_len} x batch {est.batch_size} per dp rank, {est.dtype}, {ac}"
         f"{lora}"
     )
@@ -98,6 +105,16 @@ def format_estimate(est: Estimate) -> str:
     else:
         lines.append("collectives per step: none (a single rank)")
     lines += format_moe(est)
+    if est.pp > 1:
+        lines += [
+            "",
+            f"Pipeline: one rank of the busiest stage over the whole step ({est.microbatches} micro-batches of "
+            f"{est.batch_size // est.microbatches} row(s)): simulated with its {est.stage_layers} decoder layers, the",
+            "embedding and the lm_head (a bound: each sits on one stage only), one micro-batch; the peak adds the "
+            f"saved activations of {est.in_flight:g} micro-batches in flight in all ({est.pp_schedule}, the first rank's count)",
+            "or the last stage's loss on a micro-batch's whole logits, whichever is larger;",
+            "collectives and work per step: each micro-batch's, times the micro-batches (the optimizer once).",
+        ]
     if est.tower_params or est.projector_params:
         lines += format_images(est)
     lines += [
@@ -158,19 +175,19 @@ def format_sweep(result: Sweep) -> str:
         + (f"; GPU memory {gpu / GiB:.1f} GiB" if gpu else "")
     )
     lines.append("")
-    header = (
-        f"{'tp':>4}{'dp':>5}{'batch':>6}{'peak GiB':>10}{'params':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}"
-    )
-    header += f"{'TP sent/step GiB':>18}{'DP sent/step GiB':>18}"
+    pp_col, hsdp_col = _layout_columns(result.estimates)
+    header = _layout_header(pp_col, hsdp_col) + f"{'tp':>4}{'dp':>5}{'batch':>6}{'peak GiB':>10}{'params':>9}"
+    header += f"{'grads':>8}{'optim':>8}{'activ':>8}{'temp':>8}{'TP sent/step GiB':>18}{'DP sent/step GiB':>18}"
     header += f"{'CP sent/step GiB':>18}" if result.cp > 1 else ""
     header += f"{'EP sent/step GiB':>18}" if result.ep > 1 else ""
     header += f"{'fits':>6}" if gpu else ""
     lines.append(header)
     for e in result.estimates:
         p = e.peak
-        row = f"{e.tp:>4}{e.dp:>5}{e.batch_size:>6}{p.total / GiB:>10.2f}{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}"
-        row += f"{p.optimizer / GiB:>8.2f}{p.activations / GiB:>8.2f}{(p.temporary + p.other) / GiB:>8.2f}"
-        row += f"{e.sent_bytes('tp') / GiB:>18.2f}{(e.sent_bytes('dp') + e.sent_bytes('dp_out')) / GiB:>18.2f}"
+        row = _layout_cells(e, pp_col, hsdp_col) + f"{e.tp:>4}{e.dp:>5}{e.batch_size:>6}{p.total / GiB:>10.2f}"
+        row += f"{p.parameters / GiB:>9.2f}{p.gradients / GiB:>8.2f}{p.optimizer / GiB:>8.2f}{p.activations / GiB:>8.2f}{(p.temporary + p.other) / GiB:>8.2f}"
+        dp_sent = sum(e.sent_bytes(d) for d in ("dp", "dp_out", "dp_replicate", "dp_all"))
+        row += f"{e.sent_bytes('tp') / GiB:>18.2f}{dp_sent / GiB:>18.2f}"
         row += f"{e.sent_bytes('cp') / GiB:>18.2f}" if result.cp > 1 else ""
         row += f"{e.sent_bytes('ep') / GiB:>18.2f}" if result.ep > 1 else ""
         if gpu:
@@ -223,98 +240,12 @@ def _depths(result: Sweep) -> list[str]:
     return [f"{len(short)} of {len(result.estimates)} layouts from {extended(short[0])}{whole}."]
 
 
-_PARTS = {"matmul": "matmuls", "attention": "attention (flash, causal)", "memory": "memory-bound kernels"}
-TOP = 5
-
-
-def _label(part: str, est: Estimate) -> str:
-    if part == "attention" and est.cp > 1:
-        return "attention (masked, every score)"
-    if part in _PARTS:
-        return _PARTS[part]
-    dim = part.split()[0]
-    return f"{dim} collectives exposed"
-
-
-def describe_cluster(cluster: Cluster, world_size: int) -> str:
-    g = cluster.gpu
-    nodes = max(1, -(-world_size // g.gpus_per_node))
-    return f"{world_size} x {g.name} ({nodes} node(s) of {g.gpus_per_node}, {cluster.inter_node_gbps:g} Gb/s per GPU across)"
-
-
-def footnotes(speed: Speed) -> list[str]:
-    return [f"  [{i}] {line}" for i, line in enumerate(speed.assumptions, 1)]
-
-
-def format_speed(est: Estimate, speed: Speed, cluster: Cluster) -> str:
-    """One layout's predicted step time, its parts, tokens/s per GPU and MFU, with the footnote."""
-    lines = [f"predicted speed on {describe_cluster(cluster, est.world_size)}:"]
-    lines.append(f"  {'step time':<34}{speed.step_seconds * 1e3:>10.1f} ms")
-    for part, seconds in speed.seconds.items():
-        share = seconds / speed.step_seconds if speed.step_seconds else 0.0
-        extra = ""
-        if part.endswith("exposed"):
-            dim = part.split()[0]
-            extra = f"   (all {dim} collectives: {speed.comm.get(dim, 0.0) * 1e3:.1f} ms)"
-        lines.append(f"    {_label(part, est):<32}{seconds * 1e3:>10.1f} ms {share:>6.1%}{extra}")
-    lines.append(f"  {'tokens/s per GPU':<34}{speed.tokens_per_second_per_gpu:>10,.0f}")
-    lines.append(f"  {'MFU':<34}{speed.mfu:>10.1%}")
-    lines.append(f"  {'exposed communication':<34}{speed.exposed_comm_share:>10.1%} of the step")
-    lines.append("assumptions:")
-    lines += footnotes(speed)
-    return "\n".join(lines)
-
-
-def _why(est: Estimate, speed: Speed, gpu_memory: int) -> str:
-    exposed = {p.split()[0]: s / speed.step_seconds for p, s in speed.seconds.items() if p.endswith("exposed") and s}
-    comm = ", ".join(f"{dim} {share:.0%}" for dim, share in sorted(exposed.items(), key=lambda kv: -kv[1]))
-    ac = ", recomputes each layer" if est.activation_checkpointing else ""
-    return (
-        f"{headroom(est, gpu_memory):.1f} GiB headroom{ac}; {speed.exposed_comm_share:.0%} of the step waits on "
-        f"communication{' (' + comm + ')' if comm else ''}; compute {speed.compute_seconds * 1e3:.0f} ms"
-    )
-
-
-def format_ranking(result: Sweep) -> str:
-    """The layouts that fit, fastest first (the top few with why), and the footnote."""
-    ranked = result.ranking()
-    cluster, gpu = result.cluster, result.gpu_memory
-    if cluster is None or gpu is None:
-        return ""
-    lines = [
-        f"ranked by predicted tokens/s per GPU on {describe_cluster(cluster, result.world_size)}, "
-        f"{gpu / GiB:.1f} GiB each:"
-    ]
-    if not ranked:
-        return "\n".join(lines + ["  no layout fits (see above)"])
-    cp = result.cp > 1
-    header = f"{'#':>3}{'tp':>4}" + (f"{'cp':>4}" if cp else "") + f"{'dp':>5}{'batch':>6}{'AC':>4}"
-    header += f"{'tok/s/GPU':>11}{'MFU':>7}{'step ms':>9}{'compute':>9}{'TP exp':>8}"
-    header += (f"{'CP exp':>8}" if cp else "") + f"{'DP exp':>8}{'EP exp':>8}{'peak GiB':>10}{'headroom':>10}"
-    lines.append(header)
-    for i, (e, s) in enumerate(ranked, 1):
-        exp = {d: s.seconds.get(f"{d} exposed", 0.0) * 1e3 for d in ("tp", "cp", "dp", "ep")}
-        exp["dp"] += s.seconds.get("dp_out exposed", 0.0) * 1e3
-        row = f"{i:>3}{e.tp:>4}" + (f"{e.cp:>4}" if cp else "") + f"{e.dp:>5}{e.batch_size:>6}"
-        row += f"{'yes' if e.activation_checkpointing else 'no':>4}"
-        row += f"{s.tokens_per_second_per_gpu:>11,.0f}{s.mfu:>7.1%}{s.step_seconds * 1e3:>9.0f}"
-        row += f"{s.compute_seconds * 1e3:>9.0f}{exp['tp']:>8.0f}" + (f"{exp['cp']:>8.0f}" if cp else "")
-        row += f"{exp['dp']:>8.0f}{exp['ep']:>8.0f}{e.peak.total / GiB:>10.1f}{headroom(e, gpu):>10.1f}"
-        lines.append(row)
-    lines.append(
-        "(ms per step; batch = sequences per dp rank; exp = collectives on the critical path; "
-        "headroom = GPU memory left after the margins)"
-    )
-    for i, (e, s) in enumerate(ranked[:TOP], 1):
-        lines.append(f"  #{i} {layout_name(e)}, batch {e.batch_size}: {_why(e, s, gpu)}")
-    lines += [f"  not simulated: {note}" for note in result.skipped]
-    best, speed = ranked[0]
-    ac = " --activation-checkpointing" if best.activation_checkpointing else ""
-    lines.append(
-        f"Fastest that fits: --tp {best.tp}{f' --cp {best.cp}' if cp else ''} --dp {best.dp} --batch-size "
-        f"{best.batch_size}{ac}: {speed.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {speed.mfu:.1%}, "
-        f"step {speed.step_seconds:.2f} s."
-    )
-    lines.append("assumptions:")
-    lines += footnotes(speed)
-    return "\n".join(lines)
+__all__ = [
+    "describe",
+    "describe_model",
+    "format_estimate",
+    "format_moe",
+    "format_ranking",
+    "format_speed",
+    "format_sweep",
+]

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from hf_tp.adapters import wrapper
 from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.layout import LAYOUT_DIMS, check_cp_rows, check_layout, check_positive
+from hf_tp.pipeline_checks import check_pipeline
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
 DTYPES = ("bf16", "fp32")
@@ -50,8 +52,10 @@ class EstimateSpec:
     ``batch_size`` is sequences per dp rank. ``ep`` > 1 (mixture-of-experts models) splits each MoE
     layer's experts over ep of the dp (x cp) ranks; ``cp`` > 1 splits each row's tokens over cp
     ranks; ``dp_replicate`` > 1 is HSDP (the state sharded over the dp / dp_replicate ranks of a
-    replica). ``lora_r`` > 0 is a ``--lora-r`` run on ``lora_target_modules``. The field order is
-    :func:`hf_tp.estimate.estimate`'s positional order.
+    replica). ``lora_r`` > 0 is a ``--lora-r`` run on ``lora_target_modules``. ``pp`` > 1 cuts the
+    decoder layers into pipeline stages run by ``pp_schedule`` (``pp_virtual_stages`` stages per
+    rank), a dp rank's ``batch_size`` rows split into ``microbatches`` (:mod:`hf_tp.estimate.pipeline`).
+    The field order is :func:`hf_tp.estimate.estimate`'s positional order.
     """
 
     tp: int
@@ -65,10 +69,14 @@ class EstimateSpec:
     lora_target_modules: str = "all-linear"
     cp: int = 1
     dp_replicate: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    microbatches: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.pp * self.tp * self.cp * self.dp
 
     def replace(self, **changes) -> EstimateSpec:
         """This spec with ``changes`` (another split, batch or activation checkpointing)."""
@@ -89,6 +97,28 @@ def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
     if num_experts(config) and (refusal := moe_estimate_refusal(spec.dtype)):
         raise UnsupportedRelease(refusal)
     check_cp_rows(spec.seq_len, spec.tp, spec.cp)
+    check_pipeline_spec(config, spec)
+
+
+def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
+    """The pipeline settings as ``hf-tp train --pp`` checks them (:func:`hf_tp.pipeline_checks.check_pipeline`,
+    the rows split evenly into micro-batches, the combinations it refuses); the model's own cut
+    (tied embeddings, wrappers) is checked where the stages are cut (:mod:`hf_tp.estimate.pipeline`)."""
+    check_positive("pp", spec.pp)
+    if spec.pp == 1:
+        if (spec.microbatches, spec.pp_virtual_stages, spec.pp_schedule) != (1, 1, "1f1b"):
+            raise ValueError("microbatches, pp_schedule and pp_virtual_stages are pipeline settings: set pp > 1")
+        return
+    layers = (wrapper.text_config_of(config) or config).num_hidden_layers
+    check_pipeline(spec.pp, spec.pp_schedule, spec.microbatches, spec.pp_virtual_stages, layers)
+    if spec.batch_size % spec.microbatches:
+        raise ValueError(
+            f"batch_size ({spec.batch_size}) must be a multiple of microbatches ({spec.microbatches}): each "
+            "pipeline micro-batch takes an equal share of a dp rank's rows"
+        )
+    for name in ("cp", "ep"):
+        if getattr(spec, name) > 1:
+            raise ValueError(f"pp does not combine with {name} yet (as hf-tp train --pp): drop one")
 
 
 _UNITS = {

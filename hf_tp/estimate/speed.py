@@ -13,8 +13,14 @@ collectives of :class:`hf_tp.estimate.counters.CommStat`):
   per GPU / the GPU's peak, so an estimate's MFU and a run's metrics.jsonl ``mfu`` compare;
 - exposed: tensor-parallel, context-parallel, expert-parallel and norm collectives sit on the
   critical path; FSDP's
-  (dp) all-gathers and reduce-scatters hide behind compute except the first all-gather and the
-  last reduce-scatter, and except what is longer than the compute itself.
+  (dp) all-gathers and reduce-scatters (and HSDP's all-reduce across replicas) hide behind compute
+  except the first all-gather and the last reduction, and except what all of them together take
+  beyond the compute itself;
+- pipeline parallelism (``pp`` > 1, the busiest rank's whole step: :mod:`hf_tp.estimate.layouts`):
+  each micro-batch's boundary send and receive is exposed (over the network when a stage's ranks
+  fill a node or more: pp is the outermost mesh dim), and the rank idles for the bubble, ``(pp - 1)
+  / (V x M)`` of its busy time (compute and exposed tp/cp/ep/pp collectives): a bubble of ``(pp -
+  1) / (V x M + pp - 1)`` of the step (V = 1 for 1F1B and GPipe).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.pipeline import bubble_fraction
 from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY, mfu
 
 # NCCL's own cost model (src/graph/tuning.cc), ring algorithm, Simple protocol (large messages):
@@ -32,6 +39,8 @@ STEP_LATENCY = {"NVLink": 3.4e-6, "PCIe": 5.7e-6, "net": 14e-6}
 CAUSAL_FRACTION = 0.5  # a causal flash kernel skips the masked half of the score matrix
 # FSDP2's collectives run on their own stream, prefetched (HSDP's all-reduce across replicas too)
 OVERLAPPED_DIMS = ("dp", "dp_out", "dp_replicate")
+COMPUTE_PARTS = ("matmul", "attention", "memory")
+BUBBLE = "pp bubble"  # the part of a pipeline step a rank waits idle
 
 
 @dataclass(frozen=True)
@@ -55,12 +64,16 @@ class Cluster:
         return self.gpu.link_bandwidth * self.gpu.link_efficiency
 
 
-def dim_stride(dim: str, tp: int, ep: int, dp_shard: int = 1) -> int:
+def dim_stride(dim: str, tp: int, ep: int, dp_shard: int = 1, stage: int = 1) -> int:
     """Rank distance between neighbours of a mesh dim: the (dp_out, ep, tp) / (dp, tp) / (dp, cp,
     tp) / (dp_replicate, dp_shard, tp) meshes keep tp innermost, so tp groups are consecutive
     ranks and dp's (FSDP2's dp x cp with cp, its shard group with HSDP), ep's and cp's are tp
-    apart; HSDP's replicas are tp x dp_shard apart (across nodes once a replica fills one)."""
-    strides = {"tp": 1, "cp": tp, "dp": tp, "dp_all": tp, "ep": tp, "dp_out": tp * ep, "dp_replicate": tp * dp_shard}
+    apart; HSDP's replicas are tp x dp_shard apart (across nodes once a replica fills one);
+    pipeline stages (pp, outermost) a stage's ``stage`` ranks apart."""
+    strides = {
+        "tp": 1, "cp": tp, "dp": tp, "dp_all": tp, "ep": tp, "dp_out": tp * ep, "dp_replicate": tp * dp_shard,
+        "pp": stage,
+    }  # fmt: skip
     return strides.get(dim, 1)
 
 
@@ -78,7 +91,10 @@ def collective_seconds(stat: CommStat, per_node: int, cluster: Cluster) -> float
     steps = 2 * (n - 1) if stat.collective == "all_reduce" else n - 1
     inter_steps = 0 if nodes == 1 else (2 if stat.collective == "all_reduce" else 1) * (nodes - 1)
     latency = BASE_LATENCY + (steps - inter_steps) * STEP_LATENCY[hop.split()[0]] + inter_steps * STEP_LATENCY["net"]
-    if stat.collective == "all_to_all":
+    if stat.collective == "send_recv":  # point to point, to the next stage's rank (or from it)
+        latency = BASE_LATENCY + STEP_LATENCY["net" if nodes > 1 else hop.split()[0]]
+        transfer = stat.sent_bytes / (cluster.net_bandwidth if nodes > 1 else cluster.link_bandwidth)
+    elif stat.collective == "all_to_all":
         latency = BASE_LATENCY + STEP_LATENCY["net" if nodes > 1 else hop.split()[0]]
         cross = stat.sent_bytes * (n - per_node) / (n - 1)
         transfer = max((stat.sent_bytes - cross) / cluster.link_bandwidth, cross / cluster.net_bandwidth)
@@ -109,12 +125,18 @@ class Speed:
 
     @property
     def compute_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if not k.endswith("exposed"))
+        return sum(v for k, v in self.seconds.items() if k in COMPUTE_PARTS)
 
     @property
     def exposed_comm_share(self) -> float:
         """Fraction of the step spent waiting on communication."""
-        return 1 - self.compute_seconds / self.step_seconds if self.step_seconds else 0.0
+        exposed = sum(v for k, v in self.seconds.items() if k.endswith("exposed"))
+        return exposed / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def bubble_share(self) -> float:
+        """Fraction of the step a pipeline rank waits idle (0 without pp)."""
+        return self.seconds.get(BUBBLE, 0.0) / self.step_seconds if self.step_seconds else 0.0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "compute_seconds": self.compute_seconds, "exposed_comm_share": self.exposed_comm_share}
@@ -141,29 +163,39 @@ def attention_fraction(est: Estimate) -> float:
 
 
 def tokens_per_gpu(est: Estimate) -> float:
-    """Tokens one GPU processes per step: a dp rank's rows, shared by its cp x tp ranks."""
-    return est.batch_size * est.seq_len / (est.tp * est.cp)
+    """Tokens one GPU processes per step: a dp rank's rows, shared by its pp x cp x tp ranks."""
+    return est.batch_size * est.seq_len / (est.tp * est.cp * est.pp)
 
 
 def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]:
     """Per mesh dim, per collective: seconds of all of its calls in one step."""
     out: dict[str, dict[str, float]] = {}
     for stat in est.comms:
-        stride = dim_stride(stat.dim, est.tp, est.ep, est.dp // est.dp_replicate)
+        stride = dim_stride(stat.dim, est.tp, est.ep, est.dp // est.dp_replicate, est.tp * est.cp * est.dp)
         per_node = members_per_node(stat.group_size, stride, cluster.gpu.gpus_per_node)
         out.setdefault(stat.dim, {})[stat.collective] = collective_seconds(stat, per_node, cluster)
     return out
 
 
-def fsdp_exposed(times: dict[str, float], counts: dict[str, int], compute: float) -> float:
-    """FSDP's exposed communication: the first all-gather (nothing to hide it behind yet), the last
-    reduce-scatter (the step waits for it before the optimizer), and whatever of the rest is longer
-    than the compute it overlaps."""
+def fsdp_edges(times: dict[str, float], counts: dict[str, int]) -> tuple[float, float]:
+    """(the first all-gather and the last reduction, the rest) of one dim's overlapped collectives."""
     first = times.get("all_gather", 0.0) / max(counts.get("all_gather", 1), 1)
     last_key = "reduce_scatter" if "reduce_scatter" in times else "all_reduce"
     last = times.get(last_key, 0.0) / max(counts.get(last_key, 1), 1)
-    rest = sum(times.values()) - first - last
-    return first + last + max(0.0, rest - compute)
+    return first + last, sum(times.values()) - first - last
+
+
+def overlapped_exposed(est: Estimate, comm: dict[str, dict[str, float]], compute: float) -> dict[str, float]:
+    """Each overlapped dim's exposed time: its edges (:func:`fsdp_edges`) and its share of what all
+    of them together take beyond the compute (FSDP2's gathers and reductions and HSDP's all-reduce
+    across replicas hide behind the same compute, not each behind all of it)."""
+    parts = {}
+    for dim in (d for d in sorted(comm) if d in OVERLAPPED_DIMS):
+        counts = {c.collective: c.count for c in est.comms if c.dim == dim}
+        parts[dim] = fsdp_edges(comm[dim], counts)
+    rest = sum(r for _, r in parts.values())
+    excess = max(0.0, rest - compute)
+    return {dim: edges + (excess * r / rest if rest else 0.0) for dim, (edges, r) in parts.items()}
 
 
 def predict(est: Estimate, cluster: Cluster) -> Speed:
@@ -171,13 +203,15 @@ def predict(est: Estimate, cluster: Cluster) -> Speed:
     seconds = compute_seconds(est, cluster.gpu)
     compute = sum(seconds.values())
     comm = comm_seconds(est, cluster)
+    hidden = overlapped_exposed(est, comm, compute)
     for dim, times in sorted(comm.items()):
-        if dim in OVERLAPPED_DIMS:
-            counts = {c.collective: c.count for c in est.comms if c.dim == dim}
-            exposed = fsdp_exposed(times, counts, compute)
-        else:
-            exposed = sum(times.values())
-        seconds[f"{dim} exposed"] = exposed
+        seconds[f"{dim} exposed"] = hidden[dim] if dim in hidden else sum(times.values())
+    if est.pp > 1:
+        busy = sum(
+            t for k, t in seconds.items() if k in COMPUTE_PARTS or k.split()[0] not in (*OVERLAPPED_DIMS, "world")
+        )
+        bubble = bubble_fraction(est.pp, est.microbatches, est.pp_virtual_stages)
+        seconds[BUBBLE] = busy * bubble / (1 - bubble)
     step = sum(seconds.values())
     tokens = tokens_per_gpu(est)
     return Speed(
@@ -227,6 +261,18 @@ def layout_assumptions(est: Estimate, cluster: Cluster) -> list[str]:
             "and recompute and reduce-scatters dK/dV in backward, all on the critical path. Attention runs SDPA "
             "with a boolean mask of global positions, whose kernel computes every score (no causal skipping). "
             "FSDP2 shards over dp x cp: its collectives are listed as dp, group size dp x cp."
+        )
+    if est.pp > 1:
+        where = "the network" if est.tp * est.cp * est.dp >= cluster.gpu.gpus_per_node else "NVLink"
+        v = f" x {est.pp_virtual_stages} virtual stages" if est.pp_virtual_stages > 1 else ""
+        bubble = bubble_fraction(est.pp, est.microbatches, est.pp_virtual_stages)
+        out.append(
+            f"pp={est.pp}{v}, {est.pp_schedule}, {est.microbatches} micro-batches of {est.batch_size // est.microbatches} "
+            f"row(s): the busiest rank ({est.stage_layers} decoder layers, simulated with the embedding and lm_head "
+            f"both) runs each micro-batch; it idles {bubble:.1%} of the step (the bubble, (pp-1)/(V*M+pp-1)); "
+            f"each micro-batch's boundary activations and their gradients cross to the next stage over {where}, "
+            "exposed; FSDP2 gathers and reduce-scatters once per micro-batch, hidden behind the step's compute"
+            + ("; a routing pass (one no-grad forward) first for the MoE's aux loss." if est.routing_pass else ".")
         )
     if est.lora_r:
         out.append(

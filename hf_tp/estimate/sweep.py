@@ -22,127 +22,52 @@ tokens/s. Three dimensions besides the (tp, dp) split (``cp`` and ``ep`` stay as
   simulated peaks. A layout is not grown when even an unlimited batch could not beat the best one
   (its matmul and attention time per token alone is slower).
 
+On a named GPU the sweep also tries HSDP and pipeline layouts (:mod:`hf_tp.estimate.candidates`),
+each estimated from one simulated stage (:mod:`hf_tp.estimate.layouts`); layouts that simulate the
+same stage share one simulation (a cache keyed by the simulated config and shape).
+
 A sweep's result: the layouts it simulated, which of them fit a GPU's memory, and how the
 fitting ones rank by predicted speed (shared by the sweep, its speed search and the reports).
 
 Fast by default: each candidate layout is estimated from short runs of the model extended to its
-depth (:func:`estimate_candidate`, :mod:`hf_tp.estimate.depth`), and only the recommended layout is
-then simulated at every layer (:func:`verify_best`): the recommendation's memory is the full
-simulation's, and where that does not fit, the next layout is checked the same way.
+depth (:func:`estimate_candidate`, :mod:`hf_tp.estimate.depth`; a pipeline layout's stage alike),
+and only the recommended layout is then simulated at every layer (:func:`verify_best`): the
+recommendation's memory is the full simulation's, and where that does not fit, the next layout is
+checked the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, estimate_spec
+from hf_tp.estimate.candidates import (
+    MAX_BATCH_FACTOR,
+    SCHEDULES,
+    Layout,
+    describe_layout,
+    hsdp_layouts,
+    pipeline_layouts,
+)
 from hf_tp.estimate.depth import estimate_fast
-from hf_tp.estimate.spec import EstimateSpec, GiB, validate
-from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
+from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout
+from hf_tp.estimate.ranking import FRAGMENTATION, RANK_RULE, RESERVED_BYTES, RULE, Sweep, fits, headroom, usable_peak
+from hf_tp.estimate.search import (
+    BATCH_TRIES,
+    Progress,
+    _say,
+    compute_bound,
+    grow_batch,
+    next_batch,
+    simulate_splits,
+    speed_sweep,
+)
+from hf_tp.estimate.spec import EstimateSpec, validate
+from hf_tp.estimate.speed import Cluster
 from hf_tp.layout import row_multiple
-
-# What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers
-# and workspaces (RESERVED), and the caching allocator's rounding and fragmentation (a margin).
-RESERVED_BYTES = 1 * GiB
-FRAGMENTATION = 0.10
-
-RULE = (
-    "rule: the smallest tp that fits. TP's activation collectives sit on every layer's critical path "
-    "and grow with tokens; FSDP's parameter collectives overlap with compute. A split fits when "
-    f"peak x {1 + FRAGMENTATION:.2f} (allocator fragmentation) + {RESERVED_BYTES / GiB:.0f} GiB "
-    "(CUDA context, NCCL buffers) <= GPU memory."
-)
-
-RANK_RULE = (
-    "rank: predicted tokens/s per GPU among the layouts that fit (peak x 1.10 + 1 GiB <= GPU memory); "
-    "activation checkpointing only where a layout does not fit without it; the per-rank batch doubled "
-    "(up to 8x --batch-size) where the memory left allows."
-)
-
-
-def usable_peak(peak_bytes: float, gpu_memory: int) -> float:
-    """GPU memory left over a peak of ``peak_bytes`` after the margins of :data:`RULE` (negative: does not fit)."""
-    return gpu_memory - peak_bytes * (1 + FRAGMENTATION) - RESERVED_BYTES
-
-
-def fits(est: Estimate, gpu_memory: int) -> bool:
-    """Whether ``est``'s peak, with the margins of :data:`RULE`, fits in ``gpu_memory`` bytes."""
-    return usable_peak(est.peak.total, gpu_memory) >= 0
-
-
-def headroom(est: Estimate, gpu_memory: int) -> float:
-    """GiB of GPU memory left after ``est``'s peak and the margins."""
-    return usable_peak(est.peak.total, gpu_memory) / GiB
-
-
-@dataclass
-class Sweep:
-    """The estimates of every split of ``world_size`` GPUs and the recommended one (or None).
-
-    ``cp`` and ``ep`` are fixed for the whole sweep; with a ``cluster`` the per-rank batch varies
-    (each estimate carries its own ``batch_size``)."""
-
-    world_size: int
-    gpu_memory: int | None
-    ep: int = 1
-    estimates: list[Estimate] = field(default_factory=list)
-    recommended: Estimate | None = None
-    cluster: Cluster | None = None
-    skipped: list[str] = field(default_factory=list)  # layouts not simulated, and why
-    cp: int = 1
-
-    def ranking(self) -> list[tuple[Estimate, Speed]]:
-        """The estimates that fit with their predicted speed, fastest first (empty without a cluster)."""
-        if self.cluster is None or self.gpu_memory is None:
-            return []
-        fitting = [(e, predict(e, self.cluster)) for e in self.estimates if fits(e, self.gpu_memory)]
-        return sorted(fitting, key=lambda pair: -pair[1].tokens_per_second_per_gpu)
-
-    def best_speed(self) -> float:
-        """Predicted tokens/s per GPU of the fastest layout that fits so far (0 if none)."""
-        ranked = self.ranking()
-        return ranked[0][1].tokens_per_second_per_gpu if ranked else 0.0
-
-    def to_dict(self) -> dict:
-        speeds = {id(e): s for e, s in self.ranking()}
-        r = self.recommended
-        return {
-            "world_size": self.world_size,
-            "gpu_memory": self.gpu_memory,
-            "ep": self.ep,
-            "cp": self.cp,
-            "rule": RANK_RULE if self.cluster else RULE,
-            "gpu": None if self.cluster is None else self.cluster.gpu.to_dict(),
-            "inter_node_gbps": None if self.cluster is None else self.cluster.inter_node_gbps,
-            "estimates": [
-                {
-                    **e.to_dict(),
-                    "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory),
-                    "speed": speeds[id(e)].to_dict() if id(e) in speeds else None,
-                }
-                for e in self.estimates
-            ],
-            "skipped": self.skipped,
-            "recommended": None
-            if r is None
-            else {
-                "tp": r.tp,
-                "cp": r.cp,
-                "dp": r.dp,
-                "batch_size": r.batch_size,
-                "activation_checkpointing": r.activation_checkpointing,
-            },
-        }
-
-
-MAX_BATCH_FACTOR = 8
-BATCH_TRIES = 2
-
-Progress = Callable[[str], None] | None
 
 
 def candidate_splits(config: PretrainedConfig, world_size: int, ep: int = 1) -> list[tuple[int, int]]:
@@ -170,6 +95,8 @@ def sweep(
     progress: Callable[[str], None] | None = None,
     cluster: Cluster | None = None,
     grow: bool = True,
+    simulate: Simulate | None = None,
+    pp_schedules: tuple[str, ...] = SCHEDULES,
     fast: bool = True,
     verified: int = 1,
     **named,
@@ -184,9 +111,11 @@ def sweep(
     (:func:`speed_sweep`); otherwise the smallest tp that fits, at ``batch_size``. ``ep``
     and ``cp`` stay fixed: splits whose dp ep does not divide, or whose 2 x cp x tp does not divide
     ``seq_len``, are left out. ``grow=False`` keeps the batch as given (``hf-tp train --layout auto``).
+    With ``cluster`` HSDP and pipeline layouts (of ``pp_schedules``; none: ``()``) join the (tp, dp)
+    splits. ``simulate`` runs one stage's simulation (default: :func:`estimate_candidate`'s).
     ``progress`` gets one line before each simulation. ``fast`` estimates each layout from short
-    runs (:func:`estimate_candidate`), then simulates the best ``verified`` layouts in full
-    (:func:`verify_best`); ``fast=False`` simulates every layout at every layer."""
+    runs, then simulates the best ``verified`` layouts in full (:func:`verify_best`); ``fast=False``
+    simulates every layout at every layer."""
     spec = spec or EstimateSpec(tp=1, dp=1, **named)
     validate(config, spec.replace(tp=1, dp=spec.ep, dp_replicate=1))  # sizes, positions, ep and cp, once
     if cluster is not None:
@@ -194,12 +123,20 @@ def sweep(
         gpu_memory = gpu_memory or cluster.gpu.memory_bytes
     result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=spec.ep, cluster=cluster, cp=spec.cp)
     splits = cp_splits(config, world_size, spec.seq_len, spec.ep, spec.cp, result.skipped)
+    cache = SimulationCache(simulate or (estimate_fast if fast else estimate_spec))
 
     def run(**changes) -> Estimate:
-        return estimate_candidate(config, spec.replace(**changes), model_name, fast)
+        return estimate_layout(config, spec.replace(**changes), model_name, cache)
 
     if cluster is not None:
-        speed_sweep(result, splits, run, spec.activation_checkpointing, progress, grow)
+        node = cluster.gpu.gpus_per_node
+        plain = [Layout(tp, dp) for tp, dp in splits]
+        layouts = plain + hsdp_layouts(plain, node) if spec.cp == 1 and spec.ep == 1 else plain
+        stages = pipeline_layouts(
+            config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped, pp_schedules
+        )
+        layouts += stages + hsdp_layouts(stages, node)
+        speed_sweep(result, layouts, run, spec.activation_checkpointing, progress, grow)
     else:
         cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
         for i, (tp, dp) in enumerate(splits):
@@ -213,10 +150,11 @@ def sweep(
 def estimate_candidate(
     config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None, fast: bool = True
 ) -> Estimate:
-    """One candidate layout's estimate, the one call a sweep makes per layout it tries: from the model
-    cut to a few periods of its layers and extended to its depth (``fast``,
-    :func:`hf_tp.estimate.depth.estimate_fast`), or every layer simulated."""
-    return estimate_fast(config, spec, model_name) if fast else estimate_spec(config, spec, model_name)
+    """One layout's estimate as a sweep makes it (pp and HSDP by arithmetic on one simulated stage,
+    :func:`hf_tp.estimate.layouts.estimate_layout`): the stage from the model cut to a few periods of
+    its layers and extended to its depth (``fast``, :func:`hf_tp.estimate.depth.estimate_fast`), or
+    every layer simulated."""
+    return estimate_layout(config, spec, model_name, estimate_fast if fast else estimate_spec)
 
 
 def ordered(result: Sweep) -> list[Estimate]:
@@ -239,7 +177,7 @@ def verify_best(
             ac = ", activation checkpointing" if est.activation_checkpointing else ""
             _say(progress, f"simulating {layout_name(est)}{ac}, batch {est.batch_size}, at every layer (the best)")
             at = next(i for i, e in enumerate(result.estimates) if e is est)
-            result.estimates[at] = estimate_spec(config, est.spec, model_name)
+            result.estimates[at] = estimate_candidate(config, est.spec, model_name, fast=False)
     best = ordered(result)
     result.recommended = best[0] if best else None
 
@@ -277,102 +215,12 @@ def recommend(estimates: list[Estimate], gpu_memory: int | None) -> Estimate | N
 
 
 def layout_name(est: Estimate) -> str:
-    """``tp=2 x dp=4`` (``tp=2 x cp=2 x dp=4`` with context parallelism)."""
-    return f"tp={est.tp}{f' x cp={est.cp}' if est.cp > 1 else ''} x dp={est.dp}"
+    """``tp=2 x dp=4`` (``tp=2 x cp=2 x dp=4`` with context parallelism, pp's and HSDP's too)."""
+    return describe_layout(est)
 
 
-def speed_sweep(
-    result: Sweep,
-    splits: list[tuple[int, int]],
-    run: Callable[..., Estimate],
-    ac: bool,
-    progress: Progress,
-    grow: bool = True,
-) -> None:
-    """Simulate ``splits`` (largest tp first), grow the batch of those that fit (unless ``grow`` is
-    False), recommend the fastest."""
-    simulate_splits(result, splits, run, ac, progress)
-    for est, speed in list(result.ranking()) if grow else []:  # fastest first: the bound below prunes the most
-        bound = compute_bound(est, speed)
-        if bound <= result.best_speed():  # (the best layout's bound is above its own speed)
-            result.skipped.append(
-                f"{layout_name(est)} at a batch above {est.batch_size}: at most {bound:,.0f} tokens/s per GPU "
-                "(its matmul and attention time alone), below the best that fits"
-            )
-            continue
-        grow_batch(result, est, run, progress)
-    ranked = result.ranking()
-    result.recommended = ranked[0][0] if ranked else None
-
-
-def simulate_splits(
-    result: Sweep, splits: list[tuple[int, int]], run: Callable[..., Estimate], ac: bool, progress: Progress
-) -> None:
-    """Each split at the given batch, again with activation checkpointing where it does not fit
-    (unless its speed without recompute already loses); tp wider than a node left out."""
-    cluster, memory = result.cluster, result.gpu_memory
-    node = cluster.gpu.gpus_per_node
-    kept = [s for s in splits if s[0] <= node] or splits
-    cp = f" x cp={result.cp}" if result.cp > 1 else ""
-    result.skipped += [
-        f"tp={tp}{cp} x dp={dp}: a tp group wider than a node ({node} GPUs)"
-        for tp, dp in splits
-        if (tp, dp) not in kept
-    ]
-    for i, (tp, dp) in enumerate(reversed(kept)):
-        where = f"(split {i + 1} of {len(kept)})"
-        _say(progress, f"simulating tp={tp}{cp} x dp={dp}{', activation checkpointing' if ac else ''} {where}")
-        est = run(tp=tp, dp=dp, activation_checkpointing=ac)
-        result.estimates.append(est)
-        if ac or fits(est, memory):
-            continue
-        bound = predict(est, cluster).tokens_per_second_per_gpu
-        if result.ranking() and bound <= result.best_speed():
-            result.skipped.append(
-                f"{layout_name(est)} with activation checkpointing: at most {bound:,.0f} tokens/s per GPU "
-                f"(its speed without recompute), below the best that fits"
-            )
-            continue
-        _say(progress, f"simulating tp={tp}{cp} x dp={dp}, activation checkpointing {where}")
-        result.estimates.append(run(tp=tp, dp=dp, activation_checkpointing=True))
-
-
-def compute_bound(est: Estimate, speed: Speed) -> float:
-    """Tokens/s per GPU that ``est``'s layout cannot exceed at any batch: its matmul and attention
-    time per token does not shrink with the batch, and everything else only adds to it."""
-    busy = speed.seconds.get("matmul", 0.0) + speed.seconds.get("attention", 0.0)
-    return tokens_per_gpu(est) / busy if busy else float("inf")
-
-
-def grow_batch(result: Sweep, est: Estimate, run: Callable[..., Estimate], progress: Progress) -> None:
-    """Simulate ``est``'s layout at the largest doubled batch its memory allows (see the module
-    docstring); every simulated batch joins ``result``, fitting or not."""
-    memory, b0 = result.gpu_memory, est.batch_size
-    candidates = [b0 * 2**k for k in range(1, MAX_BATCH_FACTOR.bit_length())]
-    per_row = (est.peak.activations + est.peak.temporary) / b0  # first guess: bytes per added sequence
-    for _ in range(BATCH_TRIES):
-        target = next_batch(est, candidates, per_row, memory)
-        if target is None:
-            return
-        _say(
-            progress,
-            f"simulating {layout_name(est)}{', activation checkpointing' if est.activation_checkpointing else ''}, "
-            f"batch {target} ({headroom(est, memory):.1f} GiB left at batch {b0})",
-        )
-        grown = run(tp=est.tp, dp=est.dp, activation_checkpointing=est.activation_checkpointing, batch_size=target)
-        result.estimates.append(grown)
-        ok = fits(grown, memory)
-        candidates = [b for b in candidates if (b > target if ok else b < target)]
-        per_row = max(0.0, (grown.peak.total - est.peak.total) / (target - b0))
-
-
-def next_batch(est: Estimate, candidates: list[int], per_row: float, gpu_memory: int) -> int | None:
-    """The largest of ``candidates`` whose peak, ``est``'s plus ``per_row`` bytes per added
-    sequence, fits ``gpu_memory`` (None if none does)."""
-    fitting = [b for b in candidates if usable_peak(est.peak.total + (b - est.batch_size) * per_row, gpu_memory) >= 0]
-    return max(fitting, default=None)
-
-
-def _say(progress: Progress, message: str) -> None:
-    if progress is not None:
-        progress(message)
+__all__ = [
+    "BATCH_TRIES", "FRAGMENTATION", "MAX_BATCH_FACTOR", "RANK_RULE", "RESERVED_BYTES", "RULE", "Sweep",
+    "candidate_splits", "compute_bound", "cp_splits", "estimate_candidate", "fits", "grow_batch", "headroom", "layout_name", "next_batch",
+    "ordered", "recommend", "simulate_splits", "speed_sweep", "sweep", "usable_peak", "verify_best",
+]  # fmt: skip

@@ -91,7 +91,7 @@ class ConfigChecks:
             )
 
     def _validate_auto_layout(self) -> None:
-        """``--layout auto`` chooses tp and dp itself, of ``--world`` ranks (HSDP not among its choices);
+        """``--layout auto`` chooses tp, dp, pp and HSDP itself, of ``--world`` ranks;
         ``--gpu`` and ``--world`` mean nothing without it."""
         if self.layout not in LAYOUTS:
             raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
@@ -103,10 +103,12 @@ class ConfigChecks:
             if self.gpu is not None or self.world is not None:
                 raise ValueError("--gpu and --world choose a layout: add --layout auto (or drop them)")
             return
-        if self.dp_replicate > 1:
-            raise ValueError("--layout auto does not choose HSDP layouts: drop --dp-replicate or --layout auto")
-        if self.pp > 1:
-            raise ValueError("--layout auto does not choose pipeline layouts: drop --pp or --layout auto")
+        given = [f for f, on in (("--pp", self.pp > 1), ("--dp-replicate", self.dp_replicate > 1)) if on]
+        if given:
+            raise ValueError(
+                f"--layout auto chooses --pp and --dp-replicate itself (with --gpu, across nodes): drop {' and '.join(given)} "
+                "(or drop --layout auto)"
+            )
 
     def _validate_types(self) -> None:
         """Every field holds its type (a ``TrainConfig`` built in Python skips YAML's conversion),

@@ -176,7 +176,8 @@ ROWS = [
     Row(
         "layout-auto-with-pp",
         train("--layout", "auto", "--world", "4", "--pp", "2"),
-        E + r"--layout auto does not choose pipeline layouts: drop --pp or --layout auto",
+        E + r"--layout auto chooses --pp and --dp-replicate itself \(with --gpu, across nodes\): drop --pp "
+        r"\(or drop --layout auto\)",
     ),
     Row(
         "compile-with-recompute-under-tp",

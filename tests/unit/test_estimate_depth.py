@@ -80,11 +80,12 @@ def test_the_best_layout_is_simulated_at_every_layer_and_the_next_checked_where_
     full = {1: make(tp=1, dp=8, fixed_gib=90.0, matmul_flops=10**15), 2: make(tp=2, dp=4, matmul_flops=10**15)}
     calls = []
 
-    def simulate(config, spec, model_name=None):
+    def simulate(config, spec, model_name=None, fast=True):
+        assert not fast
         calls.append(spec.tp)
         return full[spec.tp]
 
-    monkeypatch.setattr(sweep_module, "estimate_spec", simulate)
+    monkeypatch.setattr(sweep_module, "estimate_candidate", simulate)
     result = Sweep(world_size=8, gpu_memory=80 * 2**30, cluster=Cluster(get_gpu("h100-sxm")), estimates=list(fast))
     lines: list[str] = []
     verify_best(result, None, "m", lines.append)

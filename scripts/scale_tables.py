@@ -1,0 +1,102 @@
+"""The tables of docs/scale.md: for each model, GPU and number of GPUs, the fastest layout the
+estimate predicts that fits (``hf-tp estimate --gpu G --world-size N``: tp, dp, HSDP and pipeline
+layouts), and the fastest of each kind, so the tables show when each pays off.
+
+Each (model, GPU, GPUs) is one sweep (:func:`hf_tp.estimate.sweep.sweep`, the per-rank batch grown
+up to 8x where memory allows, pipeline layouts at 8 x pp micro-batches). A row per sweep: the
+fastest layout that fits with the sweep's margins (peak x 1.10 + 1 GiB <= GPU memory), its
+tokens/s per GPU, MFU, peak and headroom, and the fastest plain FSDP2 (tp x dp), HSDP and pipeline
+layouts. "-" where no layout of that kind fits.
+
+    OMP_NUM_THREADS=1 python scripts/scale_tables.py > /tmp/scale.md            # every row (slow: full depth)
+    python scripts/scale_tables.py --models llama-3.1-70b --gpus h100-sxm --worlds 64
+    python scripts/scale_tables.py --simulate hf_tp.estimate.scaled:estimate_scaled   # another stage simulation
+
+``--simulate module:function`` runs each stage's simulation with another function of
+:data:`hf_tp.estimate.layouts.Simulate`'s signature (a depth-reduced one is much faster); the
+default simulates every decoder layer of the stage (hours for 405B and DeepSeek-V3 on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_tp.estimate.configs import resolve_model_config  # noqa: E402
+from hf_tp.estimate.report_speed import train_flags  # noqa: E402
+from hf_tp.estimate.spec import GiB  # noqa: E402
+from hf_tp.estimate.speed import Cluster  # noqa: E402
+from hf_tp.estimate.sweep import headroom, sweep  # noqa: E402
+from hf_tp.gpus import get_gpu  # noqa: E402
+
+MODELS = {"llama-3.1-70b": 8192, "llama-3.1-405b": 8192, "deepseek-v3": 4096}  # name -> seq_len
+GPUS = ("h100-sxm", "h200")
+WORLDS = (64, 128, 256, 512)
+KINDS = {
+    "FSDP2 (tp x dp)": lambda e: e.pp == 1 and e.dp_replicate == 1,
+    "HSDP": lambda e: e.pp == 1 and e.dp_replicate > 1,
+    "pipeline": lambda e: e.pp > 1,
+}
+
+
+def row(model: str, gpu: str, world: int, simulate, say) -> str:
+    """One markdown row: the sweep of ``model`` on ``world`` x ``gpu``."""
+    config, name = resolve_model_config(model)
+    start = time.perf_counter()
+    result = sweep(
+        config, world, seq_len=MODELS[model], batch_size=1, model_name=name, cluster=Cluster(get_gpu(gpu)),
+        simulate=simulate, progress=say,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    ranked = result.ranking()
+    best = {kind: next(((e, s) for e, s in ranked if keep(e)), None) for kind, keep in KINDS.items()}
+    cells = [model, gpu, str(world)]
+    if not ranked:
+        cells += ["none fits", "-", "-", "-", "-", "-"]
+    else:
+        e, s = ranked[0]
+        cells += [
+            f"`{train_flags(e)}`", f"{s.tokens_per_second_per_gpu:,.0f}", f"{s.mfu:.1%}",
+            f"{e.peak.total / GiB:.1f}", f"{headroom(e, result.gpu_memory):.1f}", f"{s.bubble_share:.0%}",
+        ]  # fmt: skip
+    cells += [f"{pair[1].tokens_per_second_per_gpu:,.0f}" if pair else "-" for pair in best.values()]
+    cells.append(f"{len(result.estimates)} layouts, {seconds:.0f} s")
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--gpus", nargs="*", default=list(GPUS))
+    p.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS))
+    p.add_argument("--simulate", help="module:function simulating one stage (default: every layer)")
+    args = p.parse_args()
+    simulate = None
+    if args.simulate:
+        module, _, function = args.simulate.partition(":")
+        simulate = getattr(importlib.import_module(module), function)
+    start = time.perf_counter()
+
+    def say(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    kinds = " | ".join(f"fastest {kind} tok/s/GPU" for kind in KINDS)
+    print(
+        "| model | GPU | GPUs | fastest layout that fits | tok/s/GPU | MFU | peak GiB | headroom GiB | bubble "
+        f"| {kinds} | sweep |"
+    )
+    print("|" + "---|" * (10 + len(KINDS)))
+    for model in args.models:
+        for gpu in args.gpus:
+            for world in args.worlds:
+                print(row(model, gpu, world, simulate, say), flush=True)
+    print(f"\n({time.perf_counter() - start:.0f} s on this machine's CPU)")
+
+
+if __name__ == "__main__":
+    main()
