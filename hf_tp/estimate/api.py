@@ -35,8 +35,17 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
-from hf_tp.estimate.memory import MemoryBreakdown, MoEStats, PeakMemTracker, RoutedRows, find_experts, moe_stats
-from hf_tp.estimate.segments import SegmentKey, SegmentTracker, decoder_layers
+from hf_tp.estimate.memory import (
+    MemoryBreakdown,
+    MoEStats,
+    PeakMemTracker,
+    RoutedRows,
+    SegmentKey,
+    SegmentTracker,
+    decoder_layers,
+    find_experts,
+    moe_stats,
+)
 from hf_tp.estimate.simulate import DataDependentBounds, expert_groups, functional_groups, mesh_and_groups, simulation
 from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
 from hf_tp.estimate.step import (
@@ -102,7 +111,7 @@ class Estimate:
     # the decoder-layer counts simulated when the estimate was extended from short runs to the model's
     # depth (hf_tp.estimate.depth); empty: every layer simulated
     extended_from: tuple[int, ...] = ()
-    # pipeline parallelism (hf_tp.estimate.pipeline): the busiest rank's stage(s) over a whole step
+    # pipeline parallelism (hf_tp.estimate.layouts): the busiest rank's stage(s) over a whole step
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -165,7 +174,7 @@ def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str 
 def simulate_spec(
     config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None
 ) -> tuple[Estimate, dict[SegmentKey, MemoryBreakdown]]:
-    """:func:`estimate_spec` and the step's memory by segment (:mod:`hf_tp.estimate.segments`)."""
+    """:func:`estimate_spec` and the step's memory by segment (:mod:`hf_tp.estimate.memory`)."""
     validate(config, spec)
     if spec.pp > 1:
         raise ValueError(

@@ -9,7 +9,7 @@ number of periods:
 - exact for what is a fixed part plus the same amount per period: parameters, gradients and
   optimizer state, every collective (count, bytes, bytes sent), FLOPs and bytes moved, the MoE
   figures, the state after the optimizer step;
-- the peak, from the step's memory by segment (:mod:`hf_tp.estimate.segments`). At any op of a
+- the peak, from the step's memory by segment (:mod:`hf_tp.estimate.memory`). At any op of a
   layer's forward or backward, what is live is a fixed part plus an amount per layer before or
   after it (saved activations, gradient shards) plus the sharded state (per layer of the model), so
   a segment's largest moment moves along a line with the depth, and with the layer's index. The
@@ -34,8 +34,7 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, simulate_spec
 from hf_tp.estimate.counters import CommStat
-from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.segments import SegmentKey
+from hf_tp.estimate.memory import MemoryBreakdown, SegmentKey
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.verify.shrink import layer_kinds
 

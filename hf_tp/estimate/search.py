@@ -1,15 +1,37 @@
 """The search a sweep on a named GPU runs (see :mod:`hf_tp.estimate.sweep`): every layout at the
-given batch, activation checkpointing where one does not fit, the batch grown into the memory left."""
+given batch, activation checkpointing where one does not fit, the batch grown into the memory left.
+
+The layouts a speed sweep tries besides the (tp, dp) splits: HSDP and pipeline parallelism.
+
+- HSDP (``dp_replicate``): where a stage's tp x dp ranks span several nodes, the FSDP2 shard group
+  fills one node (``gpus_per_node / tp`` ranks) and the replicas, one per node, all-reduce the
+  gradients across the network once per reduce-scatter, instead of FSDP2's gathers crossing it.
+- Pipeline parallelism (``pp``): 2, 4, 8 and 16 stages (powers of two dividing the world, each
+  stage at least one node, at most :data:`MAX_PP`), where ``hf-tp train --pp`` can cut the model
+  (no wrapper, as training refuses it; no cp or ep, which this estimate does not model with pp yet) into at least one layer
+  per stage. Two schedules: 1F1B, and Interleaved 1F1B with 2 stages per rank where the layers
+  allow. The micro-batch is the sweep's ``batch_size`` and a dp rank runs ``microbatches`` of them:
+  ``MAX_BATCH_FACTOR x pp`` (a step then holds as many rows over the world as a pp 1 layout at its
+  largest batch), or, with the batch fixed (``--layout auto``), the most micro-batches, a multiple
+  of pp, that split ``batch_size`` evenly. Under 1F1B more micro-batches cost no memory (a rank
+  holds at most pp in flight) and shrink the bubble.
+
+What a sweep finds: the layouts it simulated, which fit a GPU's memory (:func:`fits`, with the
+margins of :data:`RULE`) and how the fitting ones rank by predicted speed (:class:`Sweep`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
 
 from hf_tp.estimate.api import Estimate
-from hf_tp.estimate.candidates import MAX_BATCH_FACTOR, Layout, describe_layout, layout_of
-from hf_tp.estimate.ranking import Sweep, fits, headroom, usable_peak
-from hf_tp.estimate.speed import Speed, predict, tokens_per_gpu
+from hf_tp.estimate.layouts import stage_config, stage_plan
+from hf_tp.estimate.spec import EstimateSpec, GiB
+from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
 
 BATCH_TRIES = 2
 
@@ -154,3 +176,205 @@ def next_batch(est: Estimate, candidates: list[int], per_row: float, gpu_memory:
 def _say(progress: Progress, message: str) -> None:
     if progress is not None:
         progress(message)
+
+
+MAX_PP = 16
+MAX_BATCH_FACTOR = 8  # a sweep grows a dp rank's batch up to this x the given one
+SCHEDULES = ("1f1b", "interleaved1f1b")  # what a sweep tries (interleaved with 2 stages per rank)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout a sweep simulates (the spec's other fields stay)."""
+
+    tp: int
+    dp: int
+    pp: int = 1
+    dp_replicate: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    batch_size: int | None = None  # None: the sweep's
+
+    def changes(self) -> dict:
+        """tp, dp and the fields that differ from a plain (tp, dp) split's."""
+        plain = Layout(self.tp, self.dp)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in ("tp", "dp") or v != getattr(plain, k)}
+
+
+def layout_of(est: Estimate) -> Layout:
+    """The layout ``est`` was estimated at."""
+    return Layout(
+        est.tp, est.dp, est.pp, est.dp_replicate, est.microbatches, est.pp_schedule, est.pp_virtual_stages,
+        est.batch_size,
+    )  # fmt: skip
+
+
+def describe_layout(est: Estimate) -> str:
+    """``tp=2 x dp=4``, with ``cp=``, ``pp=`` (its schedule and micro-batches) and HSDP's split."""
+    pp = ""
+    if est.pp > 1:
+        v = f" x{est.pp_virtual_stages}" if est.pp_virtual_stages > 1 else ""
+        pp = f"pp={est.pp} ({est.pp_schedule}{v}, {est.microbatches} micro-batches) x "
+    cp = f" x cp={est.cp}" if est.cp > 1 else ""
+    dp = f"dp={est.dp}" + (f" (HSDP {est.dp_replicate} x {est.dp // est.dp_replicate})" if est.dp_replicate > 1 else "")
+    return f"{pp}tp={est.tp}{cp} x {dp}"
+
+
+def hsdp_layouts(layouts: list[Layout], gpus_per_node: int) -> list[Layout]:
+    """Each layout whose stage's tp x dp ranks span nodes, again as HSDP with a node-sized shard group."""
+    out = []
+    for lay in layouts:
+        shard = gpus_per_node // lay.tp if gpus_per_node % lay.tp == 0 else 0
+        if lay.dp_replicate == 1 and shard and lay.tp * lay.dp > gpus_per_node and lay.dp % shard == 0:
+            out.append(dataclasses.replace(lay, dp_replicate=lay.dp // shard))
+    return out
+
+
+def pipeline_layouts(
+    config: PretrainedConfig,
+    world: int,
+    spec: EstimateSpec,
+    gpus_per_node: int,
+    grow: bool,
+    splits_of,
+    skipped: list[str],
+    schedules: tuple[str, ...] = SCHEDULES,
+) -> list[Layout]:
+    """The pipeline layouts of ``world`` ranks (see the module docstring); ``splits_of(ranks)``
+    gives the (tp, dp) splits of a stage's ranks. Why none are tried goes to ``skipped``."""
+    sizes = [2**k for k in range(1, MAX_PP.bit_length()) if world % 2**k == 0 and world // 2**k >= gpus_per_node]
+    if not sizes or not schedules:
+        return []
+    if spec.cp > 1 or spec.ep > 1:
+        skipped.append("pipeline layouts: the estimate does not model --pp with --cp or --ep yet")
+        return []
+    try:
+        stage_plan(config, 1)  # the model's own refusals (wrappers, forwards that change the stream, ...)
+    except ValueError as exc:
+        skipped.append(f"pipeline layouts: {exc}")
+        return []
+    layers = config.num_hidden_layers
+    out = []
+    for pp in (p for p in sizes if p <= layers):
+        micro = _microbatches(pp, spec.batch_size, grow)
+        if micro is None:
+            skipped.append(
+                f"pp={pp}: --batch-size {spec.batch_size} does not split into a multiple of {pp} micro-batches"
+            )
+            continue
+        m, batch = micro
+        tried = [(s, 2 if s == "interleaved1f1b" else 1) for s in schedules if s == "1f1b" or 2 * pp <= layers]
+        tried = [(s, v) for s, v in tried if _cuttable(config, pp, v, skipped)]
+        for tp, dp in splits_of(world // pp):
+            for schedule, v in tried:
+                out.append(Layout(tp, dp, pp, 1, m, schedule, v, batch))
+    return out
+
+
+def _cuttable(config: PretrainedConfig, pp: int, virtual: int, skipped: list[str]) -> bool:
+    """Whether the busiest rank's layers of ``pp x virtual`` stages can be sized (noted in ``skipped`` if not)."""
+    plan = stage_plan(config, pp * virtual)
+    try:
+        stage_config(config, plan, plan.rank_layers(pp, plan.busiest_rank(pp)))
+    except ValueError as exc:
+        skipped.append(f"pp={pp} x {virtual} stages per rank: {exc}")
+        return False
+    return True
+
+
+def _microbatches(pp: int, batch: int, grow: bool) -> tuple[int, int] | None:
+    """(micro-batches, a dp rank's rows) of a pipeline layout, or None if ``batch`` cannot be split."""
+    if grow:
+        return MAX_BATCH_FACTOR * pp, MAX_BATCH_FACTOR * pp * batch
+    fitting = [m for m in range(pp, batch + 1, pp) if batch % m == 0]
+    return (max(fitting), batch) if fitting else None
+
+
+# What a real GPU needs beyond the tensors the estimate counts: the CUDA context, NCCL buffers
+# and workspaces (RESERVED), and the caching allocator's rounding and fragmentation (a margin).
+RESERVED_BYTES = 1 * GiB
+FRAGMENTATION = 0.10
+
+RULE = (
+    "rule: the smallest tp that fits. TP's activation collectives sit on every layer's critical path "
+    "and grow with tokens; FSDP's parameter collectives overlap with compute. A split fits when "
+    f"peak x {1 + FRAGMENTATION:.2f} (allocator fragmentation) + {RESERVED_BYTES / GiB:.0f} GiB "
+    "(CUDA context, NCCL buffers) <= GPU memory."
+)
+
+RANK_RULE = (
+    "rank: predicted tokens/s per GPU among the layouts that fit (peak x 1.10 + 1 GiB <= GPU memory); "
+    "activation checkpointing only where a layout does not fit without it; the per-rank batch doubled "
+    "(up to 8x --batch-size) where the memory left allows; across nodes also HSDP and pipeline layouts "
+    "(pp 2-16, 1F1B and Interleaved 1F1B, 8 x pp micro-batches of --batch-size rows)."
+)
+
+
+def usable_peak(peak_bytes: float, gpu_memory: int) -> float:
+    """GPU memory left over a peak of ``peak_bytes`` after the margins of :data:`RULE` (negative: does not fit)."""
+    return gpu_memory - peak_bytes * (1 + FRAGMENTATION) - RESERVED_BYTES
+
+
+def fits(est: Estimate, gpu_memory: int) -> bool:
+    """Whether ``est``'s peak, with the margins of :data:`RULE`, fits in ``gpu_memory`` bytes."""
+    return usable_peak(est.peak.total, gpu_memory) >= 0
+
+
+def headroom(est: Estimate, gpu_memory: int) -> float:
+    """GiB of GPU memory left after ``est``'s peak and the margins."""
+    return usable_peak(est.peak.total, gpu_memory) / GiB
+
+
+@dataclass
+class Sweep:
+    """The estimates of every split of ``world_size`` GPUs and the recommended one (or None).
+
+    ``cp`` and ``ep`` are fixed for the whole sweep; with a ``cluster`` the per-rank batch varies
+    (each estimate carries its own ``batch_size``)."""
+
+    world_size: int
+    gpu_memory: int | None
+    ep: int = 1
+    estimates: list[Estimate] = field(default_factory=list)
+    recommended: Estimate | None = None
+    cluster: Cluster | None = None
+    skipped: list[str] = field(default_factory=list)  # layouts not simulated, and why
+    cp: int = 1
+
+    def ranking(self) -> list[tuple[Estimate, Speed]]:
+        """The estimates that fit with their predicted speed, fastest first (empty without a cluster)."""
+        if self.cluster is None or self.gpu_memory is None:
+            return []
+        fitting = [(e, predict(e, self.cluster)) for e in self.estimates if fits(e, self.gpu_memory)]
+        return sorted(fitting, key=lambda pair: -pair[1].tokens_per_second_per_gpu)
+
+    def best_speed(self) -> float:
+        """Predicted tokens/s per GPU of the fastest layout that fits so far (0 if none)."""
+        ranked = self.ranking()
+        return ranked[0][1].tokens_per_second_per_gpu if ranked else 0.0
+
+    def to_dict(self) -> dict:
+        speeds = {id(e): s for e, s in self.ranking()}
+        r = self.recommended
+        return {
+            "world_size": self.world_size,
+            "gpu_memory": self.gpu_memory,
+            "ep": self.ep,
+            "cp": self.cp,
+            "rule": RANK_RULE if self.cluster else RULE,
+            "gpu": None if self.cluster is None else self.cluster.gpu.to_dict(),
+            "inter_node_gbps": None if self.cluster is None else self.cluster.inter_node_gbps,
+            "estimates": [
+                {
+                    **e.to_dict(),
+                    "fits": None if self.gpu_memory is None else fits(e, self.gpu_memory),
+                    "speed": speeds[id(e)].to_dict() if id(e) in speeds else None,
+                }
+                for e in self.estimates
+            ],
+            "skipped": self.skipped,
+            "recommended": None
+            if r is None
+            else {**layout_of(r).changes(), "cp": r.cp, "activation_checkpointing": r.activation_checkpointing},
+        }

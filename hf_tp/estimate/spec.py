@@ -54,7 +54,7 @@ class EstimateSpec:
     ranks; ``dp_replicate`` > 1 is HSDP (the state sharded over the dp / dp_replicate ranks of a
     replica). ``lora_r`` > 0 is a ``--lora-r`` run on ``lora_target_modules``. ``pp`` > 1 cuts the
     decoder layers into pipeline stages run by ``pp_schedule`` (``pp_virtual_stages`` stages per
-    rank), a dp rank's ``batch_size`` rows split into ``microbatches`` (:mod:`hf_tp.estimate.pipeline`).
+    rank), a dp rank's ``batch_size`` rows split into ``microbatches`` (:mod:`hf_tp.estimate.layouts`).
     The field order is :func:`hf_tp.estimate.estimate`'s positional order.
     """
 
@@ -103,7 +103,7 @@ def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
 def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
     """The pipeline settings as ``hf-tp train --pp`` checks them (:func:`hf_tp.pipeline_checks.check_pipeline`,
     the rows split evenly into micro-batches, the combinations it refuses); the model's own cut
-    (tied embeddings, wrappers) is checked where the stages are cut (:mod:`hf_tp.estimate.pipeline`)."""
+    (tied embeddings, wrappers) is checked where the stages are cut (:mod:`hf_tp.estimate.layouts`)."""
     check_positive("pp", spec.pp)
     if spec.pp == 1:
         if (spec.microbatches, spec.pp_virtual_stages, spec.pp_schedule) != (1, 1, "1f1b"):

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.counters import CommStat
-from hf_tp.estimate.pipeline import bubble_fraction
+from hf_tp.estimate.layouts import bubble_fraction
 from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY, mfu
 
 # NCCL's own cost model (src/graph/tuning.cc), ring algorithm, Simple protocol (large messages):

@@ -22,7 +22,7 @@ tokens/s. Three dimensions besides the (tp, dp) split (``cp`` and ``ep`` stay as
   simulated peaks. A layout is not grown when even an unlimited batch could not beat the best one
   (its matmul and attention time per token alone is slower).
 
-On a named GPU the sweep also tries HSDP and pipeline layouts (:mod:`hf_tp.estimate.candidates`),
+On a named GPU the sweep also tries HSDP and pipeline layouts (:mod:`hf_tp.estimate.search`),
 each estimated from one simulated stage (:mod:`hf_tp.estimate.layouts`); layouts that simulate the
 same stage share one simulation (a cache keyed by the simulated config and shape).
 
@@ -44,26 +44,31 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, estimate_spec
-from hf_tp.estimate.candidates import (
-    MAX_BATCH_FACTOR,
-    SCHEDULES,
-    Layout,
-    describe_layout,
-    hsdp_layouts,
-    pipeline_layouts,
-)
 from hf_tp.estimate.depth import estimate_fast
 from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout
-from hf_tp.estimate.ranking import FRAGMENTATION, RANK_RULE, RESERVED_BYTES, RULE, Sweep, fits, headroom, usable_peak
 from hf_tp.estimate.search import (
     BATCH_TRIES,
+    FRAGMENTATION,
+    MAX_BATCH_FACTOR,
+    RANK_RULE,
+    RESERVED_BYTES,
+    RULE,
+    SCHEDULES,
+    Layout,
     Progress,
+    Sweep,
     _say,
     compute_bound,
+    describe_layout,
+    fits,
     grow_batch,
+    headroom,
+    hsdp_layouts,
     next_batch,
+    pipeline_layouts,
     simulate_splits,
     speed_sweep,
+    usable_peak,
 )
 from hf_tp.estimate.spec import EstimateSpec, validate
 from hf_tp.estimate.speed import Cluster

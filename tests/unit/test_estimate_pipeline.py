@@ -14,14 +14,18 @@ from transformers import DeepseekV3Config
 
 from hf_tp.cli.estimate import main
 from hf_tp.estimate.api import Estimate, GiB, estimate
-from hf_tp.estimate.candidates import Layout
 from hf_tp.estimate.counters import CommStat, Work
-from hf_tp.estimate.layouts import SimulationCache, estimate_layout
+from hf_tp.estimate.layouts import (
+    SimulationCache,
+    bubble_fraction,
+    estimate_layout,
+    in_flight,
+    stage_config,
+    stage_plan,
+)
 from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.pipeline import bubble_fraction, in_flight, stage_config, stage_plan
-from hf_tp.estimate.ranking import Sweep
 from hf_tp.estimate.report import format_ranking
-from hf_tp.estimate.search import hsdp_pruned
+from hf_tp.estimate.search import Layout, Sweep, hsdp_pruned
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
 from hf_tp.estimate.sweep import sweep
