@@ -8,13 +8,16 @@ fastest layout that fits with the sweep's margins (peak x 1.10 + 1 GiB <= GPU me
 tokens/s per GPU, MFU, peak and headroom, and the fastest plain FSDP2 (tp x dp), HSDP and pipeline
 layouts. "-" where no layout of that kind fits.
 
-    OMP_NUM_THREADS=1 python scripts/scale_tables.py > /tmp/scale.md            # every row (slow: full depth)
+    OMP_NUM_THREADS=1 python scripts/scale_tables.py > /tmp/scale.md            # every row
     python scripts/scale_tables.py --models llama-3.1-70b --gpus h100-sxm --worlds 64
-    python scripts/scale_tables.py --simulate hf_tp.estimate.scaled:estimate_scaled   # another stage simulation
+    python scripts/scale_tables.py --verified 1          # each row's best also simulated at every layer
 
-``--simulate module:function`` runs each stage's simulation with another function of
-:data:`hf_tp.estimate.layouts.Simulate`'s signature (a depth-reduced one is much faster); the
-default simulates every decoder layer of the stage (hours for 405B and DeepSeek-V3 on 2 cores).
+Each layout's stage is estimated from short runs extended to its depth (``hf-tp estimate``'s fast
+estimate, :mod:`hf_tp.estimate.depth`: equal to the every-layer simulation to the byte on the cases
+of docs/estimate.md); ``--verified N`` simulates each sweep's best N at every layer as ``hf-tp
+estimate --gpu`` does (hours for 405B and DeepSeek-V3 on 2 cores), ``--simulate module:function``
+runs each stage's simulation with another function of :data:`hf_tp.estimate.layouts.Simulate`'s
+signature (``hf_tp.estimate.api:estimate_spec``: every layer of every layout).
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ KINDS = {
 }
 
 
-def row(model: str, gpu: str, world: int, simulate, say) -> str:
+def row(model: str, gpu: str, world: int, simulate, say, verified: int = 0) -> str:
     """One markdown row: the sweep of ``model`` on ``world`` x ``gpu``."""
     config, name = resolve_model_config(model)
     start = time.perf_counter()
     result = sweep(
         config, world, seq_len=MODELS[model], batch_size=1, model_name=name, cluster=Cluster(get_gpu(gpu)),
-        simulate=simulate, progress=say,
+        simulate=simulate, progress=say, verified=verified,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     ranked = result.ranking()
@@ -74,7 +77,8 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--gpus", nargs="*", default=list(GPUS))
     p.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS))
-    p.add_argument("--simulate", help="module:function simulating one stage (default: every layer)")
+    p.add_argument("--simulate", help="module:function simulating one stage (default: the fast estimate)")
+    p.add_argument("--verified", type=int, default=0, help="each sweep's best N also simulated at every layer")
     args = p.parse_args()
     simulate = None
     if args.simulate:
@@ -94,7 +98,7 @@ def main() -> None:
     for model in args.models:
         for gpu in args.gpus:
             for world in args.worlds:
-                print(row(model, gpu, world, simulate, say), flush=True)
+                print(row(model, gpu, world, simulate, say, args.verified), flush=True)
     print(f"\n({time.perf_counter() - start:.0f} s on this machine's CPU)")
 
 
