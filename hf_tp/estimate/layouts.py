@@ -60,10 +60,12 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter, wrapper
 from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
+from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
+from hf_tp.pipeline_checks import V_SHAPED
 from hf_tp.train.metrics import unrouted_expert_params
 from hf_tp.verify.shrink import layer_kinds
 
@@ -155,16 +157,9 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     m, v = spec.microbatches, spec.pp_virtual_stages
     held = in_flight(spec.pp_schedule, spec.pp, m, v)
     rows = spec.batch_size // m
-    logits = rows * spec.seq_len * config.vocab_size // spec.tp
-    last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
-    at_last = (last - 1) * est.peak.activations + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
-    extra = int(max((held - 1) * est.peak.activations, at_last))
-    peak = dataclasses.replace(est.peak, activations=est.peak.activations + extra)
     world = spec.world_size
     comms = [
-        _stat("world", c.collective, world, c.count, c.bytes)
-        if c.dim == "world"
-        else CommStat(c.dim, c.collective, c.group_size, c.count * m, c.bytes * m, c.sent_bytes * m)
+        _stat("world", c.collective, world, c.count, c.bytes) if c.dim == "world" else _per_step(c, spec)
         for c in est.comms
     ]
     message = rows * spec.seq_len * config.hidden_size * BYTES[spec.dtype] // (spec.tp * spec.cp)
@@ -173,7 +168,7 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     routing = plan.aux_loss
     return dataclasses.replace(
         est,
-        peak=peak,
+        peak=_stage_peak(est, spec, config, held),
         comms=comms,
         work=_per_step_work(est.work, m, routing),
         num_params=plan.num_params,
@@ -188,6 +183,45 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
         routing_pass=routing,
         trainable_params=est.trainable_params * plan.num_params // max(est.num_params, 1),
     )
+
+
+def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
+    """One micro-batch's collective ``c`` over a pipeline step: FSDP2's reduce-scatter (and HSDP's
+    all-reduce of it) once, at the step's end (:mod:`hf_tp.parallel.pipeline_fsdp`); its all-gathers
+    once per micro-batch's forward and backward, plus the schedule's shape pass (one micro-batch
+    more), or once per step where a V-shaped schedule keeps the gathered weights; the rest per
+    micro-batch."""
+    fsdp2 = (c.dim, c.collective) in (("dp", "reduce_scatter"), ("dp_replicate", "all_reduce"), ("dp", "all_gather"))
+    if not fsdp2:
+        times = spec.microbatches
+    elif c.collective == "all_gather":
+        times = 1 if spec.pp_schedule in V_SHAPED else spec.microbatches + 1
+    else:
+        times = 1
+    return CommStat(c.dim, c.collective, c.group_size, c.count * times, c.bytes * times, c.sent_bytes * times)
+
+
+def _stage_peak(est: Estimate, spec: EstimateSpec, config: PretrainedConfig, held: float) -> MemoryBreakdown:
+    """The busiest rank's peak over a step (the module docstring): the larger of the first rank's
+    in-flight micro-batches before its first backward, the last rank's with their logits, and either
+    rank once its first backward has run, when it holds the stage's unsharded gradients (in fp32:
+    FSDP2 accumulates them in its reduce dtype, hf_tp's fp32) to the step's end with the micro-batches
+    still in flight then; a V-shaped schedule also holds the stage's gathered weights through the step."""
+    m, v, act = spec.microbatches, spec.pp_virtual_stages, est.peak.activations
+    logits = spec.batch_size // m * spec.seq_len * config.vocab_size // spec.tp
+    last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
+    at_last = (last - 1) * act + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
+    before = dataclasses.replace(est.peak, activations=act + int(max((held - 1) * act, at_last)))
+    after = max(1.0, min(held, (m * v - 1) / v))  # in flight at a later backward (with the one it runs)
+    grads = est.trainable_params // spec.tp * 4
+    weights = est.num_params // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
+    during = dataclasses.replace(
+        est.peak,
+        activations=act + int((after - 1) * act),
+        gradients=max(est.peak.gradients, grads),
+        other=est.peak.other + weights,
+    )
+    return max(before, during, key=lambda peak: peak.total)
 
 
 def _per_step_work(work: Work | None, microbatches: int, routing: bool) -> Work | None:

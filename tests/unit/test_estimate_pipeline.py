@@ -96,16 +96,29 @@ def test_a_pipeline_layout_is_its_busiest_stage_times_the_schedule() -> None:
     stage = next(iter(cache.runs.values()))  # 2 layers, 1 row, the stage's 2 dp ranks
     assert (stage.batch_size, stage.dp, stage.world_size) == (1, 2, 2) and one.world_size == 4
     act, logits = stage.peak.activations, 64 * 8000  # the last stage's loss on whole logits
-    assert one.peak.activations == act + max(act, logits * 16) and one.in_flight == 2  # min(pp, M) on rank 0
-    assert gpipe.peak.activations == act + 3 * act + logits * (4 * 8 + 8)  # every micro-batch, on both ranks
+    rest = stage.peak.total - act - stage.peak.gradients
+    grads = stage.trainable_params * 4  # the stage's unsharded fp32 gradients, held from its first backward
+    assert grads > stage.peak.gradients and one.in_flight == 2  # min(pp, M) on rank 0
+    # before the first backward (2 micro-batches, or the last rank's with its logits), or after it
+    # with the gradients and still 2 micro-batches in flight (GPipe: 3)
+    assert one.peak.total == rest + max(act + max(act, logits * 16), 2 * act + grads)
+    assert gpipe.peak.total == rest + max(4 * act + logits * (4 * 8 + 8), 3 * act + grads)
     assert one.peak.parameters == stage.peak.parameters and one.state == stage.state
     sent = {(c.dim, c.collective): c for c in one.comms}
-    for c in stage.comms:  # every collective of a micro-batch, once per micro-batch
-        assert (sent[(c.dim, c.collective)].count, sent[(c.dim, c.collective)].bytes) == (4 * c.count, 4 * c.bytes)
+    times = {("dp", "reduce_scatter"): 1, ("dp", "all_gather"): 5}  # FSDP2 reduces once; gathers + shape pass
+    for c in stage.comms:  # every other collective of a micro-batch, once per micro-batch
+        n = times.get((c.dim, c.collective), 4)
+        assert (sent[(c.dim, c.collective)].count, sent[(c.dim, c.collective)].bytes) == (n * c.count, n * c.bytes)
     p2p = sent[("pp", "send_recv")]  # 4 micro-batches' 64 x 256 fp32 hidden states out, their gradients back
     assert (p2p.count, p2p.bytes) == (8, 8 * 64 * 256 * 4)
     assert one.num_params == estimate(config, 1, 1, 64, 1, "fp32").num_params  # the whole model's
     assert one.work.matmul_flops == 4 * stage.work.matmul_flops
+    hsdp = estimate_layout(
+        config, spec.replace(dp_replicate=2, dp=4), None, lambda c, s, n: cache(c, s.replace(dp=2, dp_replicate=1), n)
+    )
+    replicas = next(c for c in hsdp.comms if c.dim == "dp_replicate")
+    scatter = next(c for c in stage.comms if c.collective == "reduce_scatter")
+    assert (replicas.count, replicas.bytes) == (scatter.count, scatter.bytes // 2)  # once per step too
 
 
 def test_hsdp_from_its_shard_groups_simulation_equals_hsdp_simulated() -> None:
