@@ -117,8 +117,9 @@ def format_estimate(est: Estimate) -> str:
             f"{est.batch_size // est.microbatches} row(s)): simulated with its {est.stage_layers} decoder layers, the",
             "embedding and the lm_head (a bound: each sits on one stage only), one micro-batch; the peak adds the "
             f"saved activations of {est.in_flight:g} micro-batches in flight in all ({est.pp_schedule}, the first rank's count)",
-            "or the last stage's loss on a micro-batch's whole logits, whichever is larger;",
-            "collectives and work per step: each micro-batch's, times the micro-batches (the optimizer once).",
+            "or the last stage's loss on a micro-batch's whole logits, or the stage's unsharded gradients held from",
+            "its first backward to the step's end, whichever is largest; collectives and work per step: each",
+            "micro-batch's, times the micro-batches (the optimizer and FSDP2's reduce-scatter once).",
         ]
     if est.tower_params or est.projector_params:
         lines += format_images(est)

@@ -177,11 +177,13 @@ def comm_seconds(est: Estimate, cluster: Cluster) -> dict[str, dict[str, float]]
     return out
 
 
-def fsdp_edges(times: dict[str, float], counts: dict[str, int]) -> tuple[float, float]:
-    """(the first all-gather and the last reduction, the rest) of one dim's overlapped collectives."""
+def fsdp_edges(times: dict[str, float], counts: dict[str, int], at_end: bool = False) -> tuple[float, float]:
+    """(the first all-gather and the last reduction, the rest) of one dim's overlapped collectives;
+    ``at_end``: every reduction is a last one (a pipeline stage's FSDP2 reduces its whole gradients
+    after the schedule's step, with no compute left to hide them)."""
     first = times.get("all_gather", 0.0) / max(counts.get("all_gather", 1), 1)
     last_key = "reduce_scatter" if "reduce_scatter" in times else "all_reduce"
-    last = times.get(last_key, 0.0) / max(counts.get(last_key, 1), 1)
+    last = times.get(last_key, 0.0) / (1 if at_end else max(counts.get(last_key, 1), 1))
     return first + last, sum(times.values()) - first - last
 
 
@@ -192,7 +194,7 @@ def overlapped_exposed(est: Estimate, comm: dict[str, dict[str, float]], compute
     parts = {}
     for dim in (d for d in sorted(comm) if d in OVERLAPPED_DIMS):
         counts = {c.collective: c.count for c in est.comms if c.dim == dim}
-        parts[dim] = fsdp_edges(comm[dim], counts)
+        parts[dim] = fsdp_edges(comm[dim], counts, at_end=est.pp > 1)
     rest = sum(r for _, r in parts.values())
     excess = max(0.0, rest - compute)
     return {dim: edges + (excess * r / rest if rest else 0.0) for dim, (edges, r) in parts.items()}
@@ -271,7 +273,8 @@ def layout_assumptions(est: Estimate, cluster: Cluster) -> list[str]:
             f"row(s): the busiest rank ({est.stage_layers} decoder layers, simulated with the embedding and lm_head "
             f"both) runs each micro-batch; it idles {bubble:.1%} of the step (the bubble, (pp-1)/(V*M+pp-1)); "
             f"each micro-batch's boundary activations and their gradients cross to the next stage over {where}, "
-            "exposed; FSDP2 gathers and reduce-scatters once per micro-batch, hidden behind the step's compute"
+            "exposed; FSDP2 gathers once per micro-batch, hidden behind the step's compute, and reduce-scatters "
+            "the stage's gradients once, after the schedule's step: exposed"
             + ("; a routing pass (one no-grad forward) first for the MoE's aux loss." if est.routing_pass else ".")
         )
     if est.lora_r:

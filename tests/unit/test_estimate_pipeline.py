@@ -27,7 +27,7 @@ from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.report import format_ranking
 from hf_tp.estimate.search import Layout, Sweep, hsdp_pruned
 from hf_tp.estimate.spec import EstimateSpec
-from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
+from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, comm_seconds, predict
 from hf_tp.estimate.sweep import sweep
 from hf_tp.gpus import get_gpu
 from tests.helpers import tiny_config
@@ -204,6 +204,11 @@ def test_fsdp2_and_the_replicas_all_reduce_hide_behind_one_compute_window() -> N
     edges = speed.comm["dp"] / 100 + speed.comm["dp_replicate"] / 100
     exposed = speed.seconds["dp exposed"] + speed.seconds["dp_replicate exposed"]
     assert exposed == pytest.approx(edges + (total - edges - compute))
+    fsdp2 = [CommStat("dp", "all_gather", 8, 40, 2**30, 2**30), CommStat("dp", "reduce_scatter", 8, 4, 2**30, 2**30)]
+    flat, piped = (dataclasses.replace(staged(pp=pp, m=m), comms=fsdp2) for pp, m in ((1, 1), (4, 8)))
+    scatter = comm_seconds(flat, Cluster(H100))["dp"]["reduce_scatter"]
+    flat_s, piped_s = (predict(e, Cluster(H100)).seconds["dp exposed"] for e in (flat, piped))
+    assert piped_s == pytest.approx(flat_s + scatter * 3 / 4)  # a stage reduces after its step: all exposed
 
 
 def test_cli_estimates_one_pipeline_layout_and_leaves_pp_to_the_sweep(tiny_dir, capsys) -> None:  # noqa: F811
