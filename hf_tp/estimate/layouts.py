@@ -18,9 +18,16 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
   it holds (``hf-tp train --pp``'s last stage computes transformers' loss on a micro-batch's whole
   logits, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per logit of the tp shard
   kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one micro-batch's backward);
-  every per-micro-batch collective and kernel runs ``microbatches`` times (FSDP2 gathers and
-  reduce-scatters each micro-batch: torch's pipeline stage is not the FSDP2 module here), AdamW and
-  the gradient norm once; each micro-batch's boundary activations go to the next stage and their
+  the stage's FSDP2 units accumulate unsharded gradients through the schedule's step and
+  reduce-scatter once after it (:mod:`hf_tp.parallel.pipeline_fsdp`), so from the first backward
+  to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype)
+  with the micro-batches then in flight, which the peak takes where it is larger; FSDP2's
+  reduce-scatter (and HSDP's all-reduce of it) runs once per step, its all-gathers once per
+  micro-batch's forward and backward plus one micro-batch more for the shape pass torch's schedule
+  runs each step (a bound: a unit still gathered from a previous forward skips its gather), once
+  per step under a V-shaped schedule (``zbv``, ``dualpipev``: the gathered weights, also added
+  to the peak, are kept through the step); every other per-micro-batch collective and kernel
+  runs ``microbatches`` times, AdamW and the gradient norm once; each micro-batch's boundary activations go to the next stage and their
   gradients come back (``pp`` send_recv: this rank's tp x cp shard of a micro-batch's hidden
   states, 2 x V x M messages); a MoE whose aux loss hf_tp computes over the step adds the routing
   pass (a no-grad forward: a third of the matmul and attention work). Parameters and MFU's model

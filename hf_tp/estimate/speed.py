@@ -244,7 +244,12 @@ def assumptions(est: Estimate, cluster: Cluster) -> list[str]:
         f"{g.link} {g.link_bandwidth / 1e9:.0f} GB/s per direction at {g.link_efficiency:.0%}, network at "
         f"{NET_EFFICIENCY:.0%}; tp groups inside a node, dp/cp/ep groups across nodes when the job spans nodes.",
         "Exposed: TP/SP, CP, EP all-to-all and norm collectives entirely (no async TP); FSDP2's all-gathers and "
-        "reduce-scatters hide behind compute except the first and the last and any excess over compute.",
+        "reduce-scatters hide behind compute except the first and the last and any excess over compute"
+        + (
+            " (under pp every reduce-scatter is a last one: a stage reduces after the schedule's step)."
+            if est.pp > 1
+            else "."
+        ),
         "Not modelled: kernel launch gaps, NCCL slowing concurrent compute, stragglers, data loading, "
         "uneven expert routing. MFU = 6N + 12LHS FLOPs per token (routed experts as top-k of them; hf-tp train's "
         "definition) x tokens/s per GPU / peak.",
