@@ -74,8 +74,9 @@ def pipeline_parallelize(
     for top, stage_model in zip(tops, models, strict=True):
         parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, parallelize_kwargs))
         stages.append(StageModule(stage_model, tp_mesh))
+    roots = fsdp_roots(models)  # (torch's FSDP2 internals checked before any step)
     if schedule in V_SHAPED:  # the weight gradients come after FSDP2's hooks (hf_tp.parallel.pipeline_fsdp)
-        keep_gathered(fsdp_roots(models))
+        keep_gathered(roots)
     device = device or next(iter(models[0].parameters())).device
     dp_mesh = split_mesh(stage_mesh)[0]
     route_group = dp_mesh.get_group() if dp_mesh is not None else None

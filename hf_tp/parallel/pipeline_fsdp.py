@@ -20,13 +20,28 @@ reshard. The shape pass's backward computes input gradients only, so nothing of 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def fsdp_roots(models: list[nn.Module]) -> list[FSDPModule]:
-    """The stages' FSDP2 roots (none without dp)."""
-    return [m for m in models if isinstance(m, FSDPModule)]
+    """The stages' FSDP2 roots (none without dp), checked to expose the FSDP2 internals this module
+    drives (torch 2.13's: a torch that renamed them is refused here, on every rank alike)."""
+    roots = [m for m in models if isinstance(m, FSDPModule)]
+    for root in roots:
+        state = fully_shard.state(root)
+        ctx = getattr(state, "_state_ctx", None)
+        if (
+            ctx is None
+            or not hasattr(state, "_root_post_backward_final_callback")
+            or not all(hasattr(s, "_fsdp_param_groups") for s in ctx.all_states)
+        ):
+            raise RuntimeError(
+                f"--pp with FSDP2 (dp > 1) drives FSDP2's internals as torch 2.13 has them; torch {torch.__version__} "
+                "lacks them: install torch 2.13 or train with --pp 1"
+            )
+    return roots
 
 
 def keep_gathered(roots: list[FSDPModule]) -> None:

@@ -157,3 +157,19 @@ def test_a_tied_weight_under_a_v_shaped_schedule_is_refused() -> None:
             pipeline_parallelize(models[rank], mesh, schedule="zbv", microbatches=2, virtual_stages=2)
 
     run_threaded(2, rank_fn)
+
+
+def test_a_torch_without_the_fsdp2_internals_pp_drives_is_refused(monkeypatch) -> None:
+    """--pp with dp > 1 drives FSDP2's private post-backward by hand (hf_tp.parallel.pipeline_fsdp):
+    a torch whose FSDP2 lacks those names is refused in one line, not an AttributeError mid-step."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from hf_tp.parallel import pipeline_fsdp
+
+    monkeypatch.setattr(pipeline_fsdp, "FSDPModule", nn.Linear)  # any module stands for a root
+    monkeypatch.setattr(pipeline_fsdp, "fully_shard", SimpleNamespace(state=lambda root: SimpleNamespace()))
+    with pytest.raises(RuntimeError, match=r"drives FSDP2's internals as torch 2\.13 has them.*train with --pp 1"):
+        pipeline_fsdp.fsdp_roots([nn.Linear(2, 2)])
+    assert pipeline_fsdp.fsdp_roots([nn.ReLU()]) == []  # no dp: nothing to check
