@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.memory import BALANCED_NOTE_LINES
-from hf_tp.estimate.search import layout_of
+from hf_tp.estimate.search import describe_layout, layout_of
 from hf_tp.estimate.spec import GiB, MiB
 from hf_tp.estimate.speed import BUBBLE, Cluster, Speed
-from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits, headroom, layout_name
+from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits, headroom
 
 _CATEGORIES = (
     ("parameters", "parameters"),
@@ -383,7 +383,7 @@ def format_ranking(result: Sweep) -> str:
         "headroom = GPU memory left after the margins)"
     )
     for i, (e, s) in enumerate(ranked[:TOP], 1):
-        lines.append(f"  #{i} {layout_name(e)}, batch {e.batch_size}: {_why(e, s, gpu)}")
+        lines.append(f"  #{i} {describe_layout(e)}, batch {e.batch_size}: {_why(e, s, gpu)}")
     lines += [f"  not simulated: {note}" for note in result.skipped]
     best, speed = ranked[0]
     lines.append(

@@ -180,7 +180,7 @@ def verify_best(
     while todo := [e for e in ordered(result)[:count] if e.extended_from]:
         for est in todo:
             ac = ", activation checkpointing" if est.activation_checkpointing else ""
-            _say(progress, f"simulating {layout_name(est)}{ac}, batch {est.batch_size}, at every layer (the best)")
+            _say(progress, f"simulating {describe_layout(est)}{ac}, batch {est.batch_size}, at every layer (the best)")
             at = next(i for i, e in enumerate(result.estimates) if e is est)
             result.estimates[at] = estimate_candidate(config, est.spec, model_name, fast=False)
     best = ordered(result)
@@ -219,13 +219,8 @@ def recommend(estimates: list[Estimate], gpu_memory: int | None) -> Estimate | N
     return min(fitting, key=lambda e: e.tp) if fitting else None
 
 
-def layout_name(est: Estimate) -> str:
-    """``tp=2 x dp=4`` (``tp=2 x cp=2 x dp=4`` with context parallelism, pp's and HSDP's too)."""
-    return describe_layout(est)
-
-
 __all__ = [
     "BATCH_TRIES", "FRAGMENTATION", "MAX_BATCH_FACTOR", "RANK_RULE", "RESERVED_BYTES", "RULE", "Sweep",
-    "candidate_splits", "compute_bound", "cp_splits", "estimate_candidate", "fits", "grow_batch", "headroom", "layout_name", "next_batch",
+    "candidate_splits", "compute_bound", "cp_splits", "estimate_candidate", "fits", "grow_batch", "headroom", "next_batch",
     "ordered", "recommend", "simulate_splits", "speed_sweep", "sweep", "usable_peak", "verify_best",
 ]  # fmt: skip
