@@ -33,8 +33,10 @@ layouts (docs/scale.md).
 rows): real routing is uneven, and a hot rank's all-to-all can be larger.
 
 A sweep estimates each layout from the model cut to a few periods of its decoder layers, extended
-to its depth, then simulates the recommended layout at every layer (--full: every layout at every
-layer; --fast: none); one layout is simulated at every layer (--fast: extended from short runs)."""
+to its depth, then checks the recommended layout one period deeper: the extension must predict that
+run exactly, else the layout is simulated at every layer (--full: every layout at every layer;
+--fast: no check). One layout is simulated at every layer (--fast: extended from short runs). A
+sweep's simulations run in --jobs worker processes (default: one per core)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +115,12 @@ def _add_depth_arguments(p: argparse.ArgumentParser) -> None:
     depth.add_argument(
         "--full", action="store_true", help="a sweep: simulate every layer of every layout (one layout's default)"
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="a sweep: worker processes simulating layouts at once (default: one per CPU core)",
+    )
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
         result = sweep(
             config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster,
-            fast=not args.full, verified=0 if args.fast else 1,
+            fast=not args.full, verified=0 if args.fast else 1, verify="check", jobs=_jobs(args.jobs),
         )  # fmt: skip
     except ValueError as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
@@ -189,6 +197,15 @@ def run(args: argparse.Namespace) -> int:
         if cluster is not None:
             print("\n" + format_ranking(result))
     return 0
+
+
+def _jobs(jobs: int | None) -> int:
+    """``--jobs``: a positive count, one per core by default."""
+    from hf_tp.estimate.depth import default_jobs
+
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got --jobs {jobs}")
+    return jobs or default_jobs()
 
 
 def spec_of(args: argparse.Namespace):

@@ -27,6 +27,10 @@ not build the same layer kinds as the full model's first layers.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -34,11 +38,14 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, simulate_spec
 from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.layouts import config_key
 from hf_tp.estimate.memory import MemoryBreakdown, SegmentKey
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.verify.shrink import layer_kinds
 
 PERIODS = (4, 5)  # periods of the repeating layers simulated
+CHECK = 6  # periods of the run a checked extension must predict exactly
+Simulated = tuple[Estimate, dict[SegmentKey, MemoryBreakdown]]  # simulate_spec's result
 # MoEStats fields that are one layer's figure (the rest sum over the MoE layers)
 _PER_LAYER_MOE = {"experts", "experts_per_rank", "top_k", "routed_rows", "forward_peak_bytes", "balanced_routing"}
 
@@ -105,23 +112,144 @@ def cut_config(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return config.__class__.from_dict({**whole, **cut, "num_hidden_layers": layers})
 
 
-def estimate_fast(config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
+class Simulations:
+    """The simulations of one sweep (:func:`hf_tp.estimate.api.simulate_spec`), each run once, by
+    (config, spec). With ``jobs`` > 1 they run in that many worker processes, forked from this one
+    when the first is submitted: a simulation is single-threaded Python (fake tensors), so processes
+    are what spreads a sweep over cores, and a forked worker starts without importing torch and
+    transformers again (seconds each). :meth:`submit` queues a run, :meth:`get` waits for it."""
+
+    def __init__(self, jobs: int = 1) -> None:
+        self.jobs = max(1, jobs)
+        self._pool: ProcessPoolExecutor | None = None
+        self._runs: dict[tuple[str, EstimateSpec], Future | Simulated] = {}
+
+    def submit(self, config: PretrainedConfig, spec: EstimateSpec, name: str | None) -> None:
+        """Start simulating ``config`` as ``spec`` in a worker (nothing without workers)."""
+        key = (config_key(config), spec)
+        if self.jobs > 1 and key not in self._runs:
+            self._runs[key] = self._workers().submit(simulate_spec, config, spec, name)
+
+    def get(self, config: PretrainedConfig, spec: EstimateSpec, name: str | None) -> Simulated:
+        """The simulation of ``config`` as ``spec``: a worker's (waited for) or run here."""
+        key = (config_key(config), spec)
+        self.submit(config, spec, name)
+        run = self._runs.get(key)
+        if run is None:
+            run = simulate_spec(config, spec, name)
+        elif isinstance(run, Future):
+            run = run.result()
+        self._runs[key] = run
+        return run
+
+    def _workers(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            context = multiprocessing.get_context("fork")
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_ignore_interrupts)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers (queued runs dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Simulations:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ignore_interrupts() -> None:
+    """A worker leaves Ctrl-C to the sweep's process, which stops the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def default_jobs() -> int:
+    """Worker processes a sweep uses by default: one per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass
+class Simulator:
+    """How a sweep simulates one stage: from short runs (``fast``, :func:`estimate_fast`, with
+    ``check``) or at every layer, through ``sims``; :meth:`prefetch` queues what a call will run."""
+
+    sims: Simulations
+    fast: bool = True
+    check: bool = False
+
+    def __call__(self, config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
+        if self.fast:
+            return estimate_fast(config, spec, model_name, self.sims, self.check)
+        return self.sims.get(config, spec, model_name)[0]
+
+    def prefetch(self, config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> None:
+        found = layering(config) if self.fast else None
+        if found is None or found.periods <= (CHECK if self.check else PERIODS[1]):
+            self.sims.submit(config, spec, model_name)
+            return
+        for n in PERIODS + ((CHECK,) if self.check and found.periods > CHECK else ()):
+            self.sims.submit(cut_config(config, found.layers(n)), spec, model_name)
+
+
+def estimate_fast(
+    config: PretrainedConfig,
+    spec: EstimateSpec,
+    model_name: str | None = None,
+    sims: Simulations | None = None,
+    check: bool = False,
+) -> Estimate:
     """One rank's estimate of ``config`` laid out as ``spec``, from the model cut to :data:`PERIODS`
     periods of its layers and extended to its depth (see the module docstring); simulated in full
-    where that does not apply."""
+    where that does not apply. With ``check`` the extension is also simulated one period further
+    (:data:`CHECK`) and must match that run in every figure; where it does not, the model is
+    simulated in full. ``sims`` runs and keeps the simulations (in parallel where it has workers)."""
+    sims = sims or Simulations()
     found = layering(config)
     name = model_name or getattr(config, "name_or_path", "") or config.model_type
-    if found is None or found.periods <= PERIODS[1]:
-        return simulate_spec(config, spec, name)[0]
-    (lo, lo_segments), (hi, hi_segments) = (
-        simulate_spec(cut_config(config, found.layers(n)), spec, name) for n in PERIODS
-    )
-    steps = found.periods - PERIODS[0]
+    if found is None or found.periods <= PERIODS[1] or (check and found.periods <= CHECK):
+        return sims.get(config, spec, name)[0]
+    periods = PERIODS + ((CHECK,) if check else ())
+    configs = [cut_config(config, found.layers(n)) for n in periods]
+    for cut in configs:
+        sims.submit(cut, spec, name)
+    (lo, lo_segments), (hi, hi_segments), *third = (sims.get(cut, spec, name) for cut in configs)
+    layers = tuple(found.layers(n) for n in PERIODS)
+    fast = _extended(found, lo, lo_segments, hi, hi_segments, found.periods - PERIODS[0], layers)
+    if fast is None:
+        return sims.get(config, spec, name)[0]
+    if not third:
+        return fast
+    at = third[0][0]
+    if same_figures(_extended(found, lo, lo_segments, hi, hi_segments, CHECK - PERIODS[0], layers), at):
+        return dataclasses.replace(fast, extended_from=(*layers, found.layers(CHECK)))
+    return sims.get(config, spec, name)[0]
+
+
+def _extended(
+    found: Layering, lo: Estimate, lo_segments, hi: Estimate, hi_segments, steps: int, layers
+) -> Estimate | None:
+    """``lo`` (``hi`` one period past it) extended ``steps`` periods; None where the peak cannot be."""
     peak = extended_peak(found, lo_segments, hi_segments, steps)
     if peak is None:
-        return simulate_spec(config, spec, name)[0]
-    layers = tuple(found.layers(n) for n in PERIODS)
+        return None
     return dataclasses.replace(extend(lo, hi, steps), peak=peak, extended_from=layers)
+
+
+def same_figures(a: Estimate | None, b: Estimate) -> bool:
+    """Whether two estimates agree in every figure a sweep reads (the peak to the byte, the state,
+    every collective, the work, the MoE figures, the parameter counts)."""
+    if a is None:
+        return False
+    key = lambda c: (c.dim, c.collective, c.group_size)  # noqa: E731
+    return (
+        a.peak.total == b.peak.total
+        and a.state == b.state
+        and sorted(a.comms, key=key) == sorted(b.comms, key=key)
+        and (a.work, a.moe, a.num_params, a.trainable_params) == (b.work, b.moe, b.num_params, b.trainable_params)
+    )
 
 
 def grouped(found: Layering, periods: int, segments: dict[SegmentKey, MemoryBreakdown]) -> dict[tuple, MemoryBreakdown]:

@@ -101,6 +101,13 @@ class SimulationCache:
             self.runs[key] = self.simulate(config, spec, model_name)
         return self.runs[key]
 
+    def prefetch(self, config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> None:
+        """Queue the simulation layout ``spec`` of ``config`` will need, where ``simulate`` runs
+        them in worker processes (:class:`hf_tp.estimate.depth.Simulator`)."""
+        stage = simulated_stage(config, spec)
+        if (config_key(stage.config), stage.spec) not in self.runs and hasattr(self.simulate, "prefetch"):
+            self.simulate.prefetch(stage.config, stage.spec, model_name)
+
 
 def estimate_layout(
     config: PretrainedConfig,
@@ -113,26 +120,43 @@ def estimate_layout(
     :class:`SimulationCache`) with the arithmetic of the module docstring."""
     validate(config, spec)
     simulate = simulate or estimate_spec
+    stage = simulated_stage(config, spec)
+    est = simulate(stage.config, stage.spec, model_name or getattr(config, "name_or_path", "") or config.model_type)
+    if stage.replicas > 1:
+        est = replicated(est, stage.replicas)
+    if stage.plan is not None:
+        est = staged(est, spec, stage.plan, len(stage.layers), config)
+    return est
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What :func:`estimate_layout` simulates for a layout: ``config`` (the busiest rank's layers
+    under pp) as ``spec`` (one micro-batch, the FSDP2 shard group's ranks), and what it derives the
+    layout from: the pp ``plan`` and the rank's ``layers``, HSDP's ``replicas``."""
+
+    config: PretrainedConfig
+    spec: EstimateSpec
+    plan: StagePlan | None = None
+    layers: tuple[int, ...] = ()
+    replicas: int = 1
+
+
+def simulated_stage(config: PretrainedConfig, spec: EstimateSpec) -> Stage:
+    """The :class:`Stage` simulated for layout ``spec`` (the layout itself without pp or derived HSDP)."""
     # HSDP from its shard group's simulation; a shard group of 1 (replicas only) has no reduce-scatter
     # to derive the all-reduce from, and is simulated as HSDP itself
     derive = 1 < spec.dp_replicate < spec.dp
     if spec.pp == 1 and not derive:
-        return simulate(config, spec, model_name)
-    name = model_name or getattr(config, "name_or_path", "") or config.model_type
+        return Stage(config, spec)
     plan = stage_plan(config, spec.pp * spec.pp_virtual_stages) if spec.pp > 1 else None
     layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp)) if plan else []
-    simulated = stage_config(config, plan, layers) if plan else config
     replicas = spec.dp_replicate if derive else 1
     shard = spec.replace(
         dp=spec.dp // replicas, dp_replicate=spec.dp_replicate // replicas, batch_size=spec.batch_size // spec.microbatches,
         pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1,
     )  # fmt: skip
-    est = simulate(simulated, shard, name)
-    if derive:
-        est = replicated(est, replicas)
-    if plan is not None:
-        est = staged(est, spec, plan, len(layers), config)
-    return est
+    return Stage(stage_config(config, plan, layers) if plan else config, shard, plan, tuple(layers), replicas)
 
 
 def _stat(dim: str, collective: str, group: int, count: int, nbytes: int) -> CommStat:

@@ -81,6 +81,9 @@ def simulate_splits(
     ]
     plain = [s for s in kept if s.pp == 1 and s.dp_replicate == 1]
     kept = plain[::-1] + [s for s in kept if s not in plain]
+    for lay in kept if hasattr(run, "prefetch") else ():  # every such layout is simulated (HSDP may be pruned)
+        if lay.dp_replicate == 1:
+            run.prefetch(**lay.changes(), activation_checkpointing=ac)
     for i, lay in enumerate(kept):
         where = f"(split {i + 1} of {len(kept)})"
         name = _plain_name(lay, cp)

@@ -39,12 +39,13 @@ checked the same way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.estimate.api import Estimate, estimate_spec
-from hf_tp.estimate.depth import estimate_fast
+from hf_tp.estimate.depth import Simulations, Simulator, estimate_fast
 from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout
 from hf_tp.estimate.search import (
     BATCH_TRIES,
@@ -104,6 +105,8 @@ def sweep(
     pp_schedules: tuple[str, ...] = SCHEDULES,
     fast: bool = True,
     verified: int = 1,
+    verify: str = "full",
+    jobs: int = 1,
     **named,
 ) -> Sweep:
     """Estimate every valid (tp, dp) of ``world_size / cp`` ranks of ``spec`` (or of the
@@ -119,8 +122,10 @@ def sweep(
     With ``cluster`` HSDP and pipeline layouts (of ``pp_schedules``; none: ``()``) join the (tp, dp)
     splits. ``simulate`` runs one stage's simulation (default: :func:`estimate_candidate`'s).
     ``progress`` gets one line before each simulation. ``fast`` estimates each layout from short
-    runs, then simulates the best ``verified`` layouts in full (:func:`verify_best`); ``fast=False``
-    simulates every layout at every layer."""
+    runs, then checks the best ``verified`` layouts (:func:`verify_best`): at every layer
+    (``verify="full"``) or one period past the short runs (``verify="check"``, :data:`hf_tp.estimate.depth.CHECK`);
+    ``fast=False`` simulates every layout at every layer. ``jobs`` > 1 runs the simulations in that
+    many worker processes (:class:`hf_tp.estimate.depth.Simulations`)."""
     spec = spec or EstimateSpec(tp=1, dp=1, **named)
     validate(config, spec.replace(tp=1, dp=spec.ep, dp_replicate=1))  # sizes, positions, ep and cp, once
     if cluster is not None:
@@ -128,28 +133,46 @@ def sweep(
         gpu_memory = gpu_memory or cluster.gpu.memory_bytes
     result = Sweep(world_size=world_size, gpu_memory=gpu_memory, ep=spec.ep, cluster=cluster, cp=spec.cp)
     splits = cp_splits(config, world_size, spec.seq_len, spec.ep, spec.cp, result.skipped)
-    cache = SimulationCache(simulate or (estimate_fast if fast else estimate_spec))
-
-    def run(**changes) -> Estimate:
-        return estimate_layout(config, spec.replace(**changes), model_name, cache)
-
-    if cluster is not None:
-        node = cluster.gpu.gpus_per_node
-        plain = [Layout(tp, dp) for tp, dp in splits]
-        layouts = plain + hsdp_layouts(plain, node) if spec.cp == 1 and spec.ep == 1 else plain
-        stages = pipeline_layouts(
-            config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped, pp_schedules
-        )
-        layouts += stages + hsdp_layouts(stages, node)
-        speed_sweep(result, layouts, run, spec.activation_checkpointing, progress, grow)
-    else:
-        cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
-        for i, (tp, dp) in enumerate(splits):
-            _say(progress, f"simulating tp={tp}{cp} x dp={dp} (split {i + 1} of {len(splits)})")
-            result.estimates.append(run(tp=tp, dp=dp))
-        result.recommended = recommend(result.estimates, gpu_memory)
-    verify_best(result, config, model_name, progress, verified)
+    with Simulations(jobs) as sims:
+        run = Runner(config, spec, model_name, SimulationCache(simulate or Simulator(sims, fast)))
+        if cluster is not None:
+            node = cluster.gpu.gpus_per_node
+            plain = [Layout(tp, dp) for tp, dp in splits]
+            layouts = plain + hsdp_layouts(plain, node) if spec.cp == 1 and spec.ep == 1 else plain
+            stages = pipeline_layouts(
+                config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped,
+                pp_schedules,
+            )  # fmt: skip
+            layouts += stages + hsdp_layouts(stages, node)
+            speed_sweep(result, layouts, run, spec.activation_checkpointing, progress, grow)
+        else:
+            cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
+            for tp, dp in splits:
+                run.prefetch(tp=tp, dp=dp)
+            for i, (tp, dp) in enumerate(splits):
+                _say(progress, f"simulating tp={tp}{cp} x dp={dp} (split {i + 1} of {len(splits)})")
+                result.estimates.append(run(tp=tp, dp=dp))
+            result.recommended = recommend(result.estimates, gpu_memory)
+        checker = Simulator(sims, fast=verify == "check", check=verify == "check")
+        verify_best(result, config, model_name, progress, verified, checker)
     return result
+
+
+@dataclass
+class Runner:
+    """One layout of the sweep's ``spec`` estimated (``run(tp=..., dp=..., ...)``, the spec's fields
+    changed) through the sweep's ``cache``; :meth:`prefetch` queues its simulation."""
+
+    config: PretrainedConfig
+    spec: EstimateSpec
+    model_name: str | None
+    cache: SimulationCache
+
+    def __call__(self, **changes) -> Estimate:
+        return estimate_layout(self.config, self.spec.replace(**changes), self.model_name, self.cache)
+
+    def prefetch(self, **changes) -> None:
+        self.cache.prefetch(self.config, self.spec.replace(**changes), self.model_name)
 
 
 def estimate_candidate(
@@ -172,19 +195,37 @@ def ordered(result: Sweep) -> list[Estimate]:
 
 
 def verify_best(
-    result: Sweep, config: PretrainedConfig, model_name: str | None, progress: Progress, count: int = 1
+    result: Sweep,
+    config: PretrainedConfig,
+    model_name: str | None,
+    progress: Progress,
+    count: int = 1,
+    simulate: Simulator | None = None,
 ) -> None:
-    """Simulate at every layer the best ``count`` layouts that were estimated from short runs,
-    replacing their estimates, until the best ``count`` are all full simulations (a layout that no
-    longer fits drops out, and the next is checked); then recommend the best."""
-    while todo := [e for e in ordered(result)[:count] if e.extended_from]:
+    """Check the best ``count`` layouts that were estimated from short runs, replacing their
+    estimates, until the best ``count`` are all checked (a layout that no longer fits drops out,
+    and the next is checked); then recommend the best. ``simulate`` checks one stage: at every
+    layer (the default), or one period past the short runs (``Simulator(check=True)``: the
+    extension kept where it predicts that run exactly, else every layer simulated)."""
+    simulate = simulate or Simulator(Simulations(), fast=False)
+    cache = SimulationCache(simulate)
+    while todo := [e for e in ordered(result)[:count] if _unchecked(e, simulate)]:
+        for est in todo if len(todo) > 1 else ():  # (in parallel where the simulations have workers)
+            cache.prefetch(config, est.spec, model_name)
         for est in todo:
             ac = ", activation checkpointing" if est.activation_checkpointing else ""
-            _say(progress, f"simulating {describe_layout(est)}{ac}, batch {est.batch_size}, at every layer (the best)")
+            how = ("checking", "one period deeper") if simulate.check else ("simulating", "at every layer")
+            _say(progress, f"{how[0]} {describe_layout(est)}{ac}, batch {est.batch_size}, {how[1]} (the best)")
             at = next(i for i, e in enumerate(result.estimates) if e is est)
-            result.estimates[at] = estimate_candidate(config, est.spec, model_name, fast=False)
+            result.estimates[at] = estimate_layout(config, est.spec, model_name, cache)
     best = ordered(result)
     result.recommended = best[0] if best else None
+
+
+def _unchecked(est: Estimate, simulate: Simulator) -> bool:
+    """Whether ``est`` is still to be checked: extended from short runs, and not yet checked one
+    period deeper where that is the check."""
+    return len(est.extended_from) == 2 if simulate.check else bool(est.extended_from)
 
 
 def cp_splits(

@@ -11,7 +11,7 @@ import pytest
 from transformers import CONFIG_MAPPING
 
 from hf_tp.compat import family_refusal
-from hf_tp.estimate import EstimateSpec, estimate_spec
+from hf_tp.estimate import EstimateSpec, depth, estimate_spec
 from hf_tp.estimate import sweep as sweep_module
 from hf_tp.estimate.depth import Layering, cut_config, estimate_fast, layering
 from hf_tp.estimate.speed import Cluster
@@ -79,15 +79,39 @@ def test_the_best_layout_is_simulated_at_every_layer_and_the_next_checked_where_
     full = {1: make(tp=1, dp=8, fixed_gib=90.0, matmul_flops=10**15), 2: make(tp=2, dp=4, matmul_flops=10**15)}
     calls = []
 
-    def simulate(config, spec, model_name=None, fast=True):
-        assert not fast
+    def simulate(config, spec, model_name=None, stage=None):
+        assert not stage.simulate.fast  # every layer
         calls.append(spec.tp)
         return full[spec.tp]
 
-    monkeypatch.setattr(sweep_module, "estimate_candidate", simulate)
+    monkeypatch.setattr(sweep_module, "estimate_layout", simulate)
     result = Sweep(world_size=8, gpu_memory=80 * 2**30, cluster=Cluster(get_gpu("h100-sxm")), estimates=list(fast))
     lines: list[str] = []
     verify_best(result, None, "m", lines.append)
     assert calls == [1, 2] and result.recommended is full[2]
     assert result.estimates == [full[1], full[2], fast[2]]  # replaced in place, the rest kept
     assert lines[0] == "simulating tp=1 x dp=8, batch 1, at every layer (the best)"
+
+
+def test_a_checked_extension_predicts_a_deeper_run_or_falls_back_to_every_layer(monkeypatch) -> None:
+    config, spec, sims = _family("llama", num_hidden_layers=8), EstimateSpec(2, 1, 64, 1), depth.Simulations()
+    same = depth.same_figures
+    checked = estimate_fast(config, spec, sims=sims, check=True)
+    assert checked.extended_from == (4, 5, 6)  # cut to 4 and 5 layers, checked exact at 6
+    monkeypatch.setattr(depth, "same_figures", lambda a, b: False)  # an extension that misses the deeper run
+    full = estimate_fast(config, spec, sims=sims, check=True)  # (the short runs kept by ``sims``)
+    assert full.extended_from == () and full.seconds > 0  # every layer simulated
+    assert same(checked, full)  # (and the extension was right: to the byte at 8 layers)
+
+
+def test_a_sweep_in_worker_processes_equals_one_in_this_process() -> None:
+    # the simulations forked to two workers (queued ahead, as a sweep on many cores runs them) give
+    # the sweep run here, estimate for estimate
+    config = _family("llama", num_hidden_layers=8)
+    runs = [
+        sweep_module.sweep(config, 2, seq_len=64, batch_size=1, gpu_memory=4 * 2**30, jobs=jobs, verify="check")
+        for jobs in (1, 2)
+    ]
+    here, workers = ([dataclasses.replace(e, seconds=0.0) for e in r.estimates] for r in runs)
+    assert here == workers and len(here) == 2
+    assert runs[1].recommended.extended_from == (4, 5, 6)
