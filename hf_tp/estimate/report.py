@@ -137,8 +137,11 @@ def format_estimate(est: Estimate) -> str:
 
 def extended(est: Estimate) -> str:
     """How a fast estimate was made (``est.extended_from``: the layer counts simulated)."""
-    lo, hi = est.extended_from
-    return f"the model cut to {lo} and {hi} decoder layers, extended to its depth (hf-tp estimate --full: every layer)"
+    lo, hi, *checked = est.extended_from
+    at = f", checked exact against a run of {checked[0]} layers" if checked else ""
+    return (
+        f"the model cut to {lo} and {hi} decoder layers, extended to its depth{at} (hf-tp estimate --full: every layer)"
+    )
 
 
 def format_moe(est: Estimate) -> list[str]:
@@ -243,7 +246,13 @@ def _depths(result: Sweep) -> list[str]:
         return []
     best = result.recommended
     whole = "; the recommended one at every layer" if best is not None and not best.extended_from else ""
-    return [f"{len(short)} of {len(result.estimates)} layouts from {extended(short[0])}{whole}."]
+    if best is not None and len(best.extended_from) == 3:
+        whole = f"; the recommended one checked: its extension predicts a run of {best.extended_from[2]} layers exactly"
+    lo, hi = short[0].extended_from[:2]
+    return [
+        f"{len(short)} of {len(result.estimates)} layouts from the model cut to {lo} and {hi} decoder layers, "
+        f"extended to its depth (--full: every layer){whole}."
+    ]
 
 
 __all__ = [
