@@ -28,7 +28,7 @@ from transformers import LlamaConfig, PretrainedConfig
 import hf_tp
 from hf_tp.estimate import estimate
 from hf_tp.estimate.api import MemoryBreakdown, MiB
-from hf_tp.estimate.configs import resolve_model_config
+from hf_tp.estimate.spec import resolve_model_config
 from hf_tp.estimate.step import measure
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other", "total")

@@ -38,7 +38,7 @@ layer; --fast: none); one layout is simulated at every layer (--fast: extended f
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.configs import bundled_models  # json files only: no torch for --help
+    from hf_tp.estimate.spec import bundled_models  # json files only: no torch for --help
     from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
     names = ", ".join(bundled_models())
@@ -137,9 +137,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hf_tp.estimate.configs import resolve_model_config
     from hf_tp.estimate.report import format_ranking, format_sweep
-    from hf_tp.estimate.spec import image_load, parse_memory
+    from hf_tp.estimate.spec import image_load, parse_memory, resolve_model_config
     from hf_tp.estimate.sweep import estimate_candidate, sweep
 
     try:
