@@ -137,7 +137,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hf_tp.estimate.report import format_ranking, format_sweep
+    from hf_tp.cli.estimate_report import format_ranking, format_sweep
     from hf_tp.estimate.spec import image_load, parse_memory, resolve_model_config
     from hf_tp.estimate.sweep import estimate_candidate, sweep
 
@@ -238,7 +238,7 @@ def _reference(args: argparse.Namespace, est, config):
 def print_single(result, cluster, as_json: bool, reference=None) -> int:
     """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
     objective's reference model (``reference``, a :class:`hf_tp.estimate.api.ReferenceCost`)."""
-    from hf_tp.estimate.report import format_estimate, format_speed
+    from hf_tp.cli.estimate_report import format_estimate, format_speed
     from hf_tp.estimate.speed import predict
 
     speed = None if cluster is None else predict(result, cluster)
