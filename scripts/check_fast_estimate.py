@@ -41,8 +41,8 @@ def timed(fn, *args):
 
 def config_of(name: str):
     """A bundled config, cut to its first N layers for ``name@N``."""
-    from hf_tp.estimate.configs import resolve_model_config
     from hf_tp.estimate.depth import cut_config
+    from hf_tp.estimate.spec import resolve_model_config
 
     base, _, layers = name.partition("@")
     config, _ = resolve_model_config(base)

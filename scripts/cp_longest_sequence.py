@@ -81,8 +81,7 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="also a full-depth estimate at each answer")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
-    from hf_tp.estimate.configs import resolve_model_config
-    from hf_tp.estimate.spec import parse_memory
+    from hf_tp.estimate.spec import parse_memory, resolve_model_config
 
     gpu = parse_memory(args.gpu_memory)
     start = time.perf_counter()

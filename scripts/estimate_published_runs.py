@@ -18,9 +18,8 @@ import time
 from dataclasses import dataclass
 
 from hf_tp.estimate.api import GiB
-from hf_tp.estimate.configs import resolve_model_config
 from hf_tp.estimate.layouts import estimate_layout
-from hf_tp.estimate.spec import EstimateSpec
+from hf_tp.estimate.spec import EstimateSpec, resolve_model_config
 from hf_tp.estimate.speed import Cluster, predict
 from hf_tp.gpus import get_gpu
 

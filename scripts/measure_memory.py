@@ -28,8 +28,8 @@ from transformers import LlamaConfig, PretrainedConfig
 import hf_tp
 from hf_tp.estimate import estimate
 from hf_tp.estimate.api import MemoryBreakdown, MiB
-from hf_tp.estimate.configs import resolve_model_config
-from hf_tp.estimate.step import measure
+from hf_tp.estimate.simulate import measure
+from hf_tp.estimate.spec import resolve_model_config
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other", "total")
 

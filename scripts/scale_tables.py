@@ -30,9 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_tp.estimate.configs import resolve_model_config  # noqa: E402
-from hf_tp.estimate.report import train_flags  # noqa: E402
-from hf_tp.estimate.spec import GiB  # noqa: E402
+from hf_tp.cli.estimate_report import train_flags  # noqa: E402
+from hf_tp.estimate.spec import GiB, resolve_model_config  # noqa: E402
 from hf_tp.estimate.speed import Cluster  # noqa: E402
 from hf_tp.estimate.sweep import headroom, sweep  # noqa: E402
 from hf_tp.gpus import get_gpu  # noqa: E402

@@ -40,7 +40,7 @@ sweep's simulations run in --jobs worker processes (default: one per core)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.configs import bundled_models  # json files only: no torch for --help
+    from hf_tp.estimate.spec import bundled_models  # json files only: no torch for --help
     from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
     names = ", ".join(bundled_models())
@@ -145,9 +145,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hf_tp.estimate.configs import resolve_model_config
-    from hf_tp.estimate.report import format_ranking, format_sweep
-    from hf_tp.estimate.spec import image_load, parse_memory
+    from hf_tp.cli.estimate_report import format_ranking, format_sweep
+    from hf_tp.estimate.spec import image_load, parse_memory, resolve_model_config
     from hf_tp.estimate.sweep import estimate_candidate, sweep
 
     try:
@@ -256,7 +255,7 @@ def _reference(args: argparse.Namespace, est, config):
 def print_single(result, cluster, as_json: bool, reference=None) -> int:
     """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
     objective's reference model (``reference``, a :class:`hf_tp.estimate.api.ReferenceCost`)."""
-    from hf_tp.estimate.report import format_estimate, format_speed
+    from hf_tp.cli.estimate_report import format_estimate, format_speed
     from hf_tp.estimate.speed import predict
 
     speed = None if cluster is None else predict(result, cluster)

@@ -1,7 +1,7 @@
 """Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps.
 
 Names are imported on first use, so ``hf-tp estimate --help`` (which lists the bundled models
-through :mod:`hf_tp.estimate.configs`) loads neither torch nor transformers.
+through :mod:`hf_tp.estimate.spec`) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "MoEStats": "hf_tp.estimate.memory",
     "Speed": "hf_tp.estimate.speed",
     "Sweep": "hf_tp.estimate.sweep",
-    "bundled_models": "hf_tp.estimate.configs",
+    "bundled_models": "hf_tp.estimate.spec",
     "estimate": "hf_tp.estimate.api",
     "estimate_fast": "hf_tp.estimate.depth",
     "estimate_spec": "hf_tp.estimate.api",
     "get_gpu": "hf_tp.gpus",
     "parse_memory": "hf_tp.estimate.spec",
     "predict": "hf_tp.estimate.speed",
-    "resolve_model_config": "hf_tp.estimate.configs",
+    "resolve_model_config": "hf_tp.estimate.spec",
     "sweep": "hf_tp.estimate.sweep",
 }
 

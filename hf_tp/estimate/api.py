@@ -46,16 +46,20 @@ from hf_tp.estimate.memory import (
     find_experts,
     moe_stats,
 )
-from hf_tp.estimate.simulate import DataDependentBounds, expert_groups, functional_groups, mesh_and_groups, simulation
-from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
-from hf_tp.estimate.step import (
+from hf_tp.estimate.simulate import (
+    DataDependentBounds,
     build_optimizer,
+    expert_groups,
+    functional_groups,
     init_optimizer_state,
     make_batch,
+    mesh_and_groups,
     model_from_config,
+    simulation,
     text_vocab_size,
     train_step,
 )
+from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.logps import sequence_log_probs
 from hf_tp.parallel.passengers import in_tower, passenger_parameters

@@ -1,14 +1,21 @@
-"""What one estimate simulates, as one object: the layout and the step's shape (:class:`EstimateSpec`),
-checked once (:func:`validate`) with the layout rules training and ``hf_tp.parallelize`` share.
+"""What one estimate simulates: the model's config (``--model``: :func:`resolve_model_config`), the
+layout and the step's shape (:class:`EstimateSpec`), checked once (:func:`validate`) with the layout
+rules training and ``hf_tp.parallelize`` share, and what a multimodal wrapper's images add to it
+(:func:`image_load`).
 
-And what a multimodal wrapper's images add (:func:`image_load`): image + text steps of a multimodal wrapper in ``hf-tp estimate``: what images add to one rank's
-step, counted from the config (the simulated step itself is text-only: a wrapper's image path has
-data-dependent shapes, the placeholder positions and 3-D positions, that fake tensors cannot run).
+The model's config comes from a bundled short name, a local dir or config.json, or a Hub id. The
+bundled configs (``hf_tp/estimate/models/*.json``) hold the published shapes of a few common models,
+so ``hf-tp estimate --model llama-3.1-8b`` works offline and without Hub access. Listing them
+(:func:`bundled_models`, for ``--help``) reads json only: this module imports torch and
+transformers (through ``hf_tp.adapters``) only inside the functions that need them.
 
-What hf_tp does with an image batch (docs/multimodal.md): every tp rank runs the vision tower and
-projector whole on its dp rank's images (the tower FSDP2-gathered over dp), the merged image + text
-embeddings are whole on every tp rank from the merge to the language model's entry, where sequence
-parallelism splits them again. So per rank, beyond the text step at the same ``seq_len``:
+Images (``--images-per-row``) are counted from the config: the simulated step itself is text-only (a
+wrapper's image path has data-dependent shapes, the placeholder positions and 3-D positions, that
+fake tensors cannot run). What hf_tp does with an image batch (docs/multimodal.md): every tp rank
+runs the vision tower and projector whole on its dp rank's images (the tower FSDP2-gathered over
+dp), the merged image + text embeddings are whole on every tp rank from the merge to the language
+model's entry, where sequence parallelism splits them again. So per rank, beyond the text step at
+the same ``seq_len``:
 
 - the projector's saved activations (it trains): its input (the tower's features) and the two
   activations of its MLP (linear, activation, linear: LLaVA's, Qwen's merger);
@@ -27,18 +34,20 @@ row, fp32): the step's peak grew by 6.0 MiB with the images, 5.0 MiB counted her
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
-
-from hf_tp.adapters import wrapper
-from hf_tp.adapters.modules import num_experts
-from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.layout import LAYOUT_DIMS, check_cp_rows, check_layout, check_positive
 from hf_tp.pipeline_checks import check_pipeline
-from hf_tp.train.validate import check_mixed_precision, validate_model_config
+from hf_tp.train.validate import check_mixed_precision, load_model_config, validate_model_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DTYPES = ("bf16", "fp32")
 MiB = 2**20
@@ -86,6 +95,9 @@ class EstimateSpec:
 def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
     """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
     quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
+    from hf_tp.adapters.modules import num_experts  # torch: imported on use (see the module's docstring)
+    from hf_tp.adapters.quantized import full_precision
+
     config = full_precision(config)
     for name in (*LAYOUT_DIMS, "seq_len", "batch_size"):
         check_positive(name, getattr(spec, name))
@@ -109,6 +121,8 @@ def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
         if (spec.microbatches, spec.pp_virtual_stages, spec.pp_schedule) != (1, 1, "1f1b"):
             raise ValueError("microbatches, pp_schedule and pp_virtual_stages are pipeline settings: set pp > 1")
         return
+    from hf_tp.adapters import wrapper  # torch: imported on use
+
     layers = (wrapper.text_config_of(config) or config).num_hidden_layers
     check_pipeline(spec.pp, spec.pp_schedule, spec.microbatches, spec.pp_virtual_stages, layers)
     if spec.batch_size % spec.microbatches:
@@ -136,6 +150,68 @@ def parse_memory(text: str) -> int:
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"--gpu-memory '{text}' is not a memory size; write it like 80GiB, 141GB or 80")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+# The model's config (hf-tp estimate --model)
+
+
+def bundled_models() -> dict[str, str]:
+    """Short name -> Hub id of every bundled config, sorted by short name."""
+    out = {}
+    for entry in sorted(resources.files("hf_tp.estimate").joinpath("models").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            out[entry.name[: -len(".json")]] = json.loads(entry.read_text()).get("_name_or_path", "")
+    return out
+
+
+def config_from_dict(data: dict) -> PretrainedConfig:
+    """A transformers config object from the contents of a ``config.json``."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"config.json has model_type {model_type!r}, which transformers does not know")
+    return CONFIG_MAPPING[model_type].from_dict(dict(data))
+
+
+def bundled_config(short_name: str) -> PretrainedConfig:
+    """The bundled config of ``short_name`` (case-insensitive); a ``ValueError`` naming them if unknown."""
+    name = short_name.lower()
+    models = bundled_models()
+    if name not in models:
+        raise ValueError(f"unknown model short name '{short_name}'; bundled ones are: {', '.join(models)}")
+    entry = resources.files("hf_tp.estimate").joinpath("models", f"{name}.json")
+    return config_from_dict(json.loads(entry.read_text()))
+
+
+def resolve_model_config(model: str) -> tuple[PretrainedConfig, str]:
+    """``(config, label)`` for ``--model``: a local dir or config.json, a bundled short name (or
+    its Hub id, served offline from the bundle), else a Hub id through ``AutoConfig``."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return config_from_dict(json.loads(path.read_text())), str(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"local directory '{model}' has no config.json; pass a model dir or a config.json file")
+        return config_from_dict(json.loads((path / "config.json").read_text())), str(path)
+    if model.startswith((".", "/", "~")) or model.endswith(".json"):
+        raise ValueError(f"model not found: no file or directory at '{model}'")
+    models = bundled_models()
+    by_hub_id = {hub_id.lower(): short for short, hub_id in models.items() if hub_id}
+    short = model.lower() if model.lower() in models else by_hub_id.get(model.lower())
+    if short is not None:
+        return bundled_config(short), models[short] or short
+    if "/" not in model:
+        raise ValueError(
+            f"unknown model '{model}': not a bundled short name ({', '.join(models)}), a local path, or a Hub id"
+        )
+    try:
+        return load_model_config(model), model  # one quick request when the Hub is unreachable
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot load a config for '{model}' ({exc}); offline, use a local dir/config.json or a bundled "
+            f"short name: {', '.join(models)}"
+        ) from None
 
 
 # Image inputs (hf-tp estimate --images-per-row / --image-size)

@@ -119,7 +119,7 @@ def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
 def resolve_config(model: str) -> tuple[PretrainedConfig, str]:
     """``hf-tp estimate``'s resolution (bundled name, local folder or config.json, Hub id), with a
     Hub id read from the Hub cache first: no request at all when it is there."""
-    from hf_tp.estimate.configs import bundled_models, resolve_model_config
+    from hf_tp.estimate.spec import bundled_models, resolve_model_config
 
     bundled = {k.lower() for k in bundled_models()} | {v.lower() for v in bundled_models().values() if v}
     if "/" in model and not Path(model).expanduser().exists() and model.lower() not in bundled:

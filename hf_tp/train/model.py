@@ -1,7 +1,7 @@
 """A rank's model: built on the meta device, parallelized, then filled with its own shards.
 
 :func:`mixed_precision` and :func:`compute_dtype` are the loop's dtype policy, shared with the
-estimate (:mod:`hf_tp.estimate.step`) so it sizes the step the loop runs.
+estimate (:mod:`hf_tp.estimate.simulate`) so it sizes the step the loop runs.
 """
 
 from __future__ import annotations

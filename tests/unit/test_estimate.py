@@ -13,8 +13,8 @@ import hf_tp
 from hf_tp.cli.main import main
 from hf_tp.estimate import bundled_models, estimate, resolve_model_config
 from hf_tp.estimate.memory import GiB, MiB
+from hf_tp.estimate.simulate import measure
 from hf_tp.estimate.spec import parse_memory
-from hf_tp.estimate.step import measure
 from hf_tp.estimate.sweep import RESERVED_BYTES, recommend, sweep
 
 # Published shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied).

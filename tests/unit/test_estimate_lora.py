@@ -12,7 +12,7 @@ import torch.distributed as dist
 import hf_tp
 from hf_tp.cli.main import main
 from hf_tp.estimate import estimate
-from hf_tp.estimate.step import measure
+from hf_tp.estimate.simulate import measure
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
 
 pytest.importorskip("peft")

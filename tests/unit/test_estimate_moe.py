@@ -15,7 +15,7 @@ import hf_tp
 from hf_tp.cli.main import main
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
 from hf_tp.estimate import estimate
-from hf_tp.estimate.step import measure
+from hf_tp.estimate.simulate import measure
 from hf_tp.estimate.sweep import candidate_splits
 
 SEQ, BATCH = 32, 2

@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import _get_warmup_ops
 from transformers import DeepseekV3Config
 
 from hf_tp.cli.estimate import main
+from hf_tp.cli.estimate_report import format_ranking
 from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work
 from hf_tp.estimate.layouts import (
@@ -24,7 +25,6 @@ from hf_tp.estimate.layouts import (
     stage_plan,
 )
 from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.report import format_ranking
 from hf_tp.estimate.search import Layout, Sweep, hsdp_pruned
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, comm_seconds, predict

@@ -1,7 +1,5 @@
-"""Plain-text tables for the terminal: an estimate's memory and collectives and a sweep's splits (one
-layout's predicted speed and a sweep's ranking by it: :mod:`hf_tp.estimate.report`).
-
-Plain-text tables of predicted speed: one layout's step time and its parts, a sweep's ranking by
+"""What ``hf-tp estimate`` prints: plain-text tables of an estimate's memory and collectives, of a
+sweep's splits, of one layout's predicted step time and its parts, and of a sweep's ranking by
 tokens/s per GPU (pipeline and HSDP columns where the sweep has such layouts).
 """
 
