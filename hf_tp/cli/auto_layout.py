@@ -133,7 +133,7 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
 def _schedules(cfg: TrainConfig) -> tuple[str, ...]:
     """The pipeline schedules the sweep tries for ``cfg``'s run: none where ``--pp`` does not combine
     with it yet (:mod:`hf_tp.train.pipeline_settings`) or the estimate does not model it (pp with cp
-    or ep: :mod:`hf_tp.estimate.search`)."""
+    or ep: :mod:`hf_tp.estimate.sweep`)."""
     if cfg.cp > 1 or cfg.ep > 1 or cfg.compile or cfg.objective != "sft" or cfg.train_vision_tower:
         return ()
     return ("1f1b", "interleaved1f1b")

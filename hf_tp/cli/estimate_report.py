@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.memory import BALANCED_NOTE_LINES
-from hf_tp.estimate.search import describe_layout, layout_of
 from hf_tp.estimate.spec import GiB, MiB
 from hf_tp.estimate.speed import BUBBLE, Cluster, Speed
-from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, fits, headroom
+from hf_tp.estimate.sweep import RANK_RULE, RULE, Sweep, describe_layout, fits, headroom, layout_of
 
 _CATEGORIES = (
     ("parameters", "parameters"),

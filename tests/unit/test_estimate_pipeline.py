@@ -25,10 +25,9 @@ from hf_tp.estimate.layouts import (
     stage_plan,
 )
 from hf_tp.estimate.memory import MemoryBreakdown
-from hf_tp.estimate.search import Layout, Sweep, hsdp_pruned
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, comm_seconds, predict
-from hf_tp.estimate.sweep import sweep
+from hf_tp.estimate.sweep import Layout, Sweep, hsdp_pruned, sweep
 from hf_tp.gpus import get_gpu
 from tests.helpers import tiny_config
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
