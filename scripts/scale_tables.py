@@ -10,12 +10,14 @@ layouts. "-" where no layout of that kind fits.
 
     OMP_NUM_THREADS=1 python scripts/scale_tables.py > /tmp/scale.md            # every row
     python scripts/scale_tables.py --models llama-3.1-70b --gpus h100-sxm --worlds 64
-    python scripts/scale_tables.py --verified 1          # each row's best also simulated at every layer
+    python scripts/scale_tables.py --verified 1          # each row's best simulated at every layer
 
 Each layout's stage is estimated from short runs extended to its depth (``hf-tp estimate``'s fast
 estimate, :mod:`hf_tp.estimate.depth`: equal to the every-layer simulation to the byte on the cases
-of docs/estimate.md); ``--verified N`` simulates each sweep's best N at every layer as ``hf-tp
-estimate --gpu`` does (hours for 405B and DeepSeek-V3 on 2 cores), ``--simulate module:function``
+of docs/estimate.md), and each row's best checked as ``hf-tp estimate --gpu`` checks it (one period
+deeper: its extension must predict that run exactly); ``--verified N`` simulates each sweep's best
+N at every layer instead (hours for 405B and DeepSeek-V3 on 2 cores); the simulations run in
+``--jobs`` worker processes (one per core by default); ``--simulate module:function``
 runs each stage's simulation with another function of :data:`hf_tp.estimate.layouts.Simulate`'s
 signature (``hf_tp.estimate.api:estimate_spec``: every layer of every layout).
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_tp.cli.estimate_report import train_flags  # noqa: E402
+from hf_tp.estimate.depth import default_jobs  # noqa: E402
 from hf_tp.estimate.spec import GiB, resolve_model_config  # noqa: E402
 from hf_tp.estimate.speed import Cluster  # noqa: E402
 from hf_tp.estimate.sweep import headroom, sweep  # noqa: E402
@@ -46,13 +49,13 @@ KINDS = {
 }
 
 
-def row(model: str, gpu: str, world: int, simulate, say, verified: int = 0) -> str:
+def row(model: str, gpu: str, world: int, simulate, say, verified: int = 0, jobs: int = 1) -> str:
     """One markdown row: the sweep of ``model`` on ``world`` x ``gpu``."""
     config, name = resolve_model_config(model)
     start = time.perf_counter()
     result = sweep(
         config, world, seq_len=MODELS[model], batch_size=1, model_name=name, cluster=Cluster(get_gpu(gpu)),
-        simulate=simulate, progress=say, verified=verified,
+        simulate=simulate, progress=say, verified=verified or 1, verify="full" if verified else "check", jobs=jobs,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     ranked = result.ranking()
@@ -77,7 +80,8 @@ def main() -> None:
     p.add_argument("--gpus", nargs="*", default=list(GPUS))
     p.add_argument("--worlds", nargs="*", type=int, default=list(WORLDS))
     p.add_argument("--simulate", help="module:function simulating one stage (default: the fast estimate)")
-    p.add_argument("--verified", type=int, default=0, help="each sweep's best N also simulated at every layer")
+    p.add_argument("--verified", type=int, default=0, help="each sweep's best N simulated at every layer")
+    p.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes (default: one per core)")
     args = p.parse_args()
     simulate = None
     if args.simulate:
@@ -97,7 +101,7 @@ def main() -> None:
     for model in args.models:
         for gpu in args.gpus:
             for world in args.worlds:
-                print(row(model, gpu, world, simulate, say, args.verified), flush=True)
+                print(row(model, gpu, world, simulate, say, args.verified, args.jobs), flush=True)
     print(f"\n({time.perf_counter() - start:.0f} s on this machine's CPU)")
 
 

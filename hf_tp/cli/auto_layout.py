@@ -90,6 +90,7 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
         splits = cp_splits(model_config, world, cfg.seq_len, cfg.ep, cfg.cp, [])  # smallest tp first
         ranked = [Choice(tp, dp, cfg.cp, cfg.activation_checkpointing) for tp, dp in reversed(splits)]
         return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    from hf_tp.estimate.depth import default_jobs
     from hf_tp.estimate.spec import EstimateSpec
     from hf_tp.estimate.speed import Cluster
     from hf_tp.estimate.sweep import sweep
@@ -99,11 +100,13 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
         1, 1, cfg.seq_len, cfg.batch_size, "fp32" if cfg.dtype == "fp32" else "bf16", cfg.activation_checkpointing,
         cfg.ep, cfg.lora_r, cfg.lora_target_modules, cfg.cp,
     )  # fmt: skip
-    # the layouts estimated from short runs, the two it prints then simulated at every layer
+    # the layouts estimated from short runs, the two it prints then simulated at every layer (before
+    # a launch: the full simulation, not the sweep's one-period check), on every core of this process
     cluster = Cluster(get_gpu(cfg.gpu))
     result = sweep(
-        model_config, world, spec, progress=say, cluster=cluster, grow=False, verified=2, pp_schedules=_schedules(cfg)
-    )
+        model_config, world, spec, progress=say, cluster=cluster, grow=False, verified=2, pp_schedules=_schedules(cfg),
+        jobs=default_jobs(),
+    )  # fmt: skip
     ranked = [
         Choice(
             e.tp,

@@ -46,8 +46,8 @@ def test_with_a_gpu_the_fastest_fitting_layout_is_chosen_and_logged(monkeypatch)
     too_big = make(tp=1, dp=8, peak_gib=90.0, matmul_flops=10**15, flops_per_token=10**15 / (4096 * 2))
     seen = {}
 
-    def fake_sweep(config, world, spec, *, cluster, grow, progress, verified, pp_schedules):
-        seen.update(world=world, spec=spec, grow=grow, verified=verified, pp_schedules=pp_schedules)
+    def fake_sweep(config, world, spec, *, cluster, grow, progress, verified, pp_schedules, jobs):
+        seen.update(world=world, spec=spec, grow=grow, verified=verified, pp_schedules=pp_schedules, jobs=jobs)
         result = Sweep(world_size=world, gpu_memory=cluster.gpu.memory_bytes, cluster=cluster)
         result.estimates += [lean, tp_heavy, too_big]
         return result
@@ -106,7 +106,7 @@ def test_a_pipeline_and_hsdp_layout_can_be_chosen_with_all_its_flags(monkeypatch
     )  # fmt: skip
     seen = {}
 
-    def fake_sweep(config, world, spec, *, cluster, grow, progress, pp_schedules, verified):
+    def fake_sweep(config, world, spec, *, cluster, grow, progress, pp_schedules, verified, jobs):
         seen["schedules"] = pp_schedules
         result = Sweep(world_size=world, gpu_memory=cluster.gpu.memory_bytes, cluster=cluster)
         result.estimates += [flat, piped]
