@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from hf_tp.cli.estimate_report import format_ranking, format_sweep
+    from hf_tp.estimate.depth import WorkerDied
     from hf_tp.estimate.spec import image_load, parse_memory, resolve_model_config
     from hf_tp.estimate.sweep import estimate_candidate, sweep
 
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster,
             fast=not args.full, verified=0 if args.fast else 1, verify="check", jobs=_jobs(args.jobs),
         )  # fmt: skip
-    except ValueError as exc:
+    except (ValueError, WorkerDied) as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

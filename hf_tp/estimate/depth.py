@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -138,7 +139,12 @@ class Simulations:
         if run is None:
             run = simulate_spec(config, spec, name)
         elif isinstance(run, Future):
-            run = run.result()
+            try:
+                run = run.result()
+            except BrokenProcessPool as exc:  # (killed: out of memory, a signal)
+                raise WorkerDied(
+                    f"a simulation worker process died ({exc}); rerun with fewer --jobs (1: no workers)"
+                ) from exc
         self._runs[key] = run
         return run
 
@@ -159,6 +165,10 @@ class Simulations:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WorkerDied(RuntimeError):
+    """A sweep's worker process ended before its simulation did."""
 
 
 def _ignore_interrupts() -> None:
