@@ -6,6 +6,8 @@ parameter counts equal; the peak equal too, to the byte."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 import pytest
 from transformers import CONFIG_MAPPING
@@ -115,3 +117,13 @@ def test_a_sweep_in_worker_processes_equals_one_in_this_process() -> None:
     here, workers = ([dataclasses.replace(e, seconds=0.0) for e in r.estimates] for r in runs)
     assert here == workers and len(here) == 2
     assert runs[1].recommended.extended_from == (4, 5, 6)
+
+
+def test_a_worker_that_dies_is_one_clear_error() -> None:
+    config, spec = _family("llama", num_hidden_layers=2), EstimateSpec(1, 1, 64, 1)
+    with depth.Simulations(2) as sims:
+        sims.submit(config, spec, None)
+        for pid in sims._pool._processes:  # killed mid-simulation (out of memory, a signal)
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(depth.WorkerDied, match="rerun with fewer --jobs"):
+            sims.get(config, spec, None)
