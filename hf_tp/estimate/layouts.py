@@ -65,14 +65,17 @@ import torch
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
+from hf_tp.adapters.modules import num_experts
 from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.aux_loss import standard_aux_loss
+from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
-from hf_tp.pipeline_checks import V_SHAPED
+from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.pipeline_checks import V_SHAPED, check_tied_schedule
 from hf_tp.train.metrics import unrouted_expert_params
 from hf_tp.verify.shrink import layer_kinds
 
@@ -120,18 +123,22 @@ def estimate_layout(
         return simulate(config, spec, model_name)
     name = model_name or getattr(config, "name_or_path", "") or config.model_type
     plan = stage_plan(config, spec.pp * spec.pp_virtual_stages) if spec.pp > 1 else None
+    if plan is not None:
+        check_tied_schedule(plan.tied, spec.pp_schedule)
     layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp)) if plan else []
     simulated = stage_config(config, plan, layers) if plan else config
     replicas = spec.dp_replicate if derive else 1
+    # a stage of dense layers only (a model's first dense layers) runs without ep, as training's
+    ep = spec.ep if plan is None or any(plan.expert_costs[i] for i in layers) else 1
     shard = spec.replace(
         dp=spec.dp // replicas, dp_replicate=spec.dp_replicate // replicas, batch_size=spec.batch_size // spec.microbatches,
-        pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1,
+        pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1, ep=ep,
     )  # fmt: skip
     est = simulate(simulated, shard, name)
     if derive:
         est = replicated(est, replicas)
     if plan is not None:
-        est = staged(est, spec, plan, len(layers), config)
+        est = staged(est, spec, plan, layers, config)
     return est
 
 
@@ -159,8 +166,8 @@ def replicated(est: Estimate, replicas: int) -> Estimate:
     )
 
 
-def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, config: PretrainedConfig) -> Estimate:
-    """``est`` (one micro-batch of the busiest rank's layers) as that rank's whole pipeline step."""
+def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: list[int], config: PretrainedConfig) -> Estimate:
+    """``est`` (one micro-batch of the busiest rank's ``layers``) as that rank's whole pipeline step."""
     m, v = spec.microbatches, spec.pp_virtual_stages
     held = in_flight(spec.pp_schedule, spec.pp, m, v)
     rows = spec.batch_size // m
@@ -172,10 +179,11 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     message = rows * spec.seq_len * config.hidden_size * BYTES[spec.dtype] // (spec.tp * spec.cp)
     count = 2 * v * m
     comms.append(CommStat("pp", "send_recv", spec.pp, count, count * message, count * message))
+    comms.append(_stage_all_reduces(spec, plan, config))
     routing = plan.aux_loss
     return dataclasses.replace(
         est,
-        peak=_stage_peak(est, spec, config, held),
+        peak=_stage_peak(est, spec, config, held, sum(plan.expert_costs[i] for i in layers)),
         comms=comms,
         work=_per_step_work(est.work, m, routing),
         num_params=plan.num_params,
@@ -185,10 +193,45 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
         pp_schedule=spec.pp_schedule,
         pp_virtual_stages=v,
         microbatches=m,
-        stage_layers=layers,
+        stage_layers=len(layers),
+        ep=spec.ep,
         in_flight=held,
         routing_pass=routing,
         trainable_params=est.trainable_params * plan.num_params // max(est.num_params, 1),
+    )
+
+
+# FSDP2's collectives in a simulated stage: over its dp (x cp) ranks, a MoE's experts over the dp ranks
+# outside their ep group (dp_out, units inside the stage's root: reduced with it), HSDP's replicas
+FSDP2_COLLECTIVES = (
+    ("dp", "reduce_scatter"), ("dp", "all_gather"), ("dp_out", "reduce_scatter"), ("dp_out", "all_gather"),
+    ("dp_replicate", "all_reduce"),
+)  # fmt: skip
+
+
+def tied_sync(spec: EstimateSpec, plan: StagePlan) -> list[CommStat]:
+    """A tied ``lm_head``'s gradient summed over the first and last stage's ranks, once per step
+    (:meth:`hf_tp.parallel.pipeline.Pipeline.sync_tied_grads`: an all-reduce of this rank's fp32
+    shard of the weight, over tp and FSDP2's dp x cp shard group); none when it is frozen (LoRA)."""
+    if not plan.tied or spec.lora_r:
+        return []
+    vocab, hidden = plan.embedding_shape
+    shard = spec.dp // spec.dp_replicate * spec.cp
+    per_tp = -(-vocab // spec.tp)
+    return [_stat("pp", "all_reduce", 2, 1, -(-per_tp // shard) * hidden * 4)]
+
+
+def _stage_all_reduces(spec: EstimateSpec, plan: StagePlan, config: PretrainedConfig) -> CommStat:
+    """The step's all-reduces over the pp ranks, as one stat: the gradient norm's squares summed over
+    the stages (one fp64 scalar, :func:`hf_tp.parallel.grad.clip_grad_norm`), a MoE's routing counts
+    for its aux loss (:func:`hf_tp.parallel.pipeline_aux.route`: experts + 1 floats) and a tied
+    weight's gradient (:func:`tied_sync`: between the first and last stage only)."""
+    parts = [_stat("pp", "all_reduce", spec.pp, 1, 8)]
+    if plan.aux_loss:
+        parts.append(_stat("pp", "all_reduce", spec.pp, 1, (num_experts(config) + 1) * 4))
+    parts += tied_sync(spec, plan)
+    return CommStat(
+        "pp", "all_reduce", spec.pp, len(parts), sum(c.bytes for c in parts), sum(c.sent_bytes for c in parts)
     )
 
 
@@ -196,11 +239,12 @@ def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
     """One micro-batch's collective ``c`` over a pipeline step: FSDP2's reduce-scatter (and HSDP's
     all-reduce of it) once, at the step's end (:mod:`hf_tp.parallel.pipeline_fsdp`); its all-gathers
     once per micro-batch's forward and backward, plus the schedule's shape pass (one micro-batch
-    more), or once per step where a V-shaped schedule keeps the gathered weights; the rest per
-    micro-batch."""
-    fsdp2 = (c.dim, c.collective) in (("dp", "reduce_scatter"), ("dp_replicate", "all_reduce"), ("dp", "all_gather"))
+    more), or once per step where a V-shaped schedule keeps the gathered weights; the rest (tp's,
+    cp's, ep's all-to-alls) once per micro-batch and once more for the shape pass (its backward
+    computes the stage's input gradients only: none on the first stage, a bound there)."""
+    fsdp2 = (c.dim, c.collective) in FSDP2_COLLECTIVES
     if not fsdp2:
-        times = spec.microbatches
+        times = spec.microbatches + 1
     elif c.collective == "all_gather":
         times = 1 if spec.pp_schedule in V_SHAPED else spec.microbatches + 1
     else:
@@ -208,19 +252,23 @@ def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
     return CommStat(c.dim, c.collective, c.group_size, c.count * times, c.bytes * times, c.sent_bytes * times)
 
 
-def _stage_peak(est: Estimate, spec: EstimateSpec, config: PretrainedConfig, held: float) -> MemoryBreakdown:
+def _stage_peak(
+    est: Estimate, spec: EstimateSpec, config: PretrainedConfig, held: float, experts: int
+) -> MemoryBreakdown:
     """The busiest rank's peak over a step (the module docstring): the larger of the first rank's
     in-flight micro-batches before its first backward, the last rank's with their logits, and either
     rank once its first backward has run, when it holds the stage's unsharded gradients (in fp32:
     FSDP2 accumulates them in its reduce dtype, hf_tp's fp32) to the step's end with the micro-batches
-    still in flight then; a V-shaped schedule also holds the stage's gathered weights through the step."""
+    still in flight then (a MoE's ``experts`` routed expert weights: 1/ep of them on a rank); a
+    V-shaped schedule also holds the stage's gathered weights through the step."""
     m, v, act = spec.microbatches, spec.pp_virtual_stages, est.peak.activations
-    logits = spec.batch_size // m * spec.seq_len * config.vocab_size // spec.tp
+    logits = spec.batch_size // m * spec.seq_len * config.vocab_size // (spec.tp * spec.cp)  # its cp tokens
     last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
     at_last = (last - 1) * act + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
     before = dataclasses.replace(est.peak, activations=act + int(max((held - 1) * act, at_last)))
     after = max(1.0, min(held, (m * v - 1) / v))  # in flight at a later backward (with the one it runs)
-    grads = est.trainable_params // spec.tp * 4
+    experts = 0 if spec.lora_r else experts  # LoRA: the experts are frozen (their adapters a bound, whole)
+    grads = (est.trainable_params - experts + experts // spec.ep) // spec.tp * 4
     weights = est.num_params // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
     during = dataclasses.replace(
         est.peak,
@@ -266,6 +314,9 @@ class StagePlan:
     num_params: int
     unrouted_params: int  # routed experts' weights one token does not use (MFU's N leaves them out)
     aux_loss: bool  # a MoE whose aux loss needs a routing pass before a pipeline step
+    expert_costs: tuple[int, ...] = ()  # each decoder layer's routed experts' parameters (0: a dense layer)
+    tied: bool = False  # lm_head tied to the embedding: the first and the last stage each hold it
+    embedding_shape: tuple[int, int] = (0, 0)  # (vocab, hidden) of the input embedding
 
     def rank_layers(self, pp: int, rank: int) -> list[int]:
         """The decoder layers of every stage ``rank`` runs (stages ``rank + v * pp``)."""
@@ -296,6 +347,11 @@ def stage_plan(config: PretrainedConfig, stages: int) -> StagePlan:
             model = wrapper.model_from_config(config)
         check_splittable(model, adapter)
         costs = layer_costs(model, adapter.layers_path)
+        experts = [0] * len(costs)
+        for path, module in experts_modules(model, adapter.layers_path, adapter.experts if adapter.moe else ()):
+            experts[int(path[len(adapter.layers_path) + 1 :].split(".")[0])] += sum(
+                p.numel() for p in module.parameters()
+            )
         _PLANS[key] = StagePlan(
             cuts=tuple(balanced_cuts(costs, stages)),
             costs=tuple(costs),
@@ -303,6 +359,9 @@ def stage_plan(config: PretrainedConfig, stages: int) -> StagePlan:
             num_params=sum(p.numel() for p in model.parameters()),
             unrouted_params=unrouted_expert_params(model, config),
             aux_loss=standard_aux_loss(model),
+            expert_costs=tuple(experts),
+            tied=embeddings_tied(model),
+            embedding_shape=tuple(model.get_input_embeddings().weight.shape),
         )
     return _PLANS[key]
 

@@ -140,7 +140,7 @@ def sweep(
         stages = pipeline_layouts(
             config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped, pp_schedules
         )
-        layouts += stages + hsdp_layouts(stages, node)
+        layouts += stages + (hsdp_layouts(stages, node) if spec.cp == 1 and spec.ep == 1 else [])
         speed_sweep(result, layouts, run, spec.activation_checkpointing, progress, grow)
     else:
         cp = f" x cp={spec.cp}" if spec.cp > 1 else ""
