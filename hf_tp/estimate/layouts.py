@@ -5,7 +5,11 @@ What is simulated (:data:`Simulate`, :func:`hf_tp.estimate.api.estimate_spec` by
 rank of one stage: the busiest rank's decoder layers (:mod:`hf_tp.estimate.layouts`) with the
 embedding, final norm and lm_head all kept (a bound: a real stage holds the embedding only on the
 first stage, the head and logits only on the last), one micro-batch's rows (``batch_size /
-microbatches``), tp x cp x the FSDP2 shard group's ranks. Its result depends on neither pp's
+microbatches``), tp x cp x the FSDP2 shard group's ranks, ep over the stage's dp x cp ranks as
+``hf-tp train --pp`` does (ep 1 for a stage of dense layers only, which training runs without ep:
+a model's first dense layers). A tied ``lm_head`` is one weight on the simulated stage, as on the
+first and on the last stage, each of which holds it (the estimate's bound holds both ends
+anyway); its gradient sum between them is counted below. Its result depends on neither pp's
 schedule nor the micro-batch count nor the replicas, so one simulation serves every such layout
 (:class:`SimulationCache`, keyed by the simulated config and shape). Then:
 
@@ -16,21 +20,29 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
   micro-batches' saved activations (the simulated peak's activations each: a bound, they include
   one micro-batch's loss chunk) and the last rank's, with its loss on whole logits per micro-batch
   it holds (``hf-tp train --pp``'s last stage computes transformers' loss on a micro-batch's whole
-  logits, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per logit of the tp shard
-  kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one micro-batch's backward);
+  logits of this rank's cp tokens, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per
+  logit of the tp shard kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one
+  micro-batch's backward);
   the stage's FSDP2 units accumulate unsharded gradients through the schedule's step and
   reduce-scatter once after it (:mod:`hf_tp.parallel.pipeline_fsdp`), so from the first backward
-  to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype)
-  with the micro-batches then in flight, which the peak takes where it is larger; FSDP2's
-  reduce-scatter (and HSDP's all-reduce of it) runs once per step, its all-gathers once per
+  to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype; a
+  MoE's routed experts 1/ep of them, the rank's own) with the micro-batches then in flight, which
+  the peak takes where it is larger; FSDP2's reduce-scatter (and HSDP's all-reduce of it; the
+  experts' own units over ``dp_out``, inside the stage's root, alike) runs once per step, its all-gathers once per
   micro-batch's forward and backward plus one micro-batch more for the shape pass torch's schedule
   runs each step (a bound: a unit still gathered from a previous forward skips its gather), once
   per step under a V-shaped schedule (``zbv``, ``dualpipev``: the gathered weights, also added
-  to the peak, are kept through the step); every other per-micro-batch collective and kernel
-  runs ``microbatches`` times, AdamW and the gradient norm once; each micro-batch's boundary activations go to the next stage and their
-  gradients come back (``pp`` send_recv: this rank's tp x cp shard of a micro-batch's hidden
-  states, 2 x V x M messages); a MoE whose aux loss hf_tp computes over the step adds the routing
-  pass (a no-grad forward: a third of the matmul and attention work). Parameters and MFU's model
+  to the peak, are kept through the step); every other per-micro-batch collective (tp's, cp's K/V
+  gathers and dK/dV reduce-scatters, ep's all-to-alls) runs ``microbatches + 1`` times (the shape
+  pass runs one micro-batch's forward and its input-gradient backward more: measured exact on a
+  last stage, a bound on a first, whose shape pass has no backward), every kernel ``microbatches``
+  times, AdamW and the gradient norm once; each micro-batch's boundary activations go to the next
+  stage and their gradients come back (``pp`` send_recv: this rank's tp x cp shard of a
+  micro-batch's hidden states, 2 x V x M messages); the step's all-reduces over pp (``pp``
+  all_reduce: the gradient norm's squares summed over the stages, a MoE's aux-loss routing counts,
+  a tied weight's gradient shard summed between the first and last stage, :func:`tied_sync`); a
+  MoE whose aux loss hf_tp computes over the step adds the routing pass (a no-grad forward: a third
+  of the matmul and attention work; its collectives are not counted). Parameters and MFU's model
   FLOPs are the whole model's.
 
 Pipeline stages in the estimate: how ``hf-tp train --pp`` cuts a model, which rank is the busiest,
@@ -38,8 +50,9 @@ the config of that rank's layers, and how many micro-batches' activations a rank
 
 The cut is training's own (:func:`hf_tp.parallel.pipeline_split.balanced_cuts` over each decoder
 layer's parameter count, read from a model built on the meta device: no memory), refused where
-training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: tied embeddings,
-multimodal wrappers, forwards that change the hidden states outside the layers). A rank runs
+training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: multimodal wrappers,
+forwards that change the hidden states outside the layers; :func:`hf_tp.pipeline_checks.check_tied_schedule`:
+a tied ``lm_head`` under a V-shaped schedule). A rank runs
 stages ``rank + v * pp`` for v < ``pp_virtual_stages``; the simulated rank is the one whose layers
 hold the most parameters (ties: the later rank, which runs the last stage's ``lm_head``).
 
