@@ -2,19 +2,24 @@
 stand-in stage simulation (the collectives a stage counts, scaled over the schedule; the stage's cp
 tokens in its sends and logits; a MoE's experts 1/ep on a rank in the held gradients; the tied
 weight's gradient sum over the first and last stage), the refusals shared with training, the sweep's
-stage splits, and one real simulated pp x cp x ep stage."""
+stage splits and pipelines with ep, and one real simulated pp x cp x ep stage."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from hf_tp.estimate.api import Estimate, GiB
-from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.counters import CommStat, Work
 from hf_tp.estimate.layouts import estimate_layout, stage_plan
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.search import pipeline_layouts
 from hf_tp.estimate.spec import EstimateSpec
+from hf_tp.estimate.speed import Cluster
+from hf_tp.estimate.sweep import sweep
+from hf_tp.gpus import get_gpu
 
 HIDDEN, VOCAB = 64, 1001
 
@@ -61,6 +66,7 @@ class StandIn:
         return Estimate(
             "m", config.model_type, 10**7, spec.tp, spec.dp, spec.ep, spec.seq_len, spec.batch_size, "fp32", False,
             peak, peak, comms, cp=spec.cp, trainable_params=self.trainable,
+            work=Work(matmul_flops=10**12 * config.num_hidden_layers * spec.batch_size),
         )  # fmt: skip
 
 
@@ -159,3 +165,12 @@ def test_a_real_stage_of_pp_cp_and_ep_is_simulated() -> None:
     assert {("cp", "all_gather"), ("ep", "all_to_all"), ("pp", "send_recv"), ("pp", "all_reduce")} <= set(comms)
     assert comms[("pp", "send_recv")].bytes == 2 * 2 * (32 // 2 * HIDDEN * 4)
     assert est.peak.total > est.state.total and est.stage_layers == 2
+
+
+def test_a_sweep_with_ep_across_nodes_tries_pipelines_without_hsdp() -> None:
+    gpu = dataclasses.replace(get_gpu("h100-sxm"), gpus_per_node=2)  # 8 ranks are 4 nodes
+    result = sweep(moe(), 8, seq_len=64, batch_size=4, ep=2, cluster=Cluster(gpu), simulate=StandIn(), grow=False)
+    layouts = {(e.pp, e.tp, e.dp, e.ep, e.dp_replicate) for e in result.estimates}
+    assert {(2, 1, 4, 2, 1), (4, 1, 2, 2, 1)} <= layouts  # pp with ep inside each stage's dp ranks
+    # HSDP does not combine with ep: no HSDP layout simulated, nor pruned
+    assert all(e.dp_replicate == 1 for e in result.estimates) and not any("HSDP" in s for s in result.skipped)
