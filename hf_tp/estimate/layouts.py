@@ -53,7 +53,8 @@ layer's parameter count, read from a model built on the meta device: no memory),
 training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: multimodal wrappers,
 forwards that change the hidden states outside the layers; :func:`hf_tp.pipeline_checks.check_tied_schedule`:
 a tied ``lm_head`` under a V-shaped schedule). A rank runs
-stages ``rank + v * pp`` for v < ``pp_virtual_stages``; the simulated rank is the one whose layers
+stages ``rank + v * pp`` for v < ``pp_virtual_stages`` (``rank`` and ``2 pp - 1 - rank`` under a
+V-shaped schedule, as training places them); the simulated rank is the one whose layers
 hold the most parameters (ties: the later rank, which runs the last stage's ``lm_head``).
 
 In-flight micro-batches (the activations saved for backward a rank holds at its peak), from torch's
@@ -138,7 +139,7 @@ def estimate_layout(
     plan = stage_plan(config, spec.pp * spec.pp_virtual_stages) if spec.pp > 1 else None
     if plan is not None:
         check_tied_schedule(plan.tied, spec.pp_schedule)
-    layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp)) if plan else []
+    layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp, spec.pp_schedule), spec.pp_schedule) if plan else []
     simulated = stage_config(config, plan, layers) if plan else config
     replicas = spec.dp_replicate if derive else 1
     # a stage of dense layers only (a model's first dense layers) runs without ep, as training's
@@ -272,17 +273,17 @@ def _stage_peak(
     in-flight micro-batches before its first backward, the last rank's with their logits, and either
     rank once its first backward has run, when it holds the stage's unsharded gradients (in fp32:
     FSDP2 accumulates them in its reduce dtype, hf_tp's fp32) to the step's end with the micro-batches
-    still in flight then (a MoE's ``experts`` routed expert weights: 1/ep of them on a rank); a
-    V-shaped schedule also holds the stage's gathered weights through the step."""
+    still in flight then; a V-shaped schedule also holds the stage's gathered weights through the
+    step (of a MoE's ``experts`` routed expert weights, 1/ep on a rank, gradients and weights alike)."""
     m, v, act = spec.microbatches, spec.pp_virtual_stages, est.peak.activations
     logits = spec.batch_size // m * spec.seq_len * config.vocab_size // (spec.tp * spec.cp)  # its cp tokens
     last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
     at_last = (last - 1) * act + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
     before = dataclasses.replace(est.peak, activations=act + int(max((held - 1) * act, at_last)))
     after = max(1.0, min(held, (m * v - 1) / v))  # in flight at a later backward (with the one it runs)
-    experts = 0 if spec.lora_r else experts  # LoRA: the experts are frozen (their adapters a bound, whole)
-    grads = (est.trainable_params - experts + experts // spec.ep) // spec.tp * 4
-    weights = est.num_params // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
+    others = experts - experts // spec.ep  # other ep ranks' experts
+    grads = (est.trainable_params - (0 if spec.lora_r else others)) // spec.tp * 4  # LoRA: frozen experts
+    weights = (est.num_params - others) // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
     during = dataclasses.replace(
         est.peak,
         activations=act + int((after - 1) * act),
@@ -331,13 +332,16 @@ class StagePlan:
     tied: bool = False  # lm_head tied to the embedding: the first and the last stage each hold it
     embedding_shape: tuple[int, int] = (0, 0)  # (vocab, hidden) of the input embedding
 
-    def rank_layers(self, pp: int, rank: int) -> list[int]:
-        """The decoder layers of every stage ``rank`` runs (stages ``rank + v * pp``)."""
+    def rank_layers(self, pp: int, rank: int, schedule: str = "1f1b") -> list[int]:
+        """The decoder layers of every stage ``rank`` runs: stages ``rank + v * pp``, or under a
+        V-shaped schedule ``rank`` and ``2 pp - 1 - rank``."""
+        if schedule in V_SHAPED:
+            return [*self.cuts[rank], *self.cuts[len(self.cuts) - 1 - rank]]
         return [i for s in range(rank, len(self.cuts), pp) for i in self.cuts[s]]
 
-    def busiest_rank(self, pp: int) -> int:
+    def busiest_rank(self, pp: int, schedule: str = "1f1b") -> int:
         """The rank whose layers hold the most parameters (ties: the later rank)."""
-        load = [sum(self.costs[i] for i in self.rank_layers(pp, r)) for r in range(pp)]
+        load = [sum(self.costs[i] for i in self.rank_layers(pp, r, schedule)) for r in range(pp)]
         return max(range(pp), key=lambda r: (load[r], r))
 
 

@@ -174,3 +174,17 @@ def test_a_sweep_with_ep_across_nodes_tries_pipelines_without_hsdp() -> None:
     assert {(2, 1, 4, 2, 1), (4, 1, 2, 2, 1)} <= layouts  # pp with ep inside each stage's dp ranks
     # HSDP does not combine with ep: no HSDP layout simulated, nor pruned
     assert all(e.dp_replicate == 1 for e in result.estimates) and not any("HSDP" in s for s in result.skipped)
+
+
+def test_a_v_shaped_rank_holds_the_first_and_last_stages_layers_and_its_own_experts() -> None:
+    config = moe(num_hidden_layers=8, mlp_only_layers=[0, 1])  # stage 0 dense, stages 1-3 MoE
+    plan = stage_plan(config, 4)
+    assert plan.rank_layers(2, 0, "dualpipev") == [0, 1, 6, 7] and plan.rank_layers(2, 0) == [0, 1, 4, 5]
+    spec = EstimateSpec(1, 2, 64, 8, "bf16", ep=2, pp=2, microbatches=4, pp_schedule="dualpipev", pp_virtual_stages=2)
+    sim = StandIn(trainable=10**9)
+    est = estimate_layout(config, spec, None, sim)
+    layers = plan.rank_layers(2, plan.busiest_rank(2, "dualpipev"), "dualpipev")
+    assert sim.calls[0][0].num_hidden_layers == len(layers) == 4
+    others = sum(plan.expert_costs[i] for i in layers) // 2  # the other ep rank's experts
+    # the stage's gathered bf16 weights kept through the step, and its fp32 gradients: its own experts only
+    assert est.peak.other == (10**7 - others) * 2 and est.peak.gradients == (10**9 - others) * 4
