@@ -42,3 +42,14 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, laye
             f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages but the model has {layers} decoder layers: "
             "at most one stage per layer"
         )
+
+
+def check_tied_schedule(tied: bool, schedule: str) -> None:
+    """A weight tied across the first and the last stage (``lm_head`` and the embedding) under a
+    V-shaped schedule, which runs both stages on one rank: refused (the two copies are not kept in
+    step there yet)."""
+    if tied and schedule in V_SHAPED:
+        raise ValueError(
+            f"--pp-schedule {schedule} runs the first and the last stage on one rank, where a tied lm_head's two "
+            "copies are not kept in step yet: use --pp-schedule 1f1b, gpipe, interleaved1f1b or loopedbfs"
+        )

@@ -1,8 +1,7 @@
 """Predict published training runs with ``hf-tp estimate --gpu`` and print the comparison table.
 
 Each row is a run whose layout and throughput were published (source URL in the row); hf_tp
-simulates its nearest layout (hf_tp's estimate has no float8, torch.compile or async TP, and its
-pipeline layouts no expert parallelism yet) on the named GPU and predicts tokens/s per GPU; pipeline
+simulates its nearest layout (hf_tp's estimate has no float8, torch.compile or async TP) on the named GPU and predicts tokens/s per GPU; pipeline
 rows (10-12) go through :func:`hf_tp.estimate.layouts.estimate_layout` (the busiest stage simulated,
 the schedule by arithmetic). The published figures
 are inputs typed from their sources; the predictions are computed here. Offline, CPU only:
@@ -48,6 +47,7 @@ class Run:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     microbatches: int = 1
+    ep: int = 1
 
 
 RUNS = [
@@ -79,7 +79,7 @@ RUNS = [
         "llama-3.1-405b", "h100-sxm", 8, 8, 8192, 32, True, 8, "interleaved1f1b", 2, 32),
     Run("NeMo AutoModel DeepSeek-V3, 256 H100", AUTOMODEL,
         "PP 4 x VP 8 x EP 64 x FSDP 64, MBS 1, LBS 8, seq 4096, TE + DeepEP, balanced gate", 1_002,
-        "deepseek-v3", "h100-sxm", 1, 64, 4096, 8, True, 4, "interleaved1f1b", 8, 8),
+        "deepseek-v3", "h100-sxm", 1, 64, 4096, 8, True, 4, "interleaved1f1b", 8, 8, 64),
 ]  # fmt: skip
 
 
@@ -87,7 +87,7 @@ def predict_run(run: Run) -> tuple[float, float, float, float, float]:
     """(predicted tokens/s per GPU, MFU, exposed comm share, peak GiB, simulation seconds) of ``run``."""
     config, name = resolve_model_config(run.model)
     spec = EstimateSpec(
-        run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, pp=run.pp,
+        run.tp, run.dp, run.seq_len, run.batch_size, "bf16", run.activation_checkpointing, ep=run.ep, pp=run.pp,
         pp_schedule=run.pp_schedule, pp_virtual_stages=run.pp_virtual_stages, microbatches=run.microbatches,
     )  # fmt: skip
     est = estimate_layout(config, spec, name)
@@ -112,7 +112,8 @@ def main() -> None:
             v = f" x V {run.pp_virtual_stages}" if run.pp_virtual_stages > 1 else ""
             pp = f"pp {run.pp}{v} ({run.pp_schedule}, {run.microbatches} micro-batches) x "
         ac = "AC" if run.activation_checkpointing else "no AC"
-        layout = f"{pp}tp {run.tp} x dp {run.dp}, {run.seq_len} x {run.batch_size}, {ac}"
+        ep = f" (ep {run.ep})" if run.ep > 1 else ""
+        layout = f"{pp}tp {run.tp} x dp {run.dp}{ep}, {run.seq_len} x {run.batch_size}, {ac}"
         print(
             f"| {i} | {run.label} | {run.published} | {layout} | {run.tokens_per_second:,.0f} | {tokens:,.0f} "
             f"| {tokens / run.tokens_per_second:.2f} | {mfu:.1%} | {exposed:.0%} | {peak:.1f} | {run.source} |",

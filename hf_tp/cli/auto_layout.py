@@ -6,9 +6,8 @@ batch kept at ``--batch-size``; ``--cp``, ``--ep`` and LoRA as given) picks the 
 fits, printed with its predicted peak memory and tokens/s and the runner-up; the prediction is
 logged next to the measured tokens/s in metrics.jsonl. Across nodes the sweep also tries HSDP
 (``--dp-replicate``) and pipeline layouts (``--pp`` with 1F1B or Interleaved 1F1B, ``--microbatches``
-splitting ``--batch-size``), unless the run uses what ``--pp`` does not combine with yet (--compile,
-a preference objective, a trained vision tower) or what the estimate does not model with pp yet
-(cp, ep). Without ``--gpu`` (a CPU run, or no plan wanted) nothing is predicted: the largest
+splitting ``--batch-size``; ``--cp`` and ``--ep`` inside each stage), unless the run uses what ``--pp``
+does not combine with yet (--compile, a preference objective, a trained vision tower). Without ``--gpu`` (a CPU run, or no plan wanted) nothing is predicted: the largest
 tp the model's heads and widths allow that divides the ranks, the rest dp. The chosen layout is
 written into the run's settings (``--layout manual`` with its --tp, --dp, --pp, --pp-schedule,
 --pp-virtual-stages, --microbatches and --dp-replicate, the prediction in ``predicted_speed`` and
@@ -135,9 +134,9 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
 
 def _schedules(cfg: TrainConfig) -> tuple[str, ...]:
     """The pipeline schedules the sweep tries for ``cfg``'s run: none where ``--pp`` does not combine
-    with it yet (:mod:`hf_tp.train.pipeline_settings`) or the estimate does not model it (pp with cp
-    or ep: :mod:`hf_tp.estimate.sweep`)."""
-    if cfg.cp > 1 or cfg.ep > 1 or cfg.compile or cfg.objective != "sft" or cfg.train_vision_tower:
+    with it yet (:mod:`hf_tp.train.pipeline_settings`); its ``--cp`` and ``--ep`` apply inside each
+    stage (:mod:`hf_tp.estimate.sweep`)."""
+    if cfg.compile or cfg.objective != "sft" or cfg.train_vision_tower:
         return ()
     return ("1f1b", "interleaved1f1b")
 

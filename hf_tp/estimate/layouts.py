@@ -5,7 +5,11 @@ What is simulated (:data:`Simulate`, :func:`hf_tp.estimate.api.estimate_spec` by
 rank of one stage: the busiest rank's decoder layers (:mod:`hf_tp.estimate.layouts`) with the
 embedding, final norm and lm_head all kept (a bound: a real stage holds the embedding only on the
 first stage, the head and logits only on the last), one micro-batch's rows (``batch_size /
-microbatches``), tp x cp x the FSDP2 shard group's ranks. Its result depends on neither pp's
+microbatches``), tp x cp x the FSDP2 shard group's ranks, ep over the stage's dp x cp ranks as
+``hf-tp train --pp`` does (ep 1 for a stage of dense layers only, which training runs without ep:
+a model's first dense layers). A tied ``lm_head`` is one weight on the simulated stage, as on the
+first and on the last stage, each of which holds it (the estimate's bound holds both ends
+anyway); its gradient sum between them is counted below. Its result depends on neither pp's
 schedule nor the micro-batch count nor the replicas, so one simulation serves every such layout
 (:class:`SimulationCache`, keyed by the simulated config and shape). Then:
 
@@ -16,21 +20,29 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
   micro-batches' saved activations (the simulated peak's activations each: a bound, they include
   one micro-batch's loss chunk) and the last rank's, with its loss on whole logits per micro-batch
   it holds (``hf-tp train --pp``'s last stage computes transformers' loss on a micro-batch's whole
-  logits, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per logit of the tp shard
-  kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one micro-batch's backward);
+  logits of this rank's cp tokens, not hf_tp's fused lm_head + loss: :data:`HELD_LOGIT_BYTES` per
+  logit of the tp shard kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one
+  micro-batch's backward);
   the stage's FSDP2 units accumulate unsharded gradients through the schedule's step and
   reduce-scatter once after it (:mod:`hf_tp.parallel.pipeline_fsdp`), so from the first backward
-  to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype)
-  with the micro-batches then in flight, which the peak takes where it is larger; FSDP2's
-  reduce-scatter (and HSDP's all-reduce of it) runs once per step, its all-gathers once per
+  to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype; a
+  MoE's routed experts 1/ep of them, the rank's own) with the micro-batches then in flight, which
+  the peak takes where it is larger; FSDP2's reduce-scatter (and HSDP's all-reduce of it; the
+  experts' own units over ``dp_out``, inside the stage's root, alike) runs once per step, its all-gathers once per
   micro-batch's forward and backward plus one micro-batch more for the shape pass torch's schedule
   runs each step (a bound: a unit still gathered from a previous forward skips its gather), once
   per step under a V-shaped schedule (``zbv``, ``dualpipev``: the gathered weights, also added
-  to the peak, are kept through the step); every other per-micro-batch collective and kernel
-  runs ``microbatches`` times, AdamW and the gradient norm once; each micro-batch's boundary activations go to the next stage and their
-  gradients come back (``pp`` send_recv: this rank's tp x cp shard of a micro-batch's hidden
-  states, 2 x V x M messages); a MoE whose aux loss hf_tp computes over the step adds the routing
-  pass (a no-grad forward: a third of the matmul and attention work). Parameters and MFU's model
+  to the peak, are kept through the step); every other per-micro-batch collective (tp's, cp's K/V
+  gathers and dK/dV reduce-scatters, ep's all-to-alls) runs ``microbatches + 1`` times (the shape
+  pass runs one micro-batch's forward and its input-gradient backward more: measured exact on a
+  last stage, a bound on a first, whose shape pass has no backward), every kernel ``microbatches``
+  times, AdamW and the gradient norm once; each micro-batch's boundary activations go to the next
+  stage and their gradients come back (``pp`` send_recv: this rank's tp x cp shard of a
+  micro-batch's hidden states, 2 x V x M messages); the step's all-reduces over pp (``pp``
+  all_reduce: the gradient norm's squares summed over the stages, a MoE's aux-loss routing counts,
+  a tied weight's gradient shard summed between the first and last stage, :func:`tied_sync`); a
+  MoE whose aux loss hf_tp computes over the step adds the routing pass (a no-grad forward: a third
+  of the matmul and attention work; its collectives are not counted). Parameters and MFU's model
   FLOPs are the whole model's.
 
 Pipeline stages in the estimate: how ``hf-tp train --pp`` cuts a model, which rank is the busiest,
@@ -38,9 +50,11 @@ the config of that rank's layers, and how many micro-batches' activations a rank
 
 The cut is training's own (:func:`hf_tp.parallel.pipeline_split.balanced_cuts` over each decoder
 layer's parameter count, read from a model built on the meta device: no memory), refused where
-training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: tied embeddings,
-multimodal wrappers, forwards that change the hidden states outside the layers). A rank runs
-stages ``rank + v * pp`` for v < ``pp_virtual_stages``; the simulated rank is the one whose layers
+training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: multimodal wrappers,
+forwards that change the hidden states outside the layers; :func:`hf_tp.pipeline_checks.check_tied_schedule`:
+a tied ``lm_head`` under a V-shaped schedule). A rank runs
+stages ``rank + v * pp`` for v < ``pp_virtual_stages`` (``rank`` and ``2 pp - 1 - rank`` under a
+V-shaped schedule, as training places them); the simulated rank is the one whose layers
 hold the most parameters (ties: the later rank, which runs the last stage's ``lm_head``).
 
 In-flight micro-batches (the activations saved for backward a rank holds at its peak), from torch's
@@ -65,14 +79,17 @@ import torch
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
+from hf_tp.adapters.modules import num_experts
 from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.aux_loss import standard_aux_loss
+from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
-from hf_tp.pipeline_checks import V_SHAPED
+from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.pipeline_checks import V_SHAPED, check_tied_schedule
 from hf_tp.train.metrics import unrouted_expert_params
 from hf_tp.verify.shrink import layer_kinds
 
@@ -125,7 +142,7 @@ def estimate_layout(
     if stage.replicas > 1:
         est = replicated(est, stage.replicas)
     if stage.plan is not None:
-        est = staged(est, spec, stage.plan, len(stage.layers), config)
+        est = staged(est, spec, stage.plan, list(stage.layers), config)
     return est
 
 
@@ -150,11 +167,15 @@ def simulated_stage(config: PretrainedConfig, spec: EstimateSpec) -> Stage:
     if spec.pp == 1 and not derive:
         return Stage(config, spec)
     plan = stage_plan(config, spec.pp * spec.pp_virtual_stages) if spec.pp > 1 else None
-    layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp)) if plan else []
+    if plan is not None:
+        check_tied_schedule(plan.tied, spec.pp_schedule)
+    layers = plan.rank_layers(spec.pp, plan.busiest_rank(spec.pp, spec.pp_schedule), spec.pp_schedule) if plan else []
     replicas = spec.dp_replicate if derive else 1
+    # a stage of dense layers only (a model's first dense layers) runs without ep, as training's
+    ep = spec.ep if plan is None or any(plan.expert_costs[i] for i in layers) else 1
     shard = spec.replace(
         dp=spec.dp // replicas, dp_replicate=spec.dp_replicate // replicas, batch_size=spec.batch_size // spec.microbatches,
-        pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1,
+        pp=1, pp_schedule="1f1b", pp_virtual_stages=1, microbatches=1, ep=ep,
     )  # fmt: skip
     return Stage(stage_config(config, plan, layers) if plan else config, shard, plan, tuple(layers), replicas)
 
@@ -183,8 +204,8 @@ def replicated(est: Estimate, replicas: int) -> Estimate:
     )
 
 
-def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, config: PretrainedConfig) -> Estimate:
-    """``est`` (one micro-batch of the busiest rank's layers) as that rank's whole pipeline step."""
+def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: list[int], config: PretrainedConfig) -> Estimate:
+    """``est`` (one micro-batch of the busiest rank's ``layers``) as that rank's whole pipeline step."""
     m, v = spec.microbatches, spec.pp_virtual_stages
     held = in_flight(spec.pp_schedule, spec.pp, m, v)
     rows = spec.batch_size // m
@@ -196,10 +217,11 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
     message = rows * spec.seq_len * config.hidden_size * BYTES[spec.dtype] // (spec.tp * spec.cp)
     count = 2 * v * m
     comms.append(CommStat("pp", "send_recv", spec.pp, count, count * message, count * message))
+    comms.append(_stage_all_reduces(spec, plan, config))
     routing = plan.aux_loss
     return dataclasses.replace(
         est,
-        peak=_stage_peak(est, spec, config, held),
+        peak=_stage_peak(est, spec, config, held, sum(plan.expert_costs[i] for i in layers)),
         comms=comms,
         work=_per_step_work(est.work, m, routing),
         num_params=plan.num_params,
@@ -209,10 +231,45 @@ def staged(est: Estimate, spec: EstimateSpec, plan: StagePlan, layers: int, conf
         pp_schedule=spec.pp_schedule,
         pp_virtual_stages=v,
         microbatches=m,
-        stage_layers=layers,
+        stage_layers=len(layers),
+        ep=spec.ep,
         in_flight=held,
         routing_pass=routing,
         trainable_params=est.trainable_params * plan.num_params // max(est.num_params, 1),
+    )
+
+
+# FSDP2's collectives in a simulated stage: over its dp (x cp) ranks, a MoE's experts over the dp ranks
+# outside their ep group (dp_out, units inside the stage's root: reduced with it), HSDP's replicas
+FSDP2_COLLECTIVES = (
+    ("dp", "reduce_scatter"), ("dp", "all_gather"), ("dp_out", "reduce_scatter"), ("dp_out", "all_gather"),
+    ("dp_replicate", "all_reduce"),
+)  # fmt: skip
+
+
+def tied_sync(spec: EstimateSpec, plan: StagePlan) -> list[CommStat]:
+    """A tied ``lm_head``'s gradient summed over the first and last stage's ranks, once per step
+    (:meth:`hf_tp.parallel.pipeline.Pipeline.sync_tied_grads`: an all-reduce of this rank's fp32
+    shard of the weight, over tp and FSDP2's dp x cp shard group); none when it is frozen (LoRA)."""
+    if not plan.tied or spec.lora_r:
+        return []
+    vocab, hidden = plan.embedding_shape
+    shard = spec.dp // spec.dp_replicate * spec.cp
+    per_tp = -(-vocab // spec.tp)
+    return [_stat("pp", "all_reduce", 2, 1, -(-per_tp // shard) * hidden * 4)]
+
+
+def _stage_all_reduces(spec: EstimateSpec, plan: StagePlan, config: PretrainedConfig) -> CommStat:
+    """The step's all-reduces over the pp ranks, as one stat: the gradient norm's squares summed over
+    the stages (one fp64 scalar, :func:`hf_tp.parallel.grad.clip_grad_norm`), a MoE's routing counts
+    for its aux loss (:func:`hf_tp.parallel.pipeline_aux.route`: experts + 1 floats) and a tied
+    weight's gradient (:func:`tied_sync`: between the first and last stage only)."""
+    parts = [_stat("pp", "all_reduce", spec.pp, 1, 8)]
+    if plan.aux_loss:
+        parts.append(_stat("pp", "all_reduce", spec.pp, 1, (num_experts(config) + 1) * 4))
+    parts += tied_sync(spec, plan)
+    return CommStat(
+        "pp", "all_reduce", spec.pp, len(parts), sum(c.bytes for c in parts), sum(c.sent_bytes for c in parts)
     )
 
 
@@ -220,11 +277,12 @@ def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
     """One micro-batch's collective ``c`` over a pipeline step: FSDP2's reduce-scatter (and HSDP's
     all-reduce of it) once, at the step's end (:mod:`hf_tp.parallel.pipeline_fsdp`); its all-gathers
     once per micro-batch's forward and backward, plus the schedule's shape pass (one micro-batch
-    more), or once per step where a V-shaped schedule keeps the gathered weights; the rest per
-    micro-batch."""
-    fsdp2 = (c.dim, c.collective) in (("dp", "reduce_scatter"), ("dp_replicate", "all_reduce"), ("dp", "all_gather"))
+    more), or once per step where a V-shaped schedule keeps the gathered weights; the rest (tp's,
+    cp's, ep's all-to-alls) once per micro-batch and once more for the shape pass (its backward
+    computes the stage's input gradients only: none on the first stage, a bound there)."""
+    fsdp2 = (c.dim, c.collective) in FSDP2_COLLECTIVES
     if not fsdp2:
-        times = spec.microbatches
+        times = spec.microbatches + 1
     elif c.collective == "all_gather":
         times = 1 if spec.pp_schedule in V_SHAPED else spec.microbatches + 1
     else:
@@ -232,20 +290,24 @@ def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
     return CommStat(c.dim, c.collective, c.group_size, c.count * times, c.bytes * times, c.sent_bytes * times)
 
 
-def _stage_peak(est: Estimate, spec: EstimateSpec, config: PretrainedConfig, held: float) -> MemoryBreakdown:
+def _stage_peak(
+    est: Estimate, spec: EstimateSpec, config: PretrainedConfig, held: float, experts: int
+) -> MemoryBreakdown:
     """The busiest rank's peak over a step (the module docstring): the larger of the first rank's
     in-flight micro-batches before its first backward, the last rank's with their logits, and either
     rank once its first backward has run, when it holds the stage's unsharded gradients (in fp32:
     FSDP2 accumulates them in its reduce dtype, hf_tp's fp32) to the step's end with the micro-batches
-    still in flight then; a V-shaped schedule also holds the stage's gathered weights through the step."""
+    still in flight then; a V-shaped schedule also holds the stage's gathered weights through the
+    step (of a MoE's ``experts`` routed expert weights, 1/ep on a rank, gradients and weights alike)."""
     m, v, act = spec.microbatches, spec.pp_virtual_stages, est.peak.activations
-    logits = spec.batch_size // m * spec.seq_len * config.vocab_size // spec.tp
+    logits = spec.batch_size // m * spec.seq_len * config.vocab_size // (spec.tp * spec.cp)  # its cp tokens
     last, copies = last_in_flight(spec.pp_schedule, spec.pp, m, v)
     at_last = (last - 1) * act + logits * (copies * HELD_LOGIT_BYTES + BACKWARD_LOGIT_BYTES)
     before = dataclasses.replace(est.peak, activations=act + int(max((held - 1) * act, at_last)))
     after = max(1.0, min(held, (m * v - 1) / v))  # in flight at a later backward (with the one it runs)
-    grads = est.trainable_params // spec.tp * 4
-    weights = est.num_params // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
+    others = experts - experts // spec.ep  # other ep ranks' experts
+    grads = (est.trainable_params - (0 if spec.lora_r else others)) // spec.tp * 4  # LoRA: frozen experts
+    weights = (est.num_params - others) // spec.tp * BYTES[spec.dtype] if spec.pp_schedule in V_SHAPED else 0
     during = dataclasses.replace(
         est.peak,
         activations=act + int((after - 1) * act),
@@ -290,14 +352,20 @@ class StagePlan:
     num_params: int
     unrouted_params: int  # routed experts' weights one token does not use (MFU's N leaves them out)
     aux_loss: bool  # a MoE whose aux loss needs a routing pass before a pipeline step
+    expert_costs: tuple[int, ...] = ()  # each decoder layer's routed experts' parameters (0: a dense layer)
+    tied: bool = False  # lm_head tied to the embedding: the first and the last stage each hold it
+    embedding_shape: tuple[int, int] = (0, 0)  # (vocab, hidden) of the input embedding
 
-    def rank_layers(self, pp: int, rank: int) -> list[int]:
-        """The decoder layers of every stage ``rank`` runs (stages ``rank + v * pp``)."""
+    def rank_layers(self, pp: int, rank: int, schedule: str = "1f1b") -> list[int]:
+        """The decoder layers of every stage ``rank`` runs: stages ``rank + v * pp``, or under a
+        V-shaped schedule ``rank`` and ``2 pp - 1 - rank``."""
+        if schedule in V_SHAPED:
+            return [*self.cuts[rank], *self.cuts[len(self.cuts) - 1 - rank]]
         return [i for s in range(rank, len(self.cuts), pp) for i in self.cuts[s]]
 
-    def busiest_rank(self, pp: int) -> int:
+    def busiest_rank(self, pp: int, schedule: str = "1f1b") -> int:
         """The rank whose layers hold the most parameters (ties: the later rank)."""
-        load = [sum(self.costs[i] for i in self.rank_layers(pp, r)) for r in range(pp)]
+        load = [sum(self.costs[i] for i in self.rank_layers(pp, r, schedule)) for r in range(pp)]
         return max(range(pp), key=lambda r: (load[r], r))
 
 
@@ -320,6 +388,11 @@ def stage_plan(config: PretrainedConfig, stages: int) -> StagePlan:
             model = wrapper.model_from_config(config)
         check_splittable(model, adapter)
         costs = layer_costs(model, adapter.layers_path)
+        experts = [0] * len(costs)
+        for path, module in experts_modules(model, adapter.layers_path, adapter.experts if adapter.moe else ()):
+            experts[int(path[len(adapter.layers_path) + 1 :].split(".")[0])] += sum(
+                p.numel() for p in module.parameters()
+            )
         _PLANS[key] = StagePlan(
             cuts=tuple(balanced_cuts(costs, stages)),
             costs=tuple(costs),
@@ -327,6 +400,9 @@ def stage_plan(config: PretrainedConfig, stages: int) -> StagePlan:
             num_params=sum(p.numel() for p in model.parameters()),
             unrouted_params=unrouted_expert_params(model, config),
             aux_loss=standard_aux_loss(model),
+            expert_costs=tuple(experts),
+            tied=embeddings_tied(model),
+            embedding_shape=tuple(model.get_input_embeddings().weight.shape),
         )
     return _PLANS[key]
 

@@ -114,8 +114,10 @@ def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
 
 def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
     """The pipeline settings as ``hf-tp train --pp`` checks them (:func:`hf_tp.pipeline_checks.check_pipeline`,
-    the rows split evenly into micro-batches, the combinations it refuses); the model's own cut
-    (tied embeddings, wrappers) is checked where the stages are cut (:mod:`hf_tp.estimate.layouts`)."""
+    the rows split evenly into micro-batches); cp and ep inside the stages are checked as at pp 1
+    (:func:`validate`: ep divides a stage's dp x cp, rows a multiple of 2 x cp x tp), the model's own
+    cut (wrappers, a tied lm_head under a V-shaped schedule) where the stages are cut
+    (:mod:`hf_tp.estimate.layouts`)."""
     check_positive("pp", spec.pp)
     if spec.pp == 1:
         if (spec.microbatches, spec.pp_virtual_stages, spec.pp_schedule) != (1, 1, "1f1b"):
@@ -130,9 +132,6 @@ def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
             f"batch_size ({spec.batch_size}) must be a multiple of microbatches ({spec.microbatches}): each "
             "pipeline micro-batch takes an equal share of a dp rank's rows"
         )
-    for name in ("cp", "ep"):
-        if getattr(spec, name) > 1:
-            raise ValueError(f"pp does not combine with {name} yet (as hf-tp train --pp): drop one")
 
 
 _UNITS = {

@@ -27,8 +27,9 @@ given):
   gradients across the network once per reduce-scatter, instead of FSDP2's gathers crossing it;
 - pipeline parallelism (``pp``): 2, 4, 8 and 16 stages (powers of two dividing the world, each
   stage at least one node, at most :data:`MAX_PP`), where ``hf-tp train --pp`` can cut the model
-  (no wrapper, as training refuses it; no cp or ep, which this estimate does not model with pp
-  yet) into at least one layer per stage. Two schedules: 1F1B, and Interleaved 1F1B with 2 stages
+  (no wrapper, as training refuses it) into at least one layer per stage; the sweep's cp and ep
+  apply inside each stage (each stage's (tp, dp) split one its cp and ep can take; no HSDP with
+  them), a tied ``lm_head`` is held by the first and the last stage. Two schedules: 1F1B, and Interleaved 1F1B with 2 stages
   per rank where the layers allow. The micro-batch is the sweep's ``batch_size`` and a dp rank runs
   ``microbatches`` of them: ``MAX_BATCH_FACTOR x pp`` (a step then holds as many rows over the world
   as a pp 1 layout at its largest batch), or, with the batch fixed (``--layout auto``), the most
@@ -64,7 +65,7 @@ from hf_tp.estimate.depth import Simulations, Simulator, estimate_fast
 from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout, stage_config, stage_plan
 from hf_tp.estimate.spec import EstimateSpec, GiB, validate
 from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
-from hf_tp.layout import row_multiple
+from hf_tp.layout import check_cp_rows, check_expert_ranks, row_multiple
 
 BATCH_TRIES = 2
 
@@ -279,11 +280,9 @@ def pipeline_layouts(
 ) -> list[Layout]:
     """The pipeline layouts of ``world`` ranks (see the module docstring); ``splits_of(ranks)``
     gives the (tp, dp) splits of a stage's ranks. Why none are tried goes to ``skipped``."""
-    sizes = [2**k for k in range(1, MAX_PP.bit_length()) if world % 2**k == 0 and world // 2**k >= gpus_per_node]
+    cp = spec.cp
+    sizes = [2**k for k in range(1, MAX_PP.bit_length()) if world % (2**k * cp) == 0 and world // 2**k >= gpus_per_node]
     if not sizes or not schedules:
-        return []
-    if spec.cp > 1 or spec.ep > 1:
-        skipped.append("pipeline layouts: the estimate does not model --pp with --cp or --ep yet")
         return []
     try:
         stage_plan(config, 1)  # the model's own refusals (wrappers, forwards that change the stream, ...)
@@ -302,10 +301,27 @@ def pipeline_layouts(
         m, batch = micro
         tried = [(s, 2 if s == "interleaved1f1b" else 1) for s in schedules if s == "1f1b" or 2 * pp <= layers]
         tried = [(s, v) for s, v in tried if _cuttable(config, pp, v, skipped)]
-        for tp, dp in splits_of(world // pp):
+        for tp, dp in _stage_splits(spec, splits_of(world // (pp * cp)), pp, skipped):
             for schedule, v in tried:
                 out.append(Layout(tp, dp, pp, 1, m, schedule, v, batch))
     return out
+
+
+def _stage_splits(
+    spec: EstimateSpec, splits: list[tuple[int, int]], pp: int, skipped: list[str]
+) -> list[tuple[int, int]]:
+    """The (tp, dp) splits of a stage's ranks that its cp and ep can take (as at pp 1: ep divides
+    dp x cp, rows a multiple of 2 x cp x tp); the others noted in ``skipped``."""
+    kept = []
+    for tp, dp in splits:
+        try:
+            check_expert_ranks(dp, spec.cp, spec.ep)
+            check_cp_rows(spec.seq_len, tp, spec.cp)
+        except ValueError as exc:
+            skipped.append(f"pp={pp} x tp={tp} x cp={spec.cp} x dp={dp}: {exc}")
+            continue
+        kept.append((tp, dp))
+    return kept
 
 
 def _cuttable(config: PretrainedConfig, pp: int, virtual: int, skipped: list[str]) -> bool:
@@ -483,7 +499,7 @@ def sweep(
                 config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped,
                 pp_schedules,
             )  # fmt: skip
-            layouts += stages + hsdp_layouts(stages, node)
+            layouts += stages + (hsdp_layouts(stages, node) if spec.cp == 1 and spec.ep == 1 else [])
             speed_sweep(result, layouts, run, spec.activation_checkpointing, progress, grow)
         else:
             cp = f" x cp={spec.cp}" if spec.cp > 1 else ""

@@ -20,7 +20,7 @@ from hf_tp.parallel.pipeline import Pipeline, StageModule
 from hf_tp.parallel.pipeline_fsdp import fsdp_roots, keep_gathered
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
 from hf_tp.parallel.tp import check_plan_paths, embeddings_tied
-from hf_tp.pipeline_checks import V_SHAPED, check_pipeline
+from hf_tp.pipeline_checks import V_SHAPED, check_pipeline, check_tied_schedule
 
 
 def pipeline_parallelize(
@@ -56,11 +56,7 @@ def pipeline_parallelize(
     check_pipeline(pp, schedule, microbatches, virtual_stages, len(costs))
     check_splittable(model, adapter)
     tied = embeddings_tied(model)  # before the cut: every rank alike
-    if tied and schedule in V_SHAPED:
-        raise ValueError(
-            f"--pp-schedule {schedule} runs the first and the last stage on one rank, where a tied lm_head's two "
-            "copies are not kept in step yet: use --pp-schedule 1f1b, gpipe, interleaved1f1b or loopedbfs"
-        )
+    check_tied_schedule(tied, schedule)
     stage_mesh = mesh[stage_dims(mesh)]
     _check_whole_model(model, adapter, stage_mesh, parallelize_kwargs)
     cuts = balanced_cuts(costs, pp * virtual_stages)

@@ -125,8 +125,10 @@ def test_a_pipeline_and_hsdp_layout_can_be_chosen_with_all_its_flags(monkeypatch
     assert got == (2, "interleaved1f1b", 2, 4, 2) and (chosen.tp, chosen.dp, chosen.layout) == (2, 4, "manual")
     chosen.validate()  # a plain, valid pipeline layout of 16 ranks
     assert chosen.world_size == 16
-    # what pp is not estimated with yet takes pipelines out; a run that saves keeps both (several stages a rank save)
-    assert auto_layout._schedules(TrainConfig(**AUTO, cp=2)) == ()
+    # what --pp does not combine with yet takes pipelines out; cp and ep inside the stages and a run that
+    # saves (several stages a rank save) keep both
+    assert auto_layout._schedules(TrainConfig(**AUTO, compile=True)) == ()
+    assert auto_layout._schedules(TrainConfig(**AUTO, cp=2)) == auto_layout._schedules(TrainConfig(**AUTO, ep=2))
     assert auto_layout._schedules(TrainConfig(**AUTO, save_every=10)) == (
         "1f1b",
         "interleaved1f1b",
