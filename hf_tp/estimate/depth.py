@@ -196,12 +196,17 @@ class Simulator:
         return self.sims.get(config, spec, model_name)[0]
 
     def prefetch(self, config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> None:
-        found = layering(config) if self.fast else None
+        found, name = layering(config) if self.fast else None, _name(config, model_name)
         if found is None or found.periods <= (CHECK if self.check else PERIODS[1]):
-            self.sims.submit(config, spec, model_name)
+            self.sims.submit(config, spec, name)
             return
         for n in PERIODS + ((CHECK,) if self.check and found.periods > CHECK else ()):
-            self.sims.submit(cut_config(config, found.layers(n)), spec, model_name)
+            self.sims.submit(cut_config(config, found.layers(n)), spec, name)
+
+
+def _name(config: PretrainedConfig, model_name: str | None) -> str:
+    """The model name an estimate reports (the cut configs' runs report the whole model's)."""
+    return model_name or getattr(config, "name_or_path", "") or config.model_type
 
 
 def estimate_fast(
@@ -218,7 +223,7 @@ def estimate_fast(
     simulated in full. ``sims`` runs and keeps the simulations (in parallel where it has workers)."""
     sims = sims or Simulations()
     found = layering(config)
-    name = model_name or getattr(config, "name_or_path", "") or config.model_type
+    name = _name(config, model_name)
     if found is None or found.periods <= PERIODS[1] or (check and found.periods <= CHECK):
         return sims.get(config, spec, name)[0]
     periods = PERIODS + ((CHECK,) if check else ())
