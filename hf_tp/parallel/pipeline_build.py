@@ -68,7 +68,7 @@ def pipeline_parallelize(
     tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
     for top, stage_model in zip(tops, models, strict=True):
-        parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, parallelize_kwargs))
+        parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, schedule, parallelize_kwargs))
         stages.append(StageModule(stage_model, tp_mesh))
     roots = fsdp_roots(models)  # (torch's FSDP2 internals checked before any step)
     if schedule in V_SHAPED:  # the weight gradients come after FSDP2's hooks (hf_tp.parallel.pipeline_fsdp)
@@ -128,10 +128,16 @@ def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settin
         check_experts(model, adapter.layers_path, adapter.experts, ep)
 
 
-def _stage_settings(stage_model: nn.Module, adapter, stage_mesh: DeviceMesh, settings: dict) -> dict:
+def _stage_settings(stage_model: nn.Module, adapter, stage_mesh: DeviceMesh, schedule: str, settings: dict) -> dict:
     """:func:`hf_tp.parallelize`'s settings for one stage: ``ep`` 1 for a stage without MoE
     layers (a model's first dense layers), its ep groups built all the same (every rank of the
-    world creates every process group)."""
+    world creates every process group); under a V-shaped schedule with FSDP2 no fused reduction
+    of tp-``Partial`` gradients (:mod:`hf_tp.parallel.partial_grads` adds them to FSDP2's sharded
+    gradients at each backward's end, but the split backward keeps the units gathered through the
+    step, :mod:`hf_tp.parallel.pipeline_fsdp`: FSDP2 reduces each of those gradients itself)."""
+    dp_mesh = split_mesh(stage_mesh)[0]
+    if schedule in V_SHAPED and dp_mesh is not None and (dp_mesh.size() > 1 or settings.get("mp_policy") is not None):
+        settings = {**settings, "fuse_partial_grads": False}
     ep = settings.get("ep", 1)
     if ep > 1 and not experts_modules(stage_model, adapter.layers_path, adapter.experts):
         build_ep_mesh(stage_mesh, ep)

@@ -7,7 +7,11 @@ in two ways:
   micro-batch, after which they drop the gradients of every FSDP2 module's parameters
   (``PipelineStage._post_metadata_inference_cleanup``). hf_tp builds the schedule per step, so
   with ``--grad-accum`` the gradients an earlier micro-step reduce-scattered (or that this one's
-  shape pass reduced) were dropped: pp x dp training with gradient accumulation was wrong.
+  shape pass reduced) were dropped: pp x dp training with gradient accumulation was wrong. The
+  cleanup visits the root before its layers and clears ``.grad`` of the root's parameters
+  recursively, so a layer still gathered then (a split-backward schedule keeps them gathered
+  after the shape pass's forward) also loses the unreduced gradient an earlier micro-step left
+  on its unsharded parameter: both kinds are set aside around the step.
 - Schedules that split the backward (``zbv``, ``dualpipev``: input gradients first, weight
   gradients later from the same graph) see FSDP2's hooks fire with the input part, before any
   weight gradient exists; resharded layers then give the weight part other Parameters (torch's
@@ -20,6 +24,8 @@ reshard. The shape pass's backward computes input gradients only, so nothing of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -31,11 +37,9 @@ def fsdp_roots(models: list[nn.Module]) -> list[FSDPModule]:
     roots = [m for m in models if isinstance(m, FSDPModule)]
     for root in roots:
         state = fully_shard.state(root)
-        ctx = getattr(state, "_state_ctx", None)
-        if (
-            ctx is None
-            or not hasattr(state, "_root_post_backward_final_callback")
-            or not all(hasattr(s, "_fsdp_param_groups") for s in ctx.all_states)
+        units = [fully_shard.state(m) for m in root.modules() if isinstance(m, FSDPModule)]
+        if not hasattr(state, "_root_post_backward_final_callback") or not all(
+            hasattr(s, "_fsdp_param_groups") for s in units
         ):
             raise RuntimeError(
                 f"--pp with FSDP2 (dp > 1) drives FSDP2's internals as torch 2.13 has them; torch {torch.__version__} "
@@ -50,19 +54,19 @@ def keep_gathered(roots: list[FSDPModule]) -> None:
         root.set_reshard_after_forward(False)
 
 
-def hold_gradients(roots: list[FSDPModule], split_backward: bool) -> list[tuple[bool, list]]:
+def hold_gradients(roots: list[FSDPModule], split_backward: bool) -> list[Held]:
     """Before a schedule's step: set aside the gradients the stages' parameters already hold (the
-    earlier micro-steps', which the schedule's shape pass would drop), and let each root's units
-    accumulate gradients unreduced (a ``split_backward`` schedule's also keep their gathered
-    weights after backward). Returns, per root, whether it was set to reduce this micro-step
-    (the caller's gradient-accumulation choice) and what was set aside."""
+    earlier micro-steps': reduced ones on the sharded parameters, unreduced ones on the unsharded;
+    the schedule's shape pass would drop either), and let each root's units accumulate gradients
+    unreduced (a ``split_backward`` schedule's also keep their gathered weights after backward).
+    Returns, per root, whether it was set to reduce this micro-step (the caller's
+    gradient-accumulation choice) and what was set aside."""
     held = []
     for root in roots:
-        params = [fp.sharded_param for s in _states(root) for g in s._fsdp_param_groups for fp in g.fsdp_params]
-        sync = all(g.reduce_grads for s in _states(root) for g in s._fsdp_param_groups)
-        held.append((sync, [(p, p.grad) for p in params if p.grad is not None]))
-        for p in params:
-            p.grad = None
+        params = [fp for g in _groups(root) for fp in g.fsdp_params]
+        sync = all(g.reduce_grads for g in _groups(root))
+        unsharded = [fp._unsharded_param for fp in params if hasattr(fp, "_unsharded_param")]
+        held.append(Held(sync, _take_grads([fp.sharded_param for fp in params]), _take_grads(unsharded)))
         if split_backward:
             root.set_is_last_backward(False)
             root.set_reshard_after_backward(False)
@@ -70,21 +74,47 @@ def hold_gradients(roots: list[FSDPModule], split_backward: bool) -> list[tuple[
     return held
 
 
-def release_gradients(roots: list[FSDPModule], held: list[tuple[bool, list]]) -> None:
-    """After the step: FSDP2's post-backward of every unit by hand (the reduce-scatter where the
-    root was set to reduce, the reshard) and its root's end-of-backward callback; then the
-    gradients set aside are added back."""
-    for root, (sync, kept) in zip(roots, held, strict=True):
+def release_gradients(roots: list[FSDPModule], held: list[Held]) -> None:
+    """After the step: the unreduced gradients set aside are added to this step's, then FSDP2's
+    post-backward of every unit runs by hand (the reduce-scatter where the root was set to reduce,
+    the reshard) and its root's end-of-backward callback; then the reduced gradients set aside are
+    added back."""
+    for root, kept in zip(roots, held, strict=True):
+        _add_grads(kept.unsharded)
         root.set_is_last_backward(True)
         root.set_reshard_after_backward(True)
-        root.set_requires_gradient_sync(sync)
-        for state in _states(root):
-            for group in state._fsdp_param_groups:
-                group.post_backward()
+        root.set_requires_gradient_sync(kept.sync)
+        for group in _groups(root):
+            group.post_backward()
         fully_shard.state(root)._root_post_backward_final_callback()
-        for param, grad in kept:
-            param.grad = grad if param.grad is None else grad + param.grad
+        _add_grads(kept.sharded)
 
 
-def _states(root: FSDPModule) -> list:
-    return list(fully_shard.state(root)._state_ctx.all_states)
+@dataclass
+class Held:
+    """One root's state across a schedule's step (:func:`hold_gradients`)."""
+
+    sync: bool  # reduce this micro-step's gradients after the step
+    sharded: list[tuple[nn.Parameter, torch.Tensor]]  # reduced gradients of earlier micro-steps
+    unsharded: list[tuple[nn.Parameter, torch.Tensor]]  # unreduced ones (FSDP2's accumulation without sync)
+
+
+def _take_grads(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """The gradients ``params`` hold, each parameter's ``.grad`` then cleared."""
+    taken = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in taken:
+        p.grad = None
+    return taken
+
+
+def _add_grads(taken: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Give back gradients :func:`_take_grads` took, summed with any the parameters hold now."""
+    for param, grad in taken:
+        param.grad = grad if param.grad is None else grad + param.grad
+
+
+def _groups(root: FSDPModule) -> list:
+    """The FSDP2 parameter groups of every unit under ``root`` (each once; read from the modules,
+    which FSDP2's root state lists only after its lazy init, at the first forward)."""
+    states = {id(s): s for m in root.modules() if isinstance(m, FSDPModule) for s in [fully_shard.state(m)]}
+    return [g for s in states.values() for g in s._fsdp_param_groups]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.pipeline_checks import V_SHAPED, check_pipeline
+from hf_tp.pipeline_checks import check_pipeline
 
 
 def check_pipeline_settings(cfg: Any) -> None:
@@ -24,12 +24,6 @@ def check_pipeline_settings(cfg: Any) -> None:
         raise ValueError(
             f"--batch-size ({rows}) must be a multiple of --microbatches ({cfg.pipeline_microbatches}): "
             "each pipeline micro-batch takes an equal share of a dp rank's rows"
-        )
-    if cfg.pp_schedule in V_SHAPED and cfg.dp > 1 and cfg.grad_accum > 1:
-        raise ValueError(
-            f"--pp-schedule {cfg.pp_schedule} with --dp {cfg.dp} and --grad-accum {cfg.grad_accum}: FSDP2's gradients "
-            "over several micro-steps of a split backward are not exact yet; raise --batch-size or --microbatches "
-            "instead of --grad-accum, or use --pp-schedule 1f1b or interleaved1f1b"
         )
     refused = {
         "--compile": cfg.compile,

@@ -55,15 +55,19 @@ CASES = [
     # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
     {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX},
     # V-shaped (rank r: stages r and 3 - r) with the backward split in input and weight parts: FSDP2's
-    # reduce-scatter after the step, the two stages saved as one and resumed at pp1 x tp2 x dp2
+    # reduce-scatter after the step; 2 micro-steps a step (the first's unreduced gradients kept on the
+    # gathered layers through the second's shape pass); the two stages saved as one and resumed at pp1 x tp2 x dp2
     {
         "family": "llama",
         "schedule": "zbv",
         "virtual": 2,
         "dp": 2,
+        "b": 8,
+        "accum": 2,
         "resume": {"at": 2, "tp": 2, "dp": 2},
     },
     {"family": "qwen3_moe", "schedule": "dualpipev", "virtual": 2, "tp": 2, "microbatches": 4, "overrides": _AUX},
+    {"family": "llama", "schedule": "dualpipev", "virtual": 2, "dp": 2, "b": 16, "accum": 2, "microbatches": 4},
 ]
 
 
