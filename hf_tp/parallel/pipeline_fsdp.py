@@ -38,14 +38,26 @@ def fsdp_roots(models: list[nn.Module]) -> list[FSDPModule]:
     for root in roots:
         state = fully_shard.state(root)
         units = [fully_shard.state(m) for m in root.modules() if isinstance(m, FSDPModule)]
-        if not hasattr(state, "_root_post_backward_final_callback") or not all(
-            hasattr(s, "_fsdp_param_groups") for s in units
+        if (
+            not hasattr(state, "_root_post_backward_final_callback")
+            or not all(hasattr(s, "_fsdp_param_groups") for s in units)
+            or not _param_internals()
         ):
             raise RuntimeError(
                 f"--pp with FSDP2 (dp > 1) drives FSDP2's internals as torch 2.13 has them; torch {torch.__version__} "
                 "lacks them: install torch 2.13 or train with --pp 1"
             )
     return roots
+
+
+def _param_internals() -> bool:
+    """Whether torch's FSDP2 parameter keeps its gathered copy where :func:`hold_gradients` reads
+    it (``_unsharded_param``, set lazily: checked on the class)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:
+        return False
+    return "_unsharded_param" in getattr(FSDPParam, "__annotations__", {})
 
 
 def keep_gathered(roots: list[FSDPModule]) -> None:
