@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -282,17 +283,31 @@ def recomputing() -> bool:
 
 
 class WorkCounter(TorchDispatchMode):
-    """Counts :class:`Work` while active (see the module docstring)."""
+    """Counts :class:`Work` while active (see the module docstring).
+
+    Only ops run under the fake mode active on entry (None: real tensors) are counted. DTensor
+    works out each op's output shape by running it once more on *global*-shape tensors in a fake
+    mode of its own (:func:`hf_tp.estimate.simulate.separate_sharding_fake_mode`); those runs,
+    one per new sharding (e.g. a whole unsharded MLP), are no work of this rank's, as MemTracker
+    also skips them.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.work = Work()
+        self._fake_mode = None
+
+    def __enter__(self):
+        self._fake_mode = active_fake_mode()
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if active_fake_mode() is not self._fake_mode:
+            return out  # DTensor's shape propagation (global shapes), not this rank's work
         flops = flops_of(func, args, kwargs, out)
         if flops is not None:
             kind, n = flops

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
 
 from hf_tp.cli.estimate import main
@@ -112,6 +113,32 @@ def test_work_counter_counts_a_matmul_and_an_elementwise_kernel() -> None:
     assert counter.work.matmul_flops == 2 * 8 * 16 * 4
     assert counter.work.memory_bytes == 3 * a.numel() * 4  # two reads and one write
     assert counter.work.memory_kernels == 1
+
+
+def test_work_counter_skips_ops_run_under_another_fake_mode() -> None:
+    # DTensor's shape propagation re-runs each new op on global shapes in a fake mode of its own
+    with FakeTensorMode():
+        a, b = torch.ones(8, 16), torch.ones(16, 4)
+        with WorkCounter() as counter:
+            a @ b
+            with FakeTensorMode():
+                torch.ones(8, 16) @ torch.ones(16, 4)
+                torch.ones(8, 16) + 1
+    assert counter.work.matmul_flops == 2 * 8 * 16 * 4
+    assert counter.work.memory_bytes == 0 and counter.work.memory_kernels == 0
+
+
+def test_traced_tp_step_counts_this_rank_s_matmuls_exactly() -> None:
+    # Issue 43: the 405B step counted ~14 TFLOP per 1,024 tokens of DTensor shape propagation
+    c = tiny_llama()
+    tp, rows, seq = 2, 2, 128
+    est = estimate(c, tp=tp, dp=2, seq_len=seq, batch_size=rows, dtype="bf16")
+    head_dim = c.hidden_size // c.num_attention_heads
+    attn = 2 * c.hidden_size * head_dim * (c.num_attention_heads + c.num_key_value_heads)  # q, o; k, v
+    linear = c.num_hidden_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + c.hidden_size * c.vocab_size
+    assert est.work.matmul_flops == 6 * rows * seq * linear // tp  # 2 x forward + 4 x backward, a 1/tp share
+    scores = 2 * 2 * rows * (c.num_attention_heads // tp) * seq * seq * head_dim  # QK^T and PV, full S x S
+    assert est.work.attention_flops == c.num_hidden_layers * scores * 7 // 2  # forward + 2.5 x in backward
 
 
 def test_gpu_table_and_bad_gpu_fail_early(capsys: pytest.CaptureFixture[str]) -> None:
