@@ -68,8 +68,10 @@ def test_preempted_twice_then_resumed_gives_the_uninterrupted_curve(setup, tmp_p
     assert latest_checkpoint(run).name == "step-3"
 
     # 2) resumed, then SIGTERM to the launching `hf-tp train` process (Kubernetes' way) once step 4
-    #    is logged; rank 0 holds 3 s at the start of step 5, so the signal lands inside step 5 on a
-    #    busy machine too (not after step 6, the last, which ends the run without a preemption).
+    #    is logged; rank 0 holds 3 s at the start of step 5, so the signal lands before step 6, the
+    #    last, which would end the run without a preemption. The ranks agree to stop after step 4
+    #    where the signal beats step 4's own stop check (the line is logged just before it: seen
+    #    once in CI on a busy machine), else after step 5: either is a preemption with its checkpoint.
     os.environ["HF_TP_CRASH"] = "train:5:0:SLEEP3"
     try:
         proc = _train_signalled_after([*flags, "--resume"], 4, signal.SIGTERM)
@@ -77,7 +79,7 @@ def test_preempted_twice_then_resumed_gives_the_uninterrupted_curve(setup, tmp_p
         del os.environ["HF_TP_CRASH"]
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     stopped = int(latest_checkpoint(run).name.split("-")[1])
-    assert stopped == 5 and "preempted at step 5 (SIGTERM)" in proc.stdout
+    assert stopped in (4, 5) and f"preempted at step {stopped} (SIGTERM)" in proc.stdout
 
     # 3) the newest checkpoint is damaged afterwards (a shard lost its tail): --resume names it and
     #    falls back to step-3; resumed to the end, the loss curve is plain HF's on the same batches.
