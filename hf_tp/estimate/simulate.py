@@ -296,16 +296,32 @@ aten = torch.ops.aten
 
 
 class DataDependentBounds(TorchDispatchMode):
-    """Run (innermost, just above the fake mode) ``nonzero`` as its upper bound: the indices of
-    every element, an uninitialized ``[numel, dim]`` long tensor."""
+    """Run (innermost, just above the fake mode) the ops whose output shape depends on values:
+    ``nonzero`` as its upper bound (the indices of every element, an uninitialized ``[numel, dim]``
+    long tensor), ``bincount`` with a ``minlength`` as ``minlength`` bins (the indices are categories
+    below it: experts, ranks; e.g. transformers' load-balancing loss before 5.2x, on rows without
+    a padding mask)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor lower to local ops first
+        kwargs = kwargs or {}
         if func is aten.nonzero.default:
             x = args[0]
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
-        return func(*args, **(kwargs or {}))
+        if func is aten.bincount.default:
+            weights = args[1] if len(args) > 1 else kwargs.get("weights")
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            if minlength > 0:
+                return torch.zeros(minlength, dtype=_bincount_dtype(weights), device=args[0].device)
+        return func(*args, **kwargs)
+
+
+def _bincount_dtype(weights: torch.Tensor | None) -> torch.dtype:
+    """The dtype torch's ``bincount`` returns for ``weights`` (asked of torch on two real elements)."""
+    with unset_fake_temporarily():
+        w = None if weights is None else torch.zeros(1, dtype=weights.dtype)
+        return torch.bincount(torch.zeros(1, dtype=torch.long), weights=w, minlength=1).dtype
 
 
 # The training step: the estimate runs it on fake tensors, measure() on real ones

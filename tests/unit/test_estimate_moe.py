@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, Qwen3MoeConfig
 
@@ -199,3 +200,16 @@ def test_mfu_numerator_is_the_traced_routed_work(estimates) -> None:
     # training's 6N + 12LHS with the unrouted experts left out is what the traced step did (top-2 of 8)
     est = estimates[(1, 4, 1)]
     assert est.model_flops_per_token * BATCH * SEQ == pytest.approx(est.work.model_flops, rel=0.03)
+
+
+def test_bincount_of_categories_runs_on_fake_tensors_as_its_bins() -> None:
+    # transformers before 5.2x counts each expert's routed rows with bincount(minlength=experts)
+    # in its load-balancing loss (on rows without a padding mask, as under cp): minlength bins
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_tp.estimate.simulate import DataDependentBounds
+
+    with FakeTensorMode(), DataDependentBounds():
+        ids = torch.zeros(12, dtype=torch.long)
+        counts, weighted = torch.bincount(ids, minlength=8), torch.bincount(ids, torch.ones(12), minlength=8)
+    assert (counts.shape, counts.dtype, weighted.shape, weighted.dtype) == ((8,), torch.long, (8,), torch.float32)

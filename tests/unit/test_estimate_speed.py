@@ -3,10 +3,13 @@ Pure arithmetic on hand-made estimates (no simulation, no processes) plus one sm
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hf_tp.cli.estimate import main
 from hf_tp.cli.estimate_report import format_ranking
@@ -136,7 +139,12 @@ def test_traced_tp_step_counts_this_rank_s_matmuls_exactly() -> None:
     head_dim = c.hidden_size // c.num_attention_heads
     attn = 2 * c.hidden_size * head_dim * (c.num_attention_heads + c.num_key_value_heads)  # q, o; k, v
     linear = c.num_hidden_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + c.hidden_size * c.vocab_size
-    assert est.work.matmul_flops == 6 * rows * seq * linear // tp  # 2 x forward + 4 x backward, a 1/tp share
+    # 2 x forward + 4 x backward, a 1/tp share; transformers before 5.2x also finds RoPE's angles by a
+    # matmul of the inverse frequencies by the positions (head_dim/2 x 1 @ 1 x seq, no grad: one row
+    # of positions, which the rows share)
+    rope = 2 * (head_dim // 2) * seq
+    rope_by_matmul = "inv_freq_expanded @" in inspect.getsource(LlamaRotaryEmbedding.forward)
+    assert est.work.matmul_flops == 6 * rows * seq * linear // tp + (rope if rope_by_matmul else 0)
     scores = 2 * 2 * rows * (c.num_attention_heads // tp) * seq * seq * head_dim  # QK^T and PV, full S x S
     assert est.work.attention_flops == c.num_hidden_layers * scores * 7 // 2  # forward + 2.5 x in backward
 
