@@ -150,6 +150,11 @@ class Simulations:
 
     def _workers(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            if "fork" not in multiprocessing.get_all_start_methods():
+                raise ValueError(
+                    f"--jobs {self.jobs}: a sweep's worker processes are forked, and this platform cannot fork "
+                    "(Windows); use --jobs 1"
+                )
             context = multiprocessing.get_context("fork")
             self._pool = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_ignore_interrupts)
         return self._pool
@@ -177,7 +182,10 @@ def _ignore_interrupts() -> None:
 
 
 def default_jobs() -> int:
-    """Worker processes a sweep uses by default: one per core this process may run on."""
+    """Worker processes a sweep uses by default: one per core this process may run on (1 where
+    processes cannot be forked)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -127,3 +127,10 @@ def test_a_worker_that_dies_is_one_clear_error() -> None:
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(depth.WorkerDied, match="rerun with fewer --jobs"):
             sims.get(config, spec, None)
+
+
+def test_without_fork_a_sweep_runs_in_its_own_process_or_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(depth.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # (Windows)
+    assert depth.default_jobs() == 1
+    with depth.Simulations(2) as sims, pytest.raises(ValueError, match="cannot fork .*use --jobs 1"):
+        sims.submit(_family("llama", num_hidden_layers=2), EstimateSpec(1, 1, 64, 1), None)
