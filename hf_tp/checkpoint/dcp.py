@@ -237,13 +237,16 @@ def crash_point(where: str, step: int) -> None:
     """Fault injection for the fault tests: ``HF_TP_CRASH=where:step:rank[:SIGNAL]`` sends that rank
     SIGNAL (default KILL; e.g. USR1 to preempt, STOP to hang) at that point (where: ``train`` = start
     of the step, ``save`` = shards written, not published); ``SLEEP<seconds>`` instead holds the
-    rank there, so that a signal from outside lands inside that step, not after the last one."""
+    rank there, so that a signal from outside lands inside that step, not after the last one (the
+    file ``HF_TP_CRASH_MARK`` names, if set, is created as the hold starts: send it then)."""
     spec = os.environ.get("HF_TP_CRASH")
     if not spec:
         return
     w, s, r, *sig = spec.split(":")
     if w == where and int(s) == step and int(r) == dist.get_rank():
         if sig and sig[0].startswith("SLEEP"):
+            if mark := os.environ.get("HF_TP_CRASH_MARK"):
+                open(mark, "w").close()
             time.sleep(float(sig[0].removeprefix("SLEEP")))
             return
         os.kill(os.getpid(), getattr(signal, f"SIG{sig[0] if sig else 'KILL'}"))

@@ -129,7 +129,9 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         "--pp", type=int, default=1, help="pipeline stages (decoder layers cut as hf-tp train --pp cuts them)"
     )
     p.add_argument(
-        "--pp-schedule", default="1f1b", help="with --pp: 1f1b, gpipe, interleaved1f1b or loopedbfs (as hf-tp train)"
+        "--pp-schedule",
+        default="1f1b",
+        help="with --pp: 1f1b, gpipe, interleaved1f1b, loopedbfs, zbv or dualpipev (as hf-tp train)",
     )
     p.add_argument(
         "--pp-virtual-stages", type=int, default=1, help="with --pp: stages per rank (interleaved schedules)"
@@ -151,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_tp.estimate.sweep import estimate_candidate, sweep
 
     try:
+        jobs = _jobs(args.jobs)  # (checked for one layout too: nonsense is refused wherever it is given)
         cluster = make_cluster(args)
         config, name = resolve_model_config(args.model)
         spec = spec_of(args)
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
         result = sweep(
             config, world, spec, gpu_memory=gpu, model_name=name, progress=progress, cluster=cluster,
-            fast=not args.full, verified=0 if args.fast else 1, verify="check", jobs=_jobs(args.jobs),
+            fast=not args.full, verified=0 if args.fast else 1, verify="check", jobs=jobs,
         )  # fmt: skip
     except (ValueError, WorkerDied) as exc:
         print(f"hf-tp estimate: error: {exc}", file=sys.stderr)

@@ -205,7 +205,7 @@ def simulate_spec(
         tower, projector = _passenger_params(model, config)
         flops = model_flops_per_token(config, num_params, spec.seq_len, unrouted_expert_params(model, config))
     est = Estimate(
-        model=model_name or getattr(config, "name_or_path", "") or config.model_type,
+        model=model_label(config, model_name),
         model_type=config.model_type,
         num_params=num_params,
         tp=spec.tp,
@@ -231,6 +231,12 @@ def simulate_spec(
         model_flops_per_token=flops,
     )
     return est, tracker.breakdowns()
+
+
+def model_label(config: PretrainedConfig, model_name: str | None = None) -> str:
+    """The model name an estimate reports: ``model_name``, else the config's path, else its type
+    (a stage or a cut config's runs report the whole model's, passed down as ``model_name``)."""
+    return model_name or getattr(config, "name_or_path", "") or config.model_type
 
 
 def _checked_for_training(config: PretrainedConfig, lora_r: int, lora_target_modules: str) -> PretrainedConfig:

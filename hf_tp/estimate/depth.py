@@ -30,6 +30,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
-from hf_tp.estimate.api import Estimate, simulate_spec
+from hf_tp.estimate.api import Estimate, model_label, simulate_spec
 from hf_tp.estimate.counters import CommStat
 from hf_tp.estimate.layouts import config_key
 from hf_tp.estimate.memory import MemoryBreakdown, SegmentKey
@@ -150,13 +151,7 @@ class Simulations:
 
     def _workers(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            if "fork" not in multiprocessing.get_all_start_methods():
-                raise ValueError(
-                    f"--jobs {self.jobs}: a sweep's worker processes are forked, and this platform cannot fork "
-                    "(Windows); use --jobs 1"
-                )
-            context = multiprocessing.get_context("fork")
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_ignore_interrupts)
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=_context(self.jobs), initializer=_ignore_interrupts)
         return self._pool
 
     def close(self) -> None:
@@ -181,10 +176,27 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _context(jobs: int) -> multiprocessing.context.BaseContext:
+    """How workers start: forked from this process where it runs no other Python thread (fast: no
+    imports, and the caller's set-up, e.g. a registered adapter, carried over); else from a fork
+    server started clean, which imports hf_tp's estimate once (a fork copies the locks other
+    threads hold at that moment, held forever in the child: a hang seen under pytest-xdist's threads)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    if "forkserver" in methods:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["hf_tp.estimate.api"])
+        return context
+    raise ValueError(
+        f"--jobs {jobs}: a sweep's worker processes are forked, and this platform cannot fork (Windows); use --jobs 1"
+    )
+
+
 def default_jobs() -> int:
-    """Worker processes a sweep uses by default: one per core this process may run on (1 where
-    processes cannot be forked)."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    """Worker processes a sweep uses by default: one per core this process may run on, where they
+    can be forked from it (:func:`_context`); else 1."""
+    if "fork" not in multiprocessing.get_all_start_methods() or threading.active_count() > 1:
         return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -204,17 +216,12 @@ class Simulator:
         return self.sims.get(config, spec, model_name)[0]
 
     def prefetch(self, config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> None:
-        found, name = layering(config) if self.fast else None, _name(config, model_name)
+        found, name = layering(config) if self.fast else None, model_label(config, model_name)
         if found is None or found.periods <= (CHECK if self.check else PERIODS[1]):
             self.sims.submit(config, spec, name)
             return
         for n in PERIODS + ((CHECK,) if self.check and found.periods > CHECK else ()):
             self.sims.submit(cut_config(config, found.layers(n)), spec, name)
-
-
-def _name(config: PretrainedConfig, model_name: str | None) -> str:
-    """The model name an estimate reports (the cut configs' runs report the whole model's)."""
-    return model_name or getattr(config, "name_or_path", "") or config.model_type
 
 
 def estimate_fast(
@@ -231,7 +238,7 @@ def estimate_fast(
     simulated in full. ``sims`` runs and keeps the simulations (in parallel where it has workers)."""
     sims = sims or Simulations()
     found = layering(config)
-    name = _name(config, model_name)
+    name = model_label(config, model_name)
     if found is None or found.periods <= PERIODS[1] or (check and found.periods <= CHECK):
         return sims.get(config, spec, name)[0]
     periods = PERIODS + ((CHECK,) if check else ())

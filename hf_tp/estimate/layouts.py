@@ -80,7 +80,7 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
 from hf_tp.adapters.modules import num_experts
-from hf_tp.estimate.api import Estimate, estimate_spec
+from hf_tp.estimate.api import Estimate, estimate_spec, model_label
 from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
@@ -138,7 +138,7 @@ def estimate_layout(
     validate(config, spec)
     simulate = simulate or estimate_spec
     stage = simulated_stage(config, spec)
-    est = simulate(stage.config, stage.spec, model_name or getattr(config, "name_or_path", "") or config.model_type)
+    est = simulate(stage.config, stage.spec, model_label(config, model_name))
     if stage.replicas > 1:
         est = replicated(est, stage.replicas)
     if stage.plan is not None:

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.e2e
 RUN = ["--seq-len", "15", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2", "--no-tensorboard"]
 
 
-def _train_signalled_after(flags: list[str], step: int, sig: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``hf-tp train`` whose launching process gets ``sig`` once metrics.jsonl shows ``step``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def _train_signalled_when(flags: list[str], mark: Path, sig: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``hf-tp train`` whose launching process gets ``sig`` once the file ``mark`` exists (a rank
+    holding inside a step creates it: ``HF_TP_CRASH=...:SLEEP<s>`` with ``HF_TP_CRASH_MARK``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_TP_CRASH_MARK=str(mark))
     env.pop("WORLD_SIZE", None)
-    out = Path(flags[flags.index("--output-dir") + 1]) / "metrics.jsonl"
     cmd = [sys.executable, "-m", "hf_tp.cli.main", "train", *flags]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -35,7 +35,7 @@ def _train_signalled_after(flags: list[str], step: int, sig: int, timeout: float
     deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            if out.is_file() and len(out.read_text().splitlines()) >= step:
+            if mark.is_file():
                 proc.send_signal(sig)
                 break
             time.sleep(0.05)
@@ -67,19 +67,18 @@ def test_preempted_twice_then_resumed_gives_the_uninterrupted_curve(setup, tmp_p
     assert "saved; continue with --resume" in proc.stdout
     assert latest_checkpoint(run).name == "step-3"
 
-    # 2) resumed, then SIGTERM to the launching `hf-tp train` process (Kubernetes' way) once step 4
-    #    is logged; rank 0 holds 3 s at the start of step 5, so the signal lands before step 6, the
-    #    last, which would end the run without a preemption. The ranks agree to stop after step 4
-    #    where the signal beats step 4's own stop check (the line is logged just before it: seen
-    #    once in CI on a busy machine), else after step 5: either is a preemption with its checkpoint.
+    # 2) resumed, then SIGTERM to the launching `hf-tp train` process (Kubernetes' way) while rank 0
+    #    holds 3 s at the start of step 5 (it marks the hold: sent on step 4's metrics line instead,
+    #    the signal could beat step 4's own stop check, seen once in CI), so the run stops after
+    #    step 5, not after step 6, the last, which would end it without a preemption.
     os.environ["HF_TP_CRASH"] = "train:5:0:SLEEP3"
     try:
-        proc = _train_signalled_after([*flags, "--resume"], 4, signal.SIGTERM)
+        proc = _train_signalled_when([*flags, "--resume"], tmp_path / "holding", signal.SIGTERM)
     finally:
         del os.environ["HF_TP_CRASH"]
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     stopped = int(latest_checkpoint(run).name.split("-")[1])
-    assert stopped in (4, 5) and f"preempted at step {stopped} (SIGTERM)" in proc.stdout
+    assert stopped == 5 and "preempted at step 5 (SIGTERM)" in proc.stdout
 
     # 3) the newest checkpoint is damaged afterwards (a shard lost its tail): --resume names it and
     #    falls back to step-3; resumed to the end, the loss curve is plain HF's on the same batches.

@@ -188,6 +188,8 @@ def test_cli_prints_tables_and_json(tiny_dir: Path, capsys: pytest.CaptureFixtur
     assert data["world_size"] == 4 and data["peak"]["total"] > 0
     assert main([*args[:3], "--tp", "3", "--seq-len", "8", "--batch-size", "1"]) == 2
     assert "tp must divide num_attention_heads (4)" in capsys.readouterr().err
+    assert main([*args, "--jobs", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "hf-tp estimate: error: --jobs must be at least 1, got --jobs 0"
 
 
 @pytest.mark.large_estimate

@@ -130,6 +130,10 @@ def test_a_worker_that_dies_is_one_clear_error() -> None:
 
 
 def test_without_fork_a_sweep_runs_in_its_own_process_or_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(depth.threading, "active_count", lambda: 1)
+    assert depth._context(2).get_start_method() == "fork"  # (no imports: the workers are this process)
+    monkeypatch.setattr(depth.threading, "active_count", lambda: 3)  # another Python thread (pytest-xdist's, Jupyter's)
+    assert depth._context(2).get_start_method() == "forkserver" and depth.default_jobs() == 1
     monkeypatch.setattr(depth.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # (Windows)
     assert depth.default_jobs() == 1
     with depth.Simulations(2) as sims, pytest.raises(ValueError, match="cannot fork .*use --jobs 1"):
