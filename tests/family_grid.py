@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import hf_tp
+from hf_tp.adapters.census import is_mixture
 from hf_tp.adapters.modules import num_experts
-from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.compat import UnsupportedRelease, family_refusal
 from hf_tp.verify.compare import stream_mixer_params
 from hf_tp.verify.model import draw_index_tables
@@ -205,7 +205,7 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
 
 
 def is_moe(config: PretrainedConfig) -> bool:
-    return any("expert" in key for key in base_tp_plan(config))
+    return is_mixture(config)
 
 
 def needs_later_release(model_type: str) -> bool:

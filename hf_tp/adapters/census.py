@@ -9,7 +9,7 @@ from hf_tp.adapters.overrides import PLAN_OVERRIDES
 
 def tensor_parallel_causal_lm_types() -> dict[str, bool]:
     """Every causal-LM ``model_type`` of the installed transformers whose config carries a
-    ``base_model_tp_plan``, mapped to whether it is a mixture of experts (its plan shards experts)."""
+    ``base_model_tp_plan``, mapped to whether it is a mixture of experts (:func:`is_mixture`)."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -22,8 +22,19 @@ def tensor_parallel_causal_lm_types() -> dict[str, bool]:
         except KeyError:
             continue
         if plan:  # (GPT-OSS's names only the embedding: hf_tp's own plan for it shards experts)
-            out[model_type] = any("expert" in key for key in {**plan, **PLAN_OVERRIDES.get(model_type, {})})
+            out[model_type] = is_mixture(CONFIG_MAPPING[model_type]())
     return out
+
+
+def is_mixture(config) -> bool:
+    """``config`` builds a mixture of experts: transformers' tp or ep plan (5.25 keeps experts in
+    the ep plan only) or hf_tp's overrides name experts."""
+    plans = {
+        **(getattr(config, "base_model_tp_plan", None) or {}),
+        **(getattr(config, "base_model_ep_plan", None) or {}),
+        **PLAN_OVERRIDES.get(config.model_type, {}),
+    }
+    return any("expert" in key for key in plans)
 
 
 def multimodal_wrapper_types() -> dict[str, str]:

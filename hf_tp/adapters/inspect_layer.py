@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
-from hf_tp.adapters.inspect_moe import layer_experts_region, moe_blocks, moe_region
+from hf_tp.adapters.inspect_moe import derived_expert_styles, layer_experts_region, moe_blocks, moe_region
 from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 
@@ -25,6 +25,7 @@ def layer_facts(
     ``routers``: the classes whose logits HF records (:func:`router_classes`); ``streams``: the
     residual has hyper-connection streams (the model mixes them at the top)."""
     mixers = _mixers(mt, layer, config.hidden_size, streams)
+    layer_styles = derived_expert_styles(mt, config, layer, layer_styles)  # the plan's experts are hints
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in mixers}
     # Multi-head latent attention (DeepSeek's low-rank q/kv projections) runs whole on every rank:
     # its shared latent and rotary key feed every head, which a head split cannot express locally.
@@ -41,10 +42,11 @@ def layer_facts(
             mt, f"its routed experts ({own[0]}) are called by the decoder layer itself, with no router it records"
         )
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in own}
-    if not moe and not own and (holders := expert_holders(layer, config)):  # (expert plans came in 5.21)
+    if not moe and not own and (holders := expert_holders(layer, config)):
         raise refuse(
             mt,
-            f"its tp plan does not shard the routed experts in {holders[0]} (transformers' plan for it has no moe_tp_experts entry)",
+            f"its routed experts in {holders[0]} are not weights stacked one per expert (3-D, the config's expert "
+            "count first), the layout hf_tp reads and splits",
         )
     regions = {b: moe_region(mt, config, layer, b, layer_styles, routers) for b in moe} | own_regions
     layer_styles = {p: s for p, s in layer_styles.items() if p.split(".", 1)[0] not in moe}

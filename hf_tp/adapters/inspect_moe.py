@@ -243,3 +243,100 @@ def layer_experts_region(mt: str, layer: nn.Module, path: str, layer_styles: dic
     if positional is None:
         raise refuse(mt, f"cannot read how {type(layer).__name__}.forward passes hidden states to {path}")
     return Region(roles=roles, positional=positional, routers=(), experts="", widths=tuple(widths), aux_exact=True)
+
+
+# -- the experts read from the model's own modules ------------------------------------------------
+# transformers' experts kernels (``integrations.moe``) call an experts module's first projection
+# ``gate_up_proj`` (gate and up packed) or ``up_proj`` (no gate) and its second ``down_proj``; shared
+# experts stored as stacks (Inkling's) name them ``gate_proj`` / ``up_proj`` / ``down_proj``.
+FIRST_PROJECTIONS = ("gate_up_proj", "up_proj", "gate_proj")
+SECOND_PROJECTIONS = ("down_proj",)
+
+
+def derived_expert_styles(mt: str, config, layer: nn.Module, layer_styles: dict[str, str]) -> dict[str, str]:
+    """``layer_styles`` with the layer's routed experts and 3-D expert stacks read from its modules:
+    a module holding 3-D weights stacked one per expert (leading dim the config's expert count) is
+    the experts (``moe_tp_experts``), its first projection split on its output dim (packed gate|up
+    halves when transformers stores them concatenated), ``down_proj`` on its input dim; a sibling in
+    the same block holding only 3-D ``*_proj`` stacks (shared experts) the same way.
+
+    transformers' plans (tp before 5.25, ep after) are hints: where the tp plan styles a weight, it
+    must split the same dim, else the layer is refused naming both."""
+    count = num_experts(config)
+    if not count:
+        return layer_styles
+    out = dict(layer_styles)
+    found = [
+        path
+        for path, sub in layer.named_modules()
+        if path and any(p.dim() == 3 and p.shape[0] == count for p in sub.parameters(recurse=False))
+    ]
+    for path in found:
+        if "." in path:  # shared-expert stacks in the same block (Inkling's)
+            block = path.split(".", 1)[0]
+            for other, sub in layer.get_submodule(block).named_modules():
+                full = f"{block}.{other}"
+                own = dict(sub.named_parameters(recurse=False))
+                if other and full not in found and own and all(p.dim() == 3 for p in own.values()):
+                    out.update(_stack_styles(mt, full, sub, layer_styles, routed=False))
+        out.update(_stack_styles(mt, path, layer.get_submodule(path), layer_styles, routed=True))
+    return out
+
+
+def _stack_styles(mt: str, path: str, module: nn.Module, hints: dict[str, str], routed: bool) -> dict[str, str]:
+    """The styles of one module of 3-D expert weights, ``[experts, out, in]`` or transposed
+    ``[experts, in, out]`` (:func:`_transposed`), checked against the tp plan's ``hints``."""
+    if getattr(module, "has_post_expert_norm", False):
+        raise refuse(mt, f"the experts {path} normalise each expert's output, which a split of its width cannot")
+    own = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    out_dim, in_dim = (-1, -2) if _transposed(mt, path, module, own) else (-2, -1)
+    styles: dict[str, str] = {}
+    for name, param in own.items():
+        if name in FIRST_PROJECTIONS:
+            packed = name == "gate_up_proj" and _concatenated(module)
+            dim = out_dim
+        elif name in SECOND_PROJECTIONS:
+            packed, dim = False, in_dim
+        else:
+            raise refuse(
+                mt, f"the experts parameter {path}.{name} {tuple(param.shape)} is not a projection hf_tp can split"
+            )
+        style = ("packed_" if packed else "") + ("colwise" if dim == -2 else "rowwise")
+        declared = hints.get(f"{path}.{name}")
+        if declared in EXPERT_DIMS and EXPERT_DIMS[declared][0] != dim:
+            raise refuse(
+                mt,
+                f"transformers' tp plan splits {path}.{name} {tuple(param.shape)} as '{declared}', its module "
+                f"as '{style}'",
+            )
+        styles[f"{path}.{name}"] = style
+    if routed:
+        styles[path] = "moe_tp_experts"
+    return styles
+
+
+def _transposed(mt: str, path: str, module: nn.Module, own: dict) -> bool:
+    """Whether the stacks are stored ``[experts, in, out]``: read from how the first projection's
+    and ``down_proj``'s shapes chain (the first reads what ``down_proj`` writes, and writes one or,
+    packed, two of what it reads); transformers' ``is_transposed`` decides only where both readings
+    chain (square weights). Llama 4's experts are transposed without saying so."""
+    flag = bool(getattr(module, "is_transposed", False))
+    first = next((own[n] for n in FIRST_PROJECTIONS if n in own), None)
+    down = next((own[n] for n in SECOND_PROJECTIONS if n in own), None)
+    if first is None or down is None:
+        return flag
+    k = 2 if "gate_up_proj" in own and getattr(module, "has_gate", True) else 1
+    plain = first.shape[-1] == down.shape[-2] and first.shape[-2] == k * down.shape[-1]
+    transposed = first.shape[-2] == down.shape[-1] and first.shape[-1] == k * down.shape[-2]
+    if not plain and not transposed:
+        shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own.items())
+        raise refuse(mt, f"the experts {path} have projections whose shapes do not chain ({shapes})")
+    return transposed if plain != transposed else flag
+
+
+def _concatenated(module: nn.Module) -> bool:
+    """A packed gate_up_proj stores the gates then the ups (split as two halves), not interleaved
+    pairs (GPT-OSS's, which a contiguous split keeps together): transformers' ``is_concatenated``
+    where the release marks it, else the forward chunking the output in two."""
+    flag = getattr(module, "is_concatenated", None)
+    return bool(flag) if flag is not None else chunks_in_two(type(module).forward)
