@@ -44,7 +44,23 @@ def family_config(model_type: str) -> PretrainedConfig:
 
 
 def snapshot_text(model_type: str) -> str:
-    return format_plan(plan_for(family_config(model_type), tp=TP, seq_len=SEQ_LEN, name=model_type))
+    """hf_tp's plan, then the plans transformers declares for the family (tp and ep), so that a
+    release that changes them shows as a diff here even where hf_tp's own plan holds."""
+    config = family_config(model_type)
+    text = format_plan(plan_for(config, tp=TP, seq_len=SEQ_LEN, name=model_type))
+    return text + transformers_plans(config)
+
+
+def transformers_plans(config: PretrainedConfig) -> str:
+    """The language model's ``base_model_tp_plan`` and ``base_model_ep_plan``, one entry a line."""
+    text = getattr(config, "get_text_config", lambda **_: config)(decoder=True)
+    lines = ["", f"transformers' plans ({text.model_type})"]
+    for name in ("base_model_tp_plan", "base_model_ep_plan"):
+        plan = getattr(text, name, None) or {}
+        lines.append(f"  {name}:" + ("" if plan else " none"))
+        width = max((len(k) for k in plan), default=0)
+        lines += [f"    {key.ljust(width)}  {style}" for key, style in sorted(plan.items())]
+    return "\n".join(lines) + "\n"
 
 
 def write_snapshots(model_types: list[str] | None = None) -> list[str]:
