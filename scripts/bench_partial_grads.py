@@ -18,17 +18,22 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 import hf_tp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# (not torch's CollectiveCounter: see CollectiveCounter for why it breaks under transformers >= 5.25)
+from tests.helpers import CollectiveCounter  # noqa: E402
 
-def all_reduces(mode: CommDebugMode) -> int:
+
+def all_reduces(mode: CollectiveCounter) -> int:
     return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op) or "allreduce" in str(op))
 
 
@@ -70,7 +75,7 @@ def main() -> None:
         )
         runs[fuse] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), [])
 
-    def step(fuse: bool, count: CommDebugMode | None = None) -> float:
+    def step(fuse: bool, count: CollectiveCounter | None = None) -> float:
         model, opt, _ = runs[fuse]
         if cuda:
             torch.cuda.synchronize()
@@ -86,7 +91,7 @@ def main() -> None:
 
     counts = {}
     for fuse in (False, True):
-        counts[fuse] = CommDebugMode()
+        counts[fuse] = CollectiveCounter()
         step(fuse, counts[fuse])  # first step: counts the all-reduces of backward + AdamW, hooks the weights
     for i in range(args.warmup + args.steps):
         for fuse in (False, True) if i % 2 == 0 else (True, False):

@@ -113,6 +113,18 @@ FAMILY_EXTRAS.update(
             moe_shared_expert_intermediate_size=48,
         ),
         "flint": dict(mlp_only_layers=[0]),  # a dense layer and a MoE layer
+        # (5.25) a dense sliding-window layer and an indexed MoE one; its indexer's heads within a KV head's queries
+        "kolibri1_1": dict(
+            layer_types=["sliding_attention", "indexed_attention"],
+            index_num_heads=2,
+            index_topk=8,
+            index_pool_size=32,
+            index_compression=2,
+            index_num_local_tokens=4,
+            index_num_sink_tokens=1,
+            mlp_only_layers=[0],  # its default makes layers 0 and 1 dense: no MoE layer in two
+            mlp_only_intermediate_size=128,
+        ),
         "beam": dict(mlp_layer_types=["dense", "sparse"]),  # its default for 2 layers has no MoE layer
         # A dense layer (its MLP is intermediate_size_mlp wide, 16384 by default), then a MoE layer
         "llama4_text": dict(interleave_moe_layer_step=2, intermediate_size_mlp=128),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hf_tp.verify.compare import full, full_grads, full_params  # noqa: F401 - shared with the tests
@@ -244,3 +245,36 @@ def offline_datasets(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
     datasets.disable_progress_bars()
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives dispatched in this thread, by op name (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``, ``all_reduce``, ``allreduce_``, ...).
+
+    Not torch's ``CommDebugMode``: its module tracker registers a forward hook on every module it
+    sees, keyed by name, and transformers >= 5.25 calls functions such as
+    ``apply_rotary_pos_emb`` through one module shared by every layer and model (the ``kernels``
+    package's function modules): the hooks pile up on it, outlive the mode and fail every later
+    forward in the process (``IndexError: pop from empty list``); threaded ranks race on them too."""
+
+    SKIP = ("wait_tensor", "_wrap_tensor_autograd")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):  # DTensor dispatches first: its collectives then pass here
+            return NotImplemented
+        name = func.__name__.split(".")[0]
+        if func.namespace in ("_c10d_functional", "c10d") and name not in self.SKIP:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def get_comm_counts(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def get_total_counts(self) -> int:
+        return sum(self.counts.values())

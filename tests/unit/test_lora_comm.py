@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 import hf_tp
 from hf_tp.record import record_of
-from tests.helpers import batch, tiny_config, tiny_model
+from tests.helpers import CollectiveCounter, batch, tiny_config, tiny_model
 from tests.unit.test_comm import TP, _assert_first_layer_is_the_sp_minimum, _names, fake_world  # noqa: F401
 
 pytest.importorskip("peft")
@@ -35,7 +34,7 @@ def test_a_lora_training_step_has_one_fused_all_reduce_and_a_quiet_optimizer(fak
     hf_tp.parallelize(peft_model, hf_tp.build_mesh(tp=TP, device_type="cpu"))
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-3)
     data = batch(config.vocab_size, b=2, s=12, pad=None)
-    fwd, bwd, step = CommDebugMode(), CommDebugMode(), CommDebugMode()
+    fwd, bwd, step = CollectiveCounter(), CollectiveCounter(), CollectiveCounter()
     with hf_tp.loss_parallel():
         with fwd:
             loss = peft_model(**data, use_cache=False).loss
