@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +155,9 @@ def truncate(path: Path, keep: int) -> None:
 
 E = r"hf-tp train: error: "
 X = r"hf-tp export: error: "
+V = r"hf-tp verify: error: "
+LIVE_LOCK = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "2026-01-01T00:00:00Z"})
+OTHER_HOST_LOCK = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-01-01T00:00:00Z"})
 ROWS = [
     # --- sizes and numbers (these passed before; kept standing)
     Row("tp-against-heads", train("--tp", "3"), E + r"tp must divide num_attention_heads \(4\) .*"),
@@ -407,6 +412,58 @@ ROWS = [
         command("export", "{run}", "/proc/hf_tp_export"),
         X
         + r"export dir /proc/hf_tp_export cannot be created or written: /proc does not take new folders \(.*\); pass a dir you can write",
+    ),
+    # --- round two (issue 51): nothing lost, nothing silently wrong
+    # case 1: verify wrote its one-layer random model over a finished run's checkpoint
+    Row(
+        "verify-over-a-run",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{run}"),
+        V
+        + r"--output-dir .*/run holds files hf-tp verify did not write \(checkpoints, config\.yaml, metrics\.jsonl\); "
+        r".*pass a new or empty folder, or leave --output-dir out for a temporary one",
+    ),
+    # case 2: verify replaced the model folder's weights and config with its random copy
+    Row(
+        "verify-over-the-model-folder",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{model}"),
+        V + r"--output-dir .*/model holds files hf-tp verify did not write \(config\.json, .*\); .*",
+    ),
+    # case 13: verify --output-dir FILE said "hf-tp train: training failed"
+    Row(
+        "verify-output-dir-is-a-file",
+        with_file("f", "x", command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{tmp}/f")),
+        V + r"--output-dir .*/f is a file, not a directory; pass a new or empty folder",
+    ),
+    Row(
+        "verify-output-dir-empty",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", ""),
+        V + r"--output-dir is empty \(''\); pass a folder path, or leave --output-dir out for a temporary folder",
+    ),
+    # case 7: --output-dir '' wrote the run into the current directory
+    Row(
+        "output-dir-empty",
+        train("--output-dir", ""),
+        E + r"--output-dir is empty \(''\); pass a folder path, e\.g\. --output-dir outputs/run .*",
+    ),
+    # case 3: two runs at once in one folder interleaved their metrics; the second is refused
+    Row(
+        "output-dir-in-use",
+        with_file("out/.hf_tp.lock", LIVE_LOCK, train()),
+        E + rf"--output-dir .*/out is in use by another run \(pid {os.getpid()} on this host, since .*\); wait for it "
+        r"to end, or pass another --output-dir",
+    ),
+    Row(
+        "output-dir-locked-by-another-host",
+        with_file("out/.hf_tp.lock", OTHER_HOST_LOCK, train()),
+        E + r"--output-dir .*/out is in use by pid 4242 on host node-7 \(since 2026-01-01T00:00:00Z\); if that run "
+        r"has ended, delete .*/out/\.hf_tp\.lock, or pass another --output-dir",
+    ),
+    # case 6: --batch-size 100000 on a small dataset was OOM-killed after 146 s, no message
+    Row(
+        "global-batch-over-the-dataset",
+        train("--batch-size", "100000"),
+        E + r"the global batch \(100000 sequences: --batch-size 100000 x dp 1 x grad-accum 1\) is larger than dataset "
+        r"'.*', which holds \d+ rows \(at most \d+ packed sequences of 32 tokens\); lower --batch-size, or add data",
     ),
     Row(
         "export-missing-run",
