@@ -202,6 +202,10 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    if Path(cfg.model).expanduser().is_dir():  # every weight in the files, in its shape (headers only)
+        from hf_tp.checkpoint.file_check import check_weights_match
+
+        check_weights_match(cfg.model, model_config)
     if warning := check_step_memory(cfg, model_config, kind):  # refused when far beyond
         print(f"hf-tp train: warning: {warning}", file=sys.stderr, flush=True)
     check_mixed_precision(model_config, cfg.compute_dtype_name(kind))

@@ -148,6 +148,18 @@ def with_model(change: Callable[[Path], None], *flags: str) -> Callable[[World, 
     return argv
 
 
+def rewrite_weights(change: Callable[[dict], dict]) -> Callable[[Path], None]:
+    """A model folder change: its model.safetensors rewritten with ``change(tensors)``."""
+
+    def apply(model: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = model / "model.safetensors"
+        save_file(change(load_file(path)), path, metadata={"format": "pt"})
+
+    return apply
+
+
 def truncate(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])
@@ -414,6 +426,31 @@ ROWS = [
         + r"export dir /proc/hf_tp_export cannot be created or written: /proc does not take new folders \(.*\); pass a dir you can write",
     ),
     # --- round two (issue 51): nothing lost, nothing silently wrong
+    # case 5: a folder without layer 1's tensors trained to the end with that layer random
+    Row(
+        "model-lacks-a-layer",
+        with_model(rewrite_weights(lambda t: {k: v for k, v in t.items() if ".layers.1." not in k})),
+        E + r"model folder '.*/model' does not match its config\.json: its safetensors lack 9 weights: "
+        r"model\.layers\.1\.self_attn\.q_proj\.weight, .* and 6 more; the model would train with those weights "
+        r"random: .*",
+    ),
+    # case 13: weights of another shape printed two load-report tables from inside the ranks
+    Row(
+        "model-weight-of-another-shape",
+        with_model(
+            rewrite_weights(lambda t: t | {"model.layers.0.mlp.up_proj.weight": t["model.norm.weight"].clone()})
+        ),
+        E + r"model folder '.*' does not match its config\.json: its safetensors hold in another shape 1 weight: "
+        r"model\.layers\.0\.mlp\.up_proj\.weight \[64\] \(the model's \[256, 64\]\); .*",
+    ),
+    Row(
+        "model-holds-unexpected-weights",
+        with_model(
+            rewrite_weights(lambda t: t | {"model.layers.7.mlp.up_proj.weight": t["model.norm.weight"].clone()})
+        ),
+        E + r"model folder '.*' does not match its config\.json: its safetensors hold unexpected 1 weight: "
+        r"model\.layers\.7\.mlp\.up_proj\.weight; .*",
+    ),
     # case 1: verify wrote its one-layer random model over a finished run's checkpoint
     Row(
         "verify-over-a-run",
