@@ -86,22 +86,10 @@ def _parameter_names(model) -> list[list[str]]:
 
 def _converted(transforms: list, keys: set[str]) -> tuple[set[str], set[str]]:
     """(model names transformers' converters build from the files, the file keys they read)."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from hf_tp.checkpoint.expert_files import converted_keys
 
-    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    targets, consumed = set(), set()
-    for key in keys:
-        name = key
-        for rename in renames:
-            name, _ = rename.rename_source_key(name)
-        for converter in converters:
-            target, pattern = converter.rename_source_key(name)
-            if pattern is not None:
-                targets.add(target)
-                consumed.add(key)
-                break
-    return targets, consumed
+    found = [(key, target) for key, _, _, target, _ in converted_keys(transforms, keys)]
+    return {target for _, target in found}, {key for key, _ in found}
 
 
 def _patterns(model, attribute: str) -> list[re.Pattern]:
