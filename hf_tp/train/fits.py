@@ -11,6 +11,7 @@ that cannot possibly fit).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,12 +35,15 @@ def check_batch_fits(cfg: TrainConfig) -> None:
     from hf_tp.data.datasets import load_text_dataset
 
     ds = load_text_dataset(cfg.dataset, split=cfg.split)  # the cache the check of its rows made
-    if cfg.global_batch <= len(ds):
+    rows = training_rows(len(ds), cfg.eval_split, f"'{cfg.dataset}'")
+    if cfg.global_batch <= rows:
         return
-    what = f"{len(ds)} rows"
-    bound = len(ds)
+    what = f"{rows} rows" + (
+        f" for training (--eval-split {cfg.eval_split} holds out the rest)" if cfg.eval_split else ""
+    )
+    bound = rows
     if cfg.packs and cfg.objective == "sft":
-        bound = _packed_bound(ds, cfg)
+        bound = _packed_bound(ds, cfg) * rows // len(ds)
         what += f" (at most {bound} packed sequences of {cfg.seq_len} tokens)"
     if cfg.global_batch <= bound:
         return
@@ -49,6 +53,18 @@ def check_batch_fits(cfg: TrainConfig) -> None:
         f"{cfg.grad_accum}) is larger than dataset '{cfg.dataset}', which holds {what}; lower --batch-size, "
         "or add data"
     )
+
+
+def training_rows(rows: int, eval_split: float, label: str) -> int:
+    """The rows left for training after ``--eval-split`` holds out its share (as ``datasets``'
+    ``train_test_split`` rounds: the held-out count up); ``ValueError`` when none is left."""
+    held = math.ceil(rows * eval_split) if eval_split else 0
+    if rows - held < 1:
+        raise ValueError(
+            f"--eval-split {eval_split} holds out {held} of dataset {label}'s {rows} rows and leaves none for "
+            "training; lower --eval-split (0.05 is usual), or pass --eval-dataset"
+        )
+    return rows - held
 
 
 def _packed_bound(ds, cfg: TrainConfig) -> int:

@@ -502,6 +502,19 @@ ROWS = [
         E + r"the global batch \(100000 sequences: --batch-size 100000 x dp 1 x grad-accum 1\) is larger than dataset "
         r"'.*', which holds \d+ rows \(at most \d+ packed sequences of 32 tokens\); lower --batch-size, or add data",
     ),
+    # case 14: --seq-len 1 said every label was masked; --eval-split 0.999 a raw datasets message
+    Row(
+        "seq-len-1",
+        train("--seq-len", "1"),
+        E + r"--seq-len must be at least 2: the loss predicts each token from the ones before it, and a 1-token "
+        r"sequence has none to predict; got 1",
+    ),
+    Row(
+        "eval-split-leaves-no-training-rows",
+        with_file("d.txt", "one\ntwo\nthree\n", train("--dataset", "{tmp}/d.txt", "--eval-split", "0.999")),
+        E + r"--eval-split 0\.999 holds out 3 of dataset '.*d\.txt''s 3 rows and leaves none for training; lower "
+        r"--eval-split \(0\.05 is usual\), or pass --eval-dataset",
+    ),
     Row(
         "export-missing-run",
         command("export", "{tmp}/nope", "{tmp}/e"),
