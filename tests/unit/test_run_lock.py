@@ -76,12 +76,23 @@ def test_the_cli_holds_the_lock_through_the_launch_and_releases_it(tmp_path: Pat
     monkeypatch.setattr(launch, "launch", fake_launch)
     argv = ["train", "--model", "m", "--dataset", "d.txt", "--seq-len", "32"]
     argv += ["--output-dir", str(out), "--tp", "2", "--dp", "1"]
-    if ending == "ctrl-c":
-        with pytest.raises(KeyboardInterrupt):
-            main(argv)
-    else:
-        assert main(argv) == {"failed": 1, "preempted": 75}[ending]
+    assert main(argv) == {"failed": 1, "preempted": 75, "ctrl-c": 130}[ending]
     assert seen == [os.getpid()] and not (out / LOCK).exists()
+
+
+def test_ctrl_c_while_importing_or_checking_is_one_line(monkeypatch, capsys) -> None:
+    """Issue 51 case 12: Ctrl-C in the first seconds (torch, transformers being imported, the
+    checks running) printed a whole KeyboardInterrupt traceback."""
+    import hf_tp.train.validate as validate
+    from hf_tp.cli.main import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "prelaunch_checks", interrupted)
+    capsys.readouterr()
+    assert main(["train", "--model", "m", "--dataset", "d.txt"]) == 130
+    assert capsys.readouterr().err == "hf-tp: stopped by Ctrl-C (SIGINT)\n"
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_its_rerun(tmp_path: Path) -> None:
