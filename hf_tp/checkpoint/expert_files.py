@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -65,31 +67,37 @@ def _merge_ops(converter) -> int | None:
     return None
 
 
-def fused_sources(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, FusedSource]:
-    """Parameter name -> the file tensors it is stacked from, for the model's parameters that
-    transformers builds from one tensor per expert. ``shapes``: every file tensor's shape.
-    A parameter is left out when its pieces are not the whole tensor (a missing expert, another
-    shape): it is then not loaded by boxes."""
+def converted_keys(transforms: list, keys) -> Iterator[tuple[str, str, Any, str, str]]:
+    """(file key, its name after transformers' renames, the converter that reads it, the model
+    name it builds, the converter's source pattern) for each file key a converter reads: at most
+    one converter per key, as in transformers."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    transforms = conversion_transforms(model)
     renames = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    found: dict[str, dict[tuple[int, int], str]] = {}
-    dims: dict[str, int] = {}
-    for key in shapes:
+    for key in keys:
         name = key
         for rename in renames:
             name, _ = rename.rename_source_key(name)
         for converter in converters:
             target, pattern = converter.rename_source_key(name)
-            if pattern is None:
-                continue
-            dim, expert = _merge_ops(converter), _expert_index(name, target)
-            if dim is not None and expert is not None:
-                found.setdefault(target, {})[(converter.source_patterns.index(pattern), expert)] = key
-                dims[target] = dim
-            break  # at most one converter matches a key, as in transformers
+            if pattern is not None:
+                yield key, name, converter, target, pattern
+                break
+
+
+def fused_sources(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, FusedSource]:
+    """Parameter name -> the file tensors it is stacked from, for the model's parameters that
+    transformers builds from one tensor per expert. ``shapes``: every file tensor's shape.
+    A parameter is left out when its pieces are not the whole tensor (a missing expert, another
+    shape): it is then not loaded by boxes."""
+    found: dict[str, dict[tuple[int, int], str]] = {}
+    dims: dict[str, int] = {}
+    for key, name, converter, target, pattern in converted_keys(conversion_transforms(model), shapes):
+        dim, expert = _merge_ops(converter), _expert_index(name, target)
+        if dim is not None and expert is not None:
+            found.setdefault(target, {})[(converter.source_patterns.index(pattern), expert)] = key
+            dims[target] = dim
     params = dict(model.named_parameters())
     out = {}
     for target, pieces in found.items():

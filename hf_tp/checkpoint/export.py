@@ -190,16 +190,48 @@ def _write_marker(folder: Path, ckpt: Path, state: dict) -> None:
 
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     record = {"hf_tp": __version__, "checkpoint": ckpt.name, "step": state.get("step"), "time": stamp}
+    record["files"] = sorted(p.name for p in folder.iterdir())  # its own: what --overwrite may replace
     (folder / EXPORT_MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
-    """Rename the built folder ``tmp`` to ``out``. An earlier export there is renamed aside first and
-    deleted once the new one is in place: a crash at any point leaves the old or the new one whole
-    (an empty ``out`` is replaced by the rename itself)."""
+def _own_entries(folder: Path, new: Path) -> set[str]:
+    """What an earlier export in ``folder`` wrote itself: the names its marker lists (an export made
+    before markers listed them: its weights and the names the new export ``new`` writes)."""
+    try:
+        files = json.loads((folder / EXPORT_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if isinstance(files, list):
+        return {str(f) for f in files} | {EXPORT_MARKER}
+    weights = {p.name for p in folder.glob("*.safetensors")} | {"model.safetensors.index.json"}
+    return weights | {p.name for p in new.iterdir()} | {EXPORT_MARKER}
+
+
+def _keep_users_entries(aside: Path, out: Path, own: set[str]) -> list[str]:
+    """Move what the user added to an earlier export (``aside``, now out of the way) into the new
+    one ``out``; a name the new export also writes is kept as ``NAME.before-export``. Returns the
+    names kept."""
+    kept = []
+    for entry in sorted(aside.iterdir(), key=lambda p: p.name):
+        if entry.name in own:
+            continue
+        target = out / entry.name
+        if target.exists():
+            target = out / f"{entry.name}.before-export"
+        os.replace(entry, target)
+        kept.append(target.name)
+    return kept
+
+
+def _put_in_place(tmp: Path, out: Path) -> list[str]:
+    """Rename the built folder ``tmp`` to ``out``. An earlier export there is renamed aside first;
+    once the new one is in place, the files the user added to it move into the new one and the rest
+    (the earlier export's own files) is deleted: a crash at any point leaves the old or the new
+    export whole and deletes nothing else (an empty ``out`` is replaced by the rename itself).
+    Returns the names of the user's files kept."""
     if not out.exists() or not any(out.iterdir()):
         os.replace(tmp, out)
-        return
+        return []
     check_replaceable(out, overwrite=True)  # again: it was empty when checked, before the export was built
     aside = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
     try:
@@ -212,7 +244,9 @@ def _put_in_place(tmp: Path, out: Path) -> None:
     except BaseException:
         os.replace(aside, out)
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    kept = _keep_users_entries(aside, out, _own_entries(aside, out))
+    shutil.rmtree(aside, ignore_errors=True)  # the earlier export's own files only
+    return kept
 
 
 def _os_error(exc: BaseException) -> OSError | None:

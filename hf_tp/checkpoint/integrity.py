@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_tp.checkpoint.layout import MARKER, checkpoint_root, complete_checkpoints
+from hf_tp.checkpoint.layout import MARKER, checkpoint_root, complete_checkpoints, unfinished_checkpoints
 
 MANIFEST = "manifest.json"
 # What to do when no checkpoint of a run is whole: hf-tp train's advice (hf-tp export passes its own).
@@ -75,6 +75,8 @@ def newest_good_checkpoint(
     for ckpt in reversed(complete_checkpoints(output_dir)):
         problem = damage(ckpt)
         if problem is None:
+            for skipped in unfinished_checkpoints(output_dir, after=int(ckpt.name.removeprefix("step-"))):
+                say(f"hf-tp: skipped {skipped} (no {MARKER} marker: its save did not finish); using {ckpt.name}")
             if damaged:
                 say(f"hf-tp: using {ckpt.name}, the newest checkpoint that is whole")
             return ckpt

@@ -29,6 +29,16 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def unfinished_checkpoints(output_dir: str | Path, after: int = -1) -> list[Path]:
+    """``step-N`` folders without their marker (a save that did not finish, or a copy cut short),
+    N > ``after``, oldest first: never resumed or exported, and named where an older one is used."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for step, p in sorted(found) if step > after and not (p / MARKER).is_file()]
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     ckpts = complete_checkpoints(output_dir)
     return ckpts[-1] if ckpts else None

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(format_sweep(result))
+        print(format_sweep(result, wall_seconds=time.perf_counter() - start))  # wall time, not summed workers
         if cluster is not None:
             print("\n" + format_ranking(result))
     return 0

@@ -166,8 +166,9 @@ def format_moe(est: Estimate) -> list[str]:
     return lines
 
 
-def format_sweep(result: Sweep) -> str:
-    """One row per (tp, dp) split, the recommendation and the rule behind it."""
+def format_sweep(result: Sweep, wall_seconds: float | None = None) -> str:
+    """One row per (tp, dp) split, the recommendation and the rule behind it; ``wall_seconds``: how
+    long the sweep took (its simulations' own seconds add up over parallel workers)."""
     first = result.estimates[0]
     gpu = result.gpu_memory
     cp = f"cp={result.cp} fixed, " if result.cp > 1 else ""
@@ -232,7 +233,8 @@ def format_sweep(result: Sweep) -> str:
         )
     lines.append(RANK_RULE if result.cluster else RULE)
     lines.append("--batch-size is per dp rank: keep the global batch across splits with hf-tp train --grad-accum.")
-    lines.append(f"Simulated in {sum(e.seconds for e in result.estimates):.1f} s on CPU (fake process group).")
+    took = wall_seconds if wall_seconds is not None else sum(e.seconds for e in result.estimates)
+    lines.append(f"Simulated in {took:.1f} s on CPU (fake process group).")
     return "\n".join(lines + _depths(result))
 
 

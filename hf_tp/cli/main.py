@@ -52,11 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if lines := below_floor():  # a release older than CI's compat run proves: one line each, nothing built
-        print("\n".join(f"hf-tp: {line}" for line in lines), file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[args.command][0].run(args)
+    """Ctrl-C at any time (the first seconds import torch and transformers) ends with one line."""
+    try:
+        args = build_parser().parse_args(argv)
+        if lines := below_floor():  # a release older than CI's compat run proves: one line each, nothing built
+            print("\n".join(f"hf-tp: {line}" for line in lines), file=sys.stderr)
+            return 2
+        return SUBCOMMANDS[args.command][0].run(args)
+    except KeyboardInterrupt:
+        print("hf-tp: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,9 +23,17 @@ Sizes are per forward and backward of one row of --seq-len tokens at the model's
 hf-tp train pads rows; all-to-all sizes assume even routing over the experts."""
 
 
+DEFAULT_SEQ_LEN = 2048
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_and_layout(p)
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row, for the collectives' sizes")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per row, for the collectives' sizes (default: {DEFAULT_SEQ_LEN}, or the model's "
+        "max_position_embeddings where that is less)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan record as JSON instead of tables")
 
 
@@ -33,7 +41,14 @@ def run(args: argparse.Namespace) -> int:
     from hf_tp.plan import format_plan, plan_for
 
     try:
-        plan = plan_for(args.model, tp=args.tp, ep=args.ep, cp=args.cp, seq_len=args.seq_len)
+        model, seq_len, name = args.model, args.seq_len, None
+        if seq_len is None:  # a length the model takes: a flag the user never gave must not refuse it
+            from hf_tp.plan.build import resolve_config
+
+            model, name = resolve_config(args.model)
+            text = getattr(model, "text_config", None) or model
+            seq_len = min(DEFAULT_SEQ_LEN, getattr(text, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
+        plan = plan_for(model, tp=args.tp, ep=args.ep, cp=args.cp, seq_len=seq_len, name=name)
     except ValueError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"hf-tp plan: error: {first}", file=sys.stderr)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.cli.train_flags import add_setting_flags
@@ -53,7 +55,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from hf_tp.cli.auto_layout import auto_layout, check_request
     from hf_tp.demo import with_embedded_default
-    from hf_tp.train.launch import launch, start_line
 
     in_rank = "WORLD_SIZE" in os.environ
     try:
@@ -67,9 +68,20 @@ def run(args: argparse.Namespace) -> int:
         if cfg.layout == "auto":
             cfg = auto_layout(cfg, load_model_config(cfg.model, cfg.trust_remote_code))
         device_type = find_device_type(cfg) if in_rank else prelaunch_checks(cfg)
+        release = lock_output_dir(cfg, in_rank)  # one writer per run folder, held to the end
     except ValueError as exc:
         print(f"hf-tp train: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _started(cfg, args, device_type, in_rank)
+    finally:
+        release()
+
+
+def _started(cfg: TrainConfig, args: argparse.Namespace, device_type: str, in_rank: bool) -> int:
+    """The run, accepted: launch the ranks, or train in this process."""
+    from hf_tp.train.launch import launch, start_line
+
     if os.environ.get("RANK", "0") == "0" and not os.environ.get("HF_TP_LAUNCHED"):
         print(start_line(cfg, device_type, launching=not in_rank and cfg.world_size > 1), flush=True)
     if not in_rank and cfg.world_size > 1:
@@ -107,6 +119,19 @@ def run(args: argparse.Namespace) -> int:
 
         return EXIT_PREEMPTED  # a requeue script's cue (scripts/slurm_train.sh)
     return 0
+
+
+def lock_output_dir(cfg: TrainConfig, in_rank: bool) -> Callable[[], None]:
+    """Take the run folder's lock (:mod:`hf_tp.train.run_lock`; ``ValueError`` when another run holds
+    it) where this process holds it for the run: the launching process of node 0, a run in this
+    process, rank 0 under torchrun; ranks started by hf-tp train take none (their launcher holds
+    it). Returns what releases it."""
+    mine = os.environ.get("RANK", "0") == "0" if in_rank else cfg.node_rank == 0
+    if os.environ.get("HF_TP_LAUNCHED") or not mine:
+        return lambda: None
+    from hf_tp.train.run_lock import take
+
+    return take(Path(cfg.output_dir).expanduser())
 
 
 def oversubscribed(cfg: TrainConfig, device_type: str) -> str | None:

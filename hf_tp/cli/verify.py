@@ -60,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per row (rounded up to what the layout needs)")
     p.add_argument("--max-steps", type=int, default=3, help="AdamW steps compared")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
-    p.add_argument("--output-dir", help="folder for the model, checkpoint and export (default: a temporary one)")
+    p.add_argument(
+        "--output-dir",
+        help="folder for the model, checkpoint and export: new, empty or made by verify before (default: a "
+        "temporary one, removed after)",
+    )
     p.add_argument("--verbose", action="store_true", help="the launcher's own output and every rank's error")
     shared = p.add_argument_group("layout, LoRA and launch: as hf-tp train takes them")
     hints = typing.get_type_hints(TrainConfig)
@@ -111,8 +115,10 @@ def checked(cfg) -> str:
 def run(args: argparse.Namespace) -> int:
     from hf_tp.train.launch import launch
     from hf_tp.verify.faults import requested
+    from hf_tp.verify.folder import check_work_dir
 
     try:
+        check_work_dir(args.output_dir)  # never a run or a model folder of the user's
         cfg = config_from_args(args)
         checked(cfg)
         requested()

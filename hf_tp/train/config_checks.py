@@ -55,6 +55,11 @@ class ConfigChecks:
         ):
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name), flags=True)
+        if self.seq_len == 1:  # (0 and below: check_positive's line)
+            raise ValueError(
+                "--seq-len must be at least 2: the loss predicts each token from the ones before it, and a "
+                "1-token sequence has none to predict; got 1"
+            )
         check_pipeline_settings(self)
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:

@@ -28,6 +28,7 @@ from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.fits import training_rows
 from hf_tp.train.pair_evaluation import PairEvalSet
 
 
@@ -136,6 +137,7 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
             lambda: load_text_dataset(cfg.dataset, split=cfg.split, config_name=cfg.dataset_config, **loading)
         )
         if cfg.eval_split:  # messages about a row name its number in the file, not in the split
+            training_rows(len(raw), cfg.eval_split, f"'{cfg.dataset}'")  # (a Hub dataset's first check)
             raw = raw.add_column(ROW_COLUMN, np.arange(len(raw)))
             parts = raw.train_test_split(test_size=cfg.eval_split, seed=cfg.seed, shuffle=True)
             raw, raw_eval = parts["train"], parts["test"]

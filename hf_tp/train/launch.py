@@ -105,6 +105,14 @@ def launch(cfg: TrainConfig, *, verbose: bool = False, module: str = "hf_tp.trai
     return code
 
 
+def stopped_line(signal_name: str) -> str:
+    """The one line of a run a stop signal (Ctrl-C) ended before it could save."""
+    return (
+        f"hf-tp train: stopped by {signal_name}; the ranks were ended without saving "
+        "(SIGTERM or SIGUSR1 once training has started make them save a checkpoint first)"
+    )
+
+
 @contextlib.contextmanager
 def _environment(changes: dict[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``changes`` (None: unset) inside the block, as it was after it."""
@@ -158,17 +166,15 @@ def _run_launcher(argv: list[str], folder: Path, verbose: bool) -> int:
             if verbose:
                 raise
             return 1
-        except SignalException as exc:  # Ctrl-C, SIGHUP, SIGQUIT; SIGTERM before any rank registered
+        except (SignalException, SystemExit) as exc:  # Ctrl-C, SIGHUP, SIGQUIT; SIGTERM before any rank registered
+            # (accelerate >= 1.16 turns the signal into sys.exit(128 + N))
+            code = 128 + exc.sigval if isinstance(exc, SignalException) else exc.code
             if (folder / PREEMPTED_FILE).is_file():
                 return EXIT_PREEMPTED
-            if verbose:
+            if verbose or not isinstance(code, int) or code <= 128:
                 raise
-            print(
-                f"hf-tp train: stopped by {exc.sigval.name}; the ranks were ended without saving "
-                "(SIGTERM or SIGUSR1 once training has started make them save a checkpoint first)",
-                file=sys.stderr,
-            )
-            return 128 + exc.sigval
+            print(stopped_line(signal.Signals(code - 128).name), file=sys.stderr)
+            return code
         except Exception as exc:  # noqa: BLE001 - the launcher itself failed (rendezvous, port in use)
             if verbose:
                 raise

@@ -22,8 +22,8 @@ import yaml
 from hf_tp.paths import unwritable_reason
 from hf_tp.train.config import TrainConfig
 
-# What hf-tp train writes into OUTPUT_DIR (wandb's offline folder included); a run is any of the
-# first three. Everything else in the directory is the user's and is never moved.
+# What hf-tp train writes into OUTPUT_DIR (wandb's offline folder included); a run is a metrics
+# record or a checkpoint (holds_run). Everything else in the directory is the user's and is never moved.
 RUN_MARKS = ("metrics.jsonl", "config.yaml", "checkpoints")
 RUN_ENTRIES = (*RUN_MARKS, "history.jsonl", "metrics.superseded.jsonl", "tensorboard", "export", "profile", "wandb")
 REPLACED = "replaced"
@@ -31,12 +31,30 @@ HISTORY = "history.jsonl"
 
 
 def holds_run(out: Path) -> bool:
-    """Whether ``out`` holds a run of hf-tp train (its metrics, config or checkpoints)."""
-    return any((out / name).exists() for name in RUN_MARKS)
+    """Whether ``out`` holds a run of hf-tp train: a step's metrics record or a checkpoint (a run
+    that failed before its first step, leaving only its config and an empty metrics file, is not
+    one: its rerun may write there)."""
+    checkpoints = out / "checkpoints"
+    return _has_record(out / "metrics.jsonl") or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def _has_record(metrics: Path) -> bool:
+    try:
+        with open(metrics) as f:
+            return any(line.strip() for line in f)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable: count it, rather than write over it
 
 
 def check_output_dir(out: Path, cfg: TrainConfig) -> None:
     """The output directory can be made and written, and starting here loses no other run."""
+    if not str(cfg.output_dir or "").strip():  # Path("") is the current directory
+        raise ValueError(
+            f"--output-dir is empty ({cfg.output_dir!r}); pass a folder path, e.g. --output-dir outputs/run "
+            "(--output-dir . for the current directory)"
+        )
     check_writable_dir(out, "--output-dir")
     if cfg.resume and cfg.overwrite:
         raise ValueError(

@@ -6,11 +6,13 @@ The launcher runs them once in the parent process so that a typo costs a second,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.train.config import TrainConfig
+from hf_tp.train.fits import check_batch_fits, check_step_memory
 from hf_tp.train.run_dir import check_output_dir
 
 if TYPE_CHECKING:
@@ -195,10 +197,17 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
+    check_batch_fits(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    if Path(cfg.model).expanduser().is_dir():  # every weight in the files, in its shape (headers only)
+        from hf_tp.checkpoint.file_check import check_weights_match
+
+        check_weights_match(cfg.model, model_config)
+    if warning := check_step_memory(cfg, model_config, kind):  # refused when far beyond
+        print(f"hf-tp train: warning: {warning}", file=sys.stderr, flush=True)
     check_mixed_precision(model_config, cfg.compute_dtype_name(kind))
     if cfg.train_vision_tower and getattr(model_config, "text_config", None) is None:
         raise ValueError(

@@ -167,9 +167,15 @@ def _mesh(cfg: TrainConfig, device: torch.device):
 
 def work_dir(cfg: TrainConfig) -> tuple[Path, bool]:
     """(the folder for the saved model, checkpoint and export; whether verify made it): the given
-    output dir, else a temporary folder made by rank 0 (one node: every rank sees it)."""
+    output dir (checked before launch: new, empty or verify's; marked as verify's by rank 0), else a
+    temporary folder made by rank 0 (one node: every rank sees it)."""
     if cfg.output_dir:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        from hf_tp.verify.folder import claim
+
+        if dist.get_rank() == 0:
+            claim(Path(cfg.output_dir))
+        dist.barrier()
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)  # another node's view of it
         return Path(cfg.output_dir), False
     box = [tempfile.mkdtemp(prefix="hf_tp-verify-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -281,3 +281,22 @@ def test_an_error_inside_the_ranks_is_printed_once_last_with_exit_2(setup, tmp_p
     assert proc.stderr.count("fewer than one block") == 1
     for noise in ("Traceback", "ChildFailedError", "closing signal", "exitcode"):
         assert noise not in proc.stderr, proc.stderr
+
+
+def test_the_readme_sequence_train_then_export_works(tmp_path, monkeypatch, capsys) -> None:
+    """Issue 51 case 9: after the embedded default (no --model/--dataset: one rank here, to stay
+    small), README's next command ``hf-tp export outputs/run exported/`` finds a checkpoint."""
+    from hf_tp.cli.main import main
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "hf_tp.cli.main", "train", "--tp", "1", "--dp", "1", "--max-steps", "2"]
+    proc = subprocess.run(
+        cmd + ["--no-tensorboard"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "outputs" / "run" / "checkpoints" / "step-2" / "COMPLETE").is_file()
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["export", "outputs/run", "exported/"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "exported" / "model.safetensors").is_file()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +148,18 @@ def with_model(change: Callable[[Path], None], *flags: str) -> Callable[[World, 
     return argv
 
 
+def rewrite_weights(change: Callable[[dict], dict]) -> Callable[[Path], None]:
+    """A model folder change: its model.safetensors rewritten with ``change(tensors)``."""
+
+    def apply(model: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = model / "model.safetensors"
+        save_file(change(load_file(path)), path, metadata={"format": "pt"})
+
+    return apply
+
+
 def truncate(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])
@@ -153,6 +167,9 @@ def truncate(path: Path, keep: int) -> None:
 
 E = r"hf-tp train: error: "
 X = r"hf-tp export: error: "
+V = r"hf-tp verify: error: "
+LIVE_LOCK = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "2026-01-01T00:00:00Z"})
+OTHER_HOST_LOCK = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-01-01T00:00:00Z"})
 ROWS = [
     # --- sizes and numbers (these passed before; kept standing)
     Row("tp-against-heads", train("--tp", "3"), E + r"tp must divide num_attention_heads \(4\) .*"),
@@ -407,6 +424,96 @@ ROWS = [
         command("export", "{run}", "/proc/hf_tp_export"),
         X
         + r"export dir /proc/hf_tp_export cannot be created or written: /proc does not take new folders \(.*\); pass a dir you can write",
+    ),
+    # --- round two (issue 51): nothing lost, nothing silently wrong
+    # case 5: a folder without layer 1's tensors trained to the end with that layer random
+    Row(
+        "model-lacks-a-layer",
+        with_model(rewrite_weights(lambda t: {k: v for k, v in t.items() if ".layers.1." not in k})),
+        E + r"model folder '.*/model' does not match its config\.json: its safetensors lack 9 weights: "
+        r"model\.layers\.1\.self_attn\.q_proj\.weight, .* and 6 more; the model would train with those weights "
+        r"random: .*",
+    ),
+    # case 13: weights of another shape printed two load-report tables from inside the ranks
+    Row(
+        "model-weight-of-another-shape",
+        with_model(
+            rewrite_weights(lambda t: t | {"model.layers.0.mlp.up_proj.weight": t["model.norm.weight"].clone()})
+        ),
+        E + r"model folder '.*' does not match its config\.json: its safetensors hold in another shape 1 weight: "
+        r"model\.layers\.0\.mlp\.up_proj\.weight \[64\] \(the model's \[256, 64\]\); .*",
+    ),
+    Row(
+        "model-holds-unexpected-weights",
+        with_model(
+            rewrite_weights(lambda t: t | {"model.layers.7.mlp.up_proj.weight": t["model.norm.weight"].clone()})
+        ),
+        E + r"model folder '.*' does not match its config\.json: its safetensors hold unexpected 1 weight: "
+        r"model\.layers\.7\.mlp\.up_proj\.weight; .*",
+    ),
+    # case 1: verify wrote its one-layer random model over a finished run's checkpoint
+    Row(
+        "verify-over-a-run",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{run}"),
+        V
+        + r"--output-dir .*/run holds files hf-tp verify did not write \(checkpoints, config\.yaml, metrics\.jsonl\); "
+        r".*pass a new or empty folder, or leave --output-dir out for a temporary one",
+    ),
+    # case 2: verify replaced the model folder's weights and config with its random copy
+    Row(
+        "verify-over-the-model-folder",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{model}"),
+        V + r"--output-dir .*/model holds files hf-tp verify did not write \(config\.json, .*\); .*",
+    ),
+    # case 13: verify --output-dir FILE said "hf-tp train: training failed"
+    Row(
+        "verify-output-dir-is-a-file",
+        with_file("f", "x", command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", "{tmp}/f")),
+        V + r"--output-dir .*/f is a file, not a directory; pass a new or empty folder",
+    ),
+    Row(
+        "verify-output-dir-empty",
+        command("verify", "--model", "{model}", "--device", "cpu", "--output-dir", ""),
+        V + r"--output-dir is empty \(''\); pass a folder path, or leave --output-dir out for a temporary folder",
+    ),
+    # case 7: --output-dir '' wrote the run into the current directory
+    Row(
+        "output-dir-empty",
+        train("--output-dir", ""),
+        E + r"--output-dir is empty \(''\); pass a folder path, e\.g\. --output-dir outputs/run .*",
+    ),
+    # case 3: two runs at once in one folder interleaved their metrics; the second is refused
+    Row(
+        "output-dir-in-use",
+        with_file("out/.hf_tp.lock", LIVE_LOCK, train()),
+        E + rf"--output-dir .*/out is in use by another run \(pid {os.getpid()} on this host, since .*\); wait for it "
+        r"to end, or pass another --output-dir",
+    ),
+    Row(
+        "output-dir-locked-by-another-host",
+        with_file("out/.hf_tp.lock", OTHER_HOST_LOCK, train()),
+        E + r"--output-dir .*/out is in use by pid 4242 on host node-7 \(since 2026-01-01T00:00:00Z\); if that run "
+        r"has ended, delete .*/out/\.hf_tp\.lock, or pass another --output-dir",
+    ),
+    # case 6: --batch-size 100000 on a small dataset was OOM-killed after 146 s, no message
+    Row(
+        "global-batch-over-the-dataset",
+        train("--batch-size", "100000"),
+        E + r"the global batch \(100000 sequences: --batch-size 100000 x dp 1 x grad-accum 1\) is larger than dataset "
+        r"'.*', which holds \d+ rows \(at most \d+ packed sequences of 32 tokens\); lower --batch-size, or add data",
+    ),
+    # case 14: --seq-len 1 said every label was masked; --eval-split 0.999 a raw datasets message
+    Row(
+        "seq-len-1",
+        train("--seq-len", "1"),
+        E + r"--seq-len must be at least 2: the loss predicts each token from the ones before it, and a 1-token "
+        r"sequence has none to predict; got 1",
+    ),
+    Row(
+        "eval-split-leaves-no-training-rows",
+        with_file("d.txt", "one\ntwo\nthree\n", train("--dataset", "{tmp}/d.txt", "--eval-split", "0.999")),
+        E + r"--eval-split 0\.999 holds out 3 of dataset '.*d\.txt''s 3 rows and leaves none for training; lower "
+        r"--eval-split \(0\.05 is usual\), or pass --eval-dataset",
     ),
     Row(
         "export-missing-run",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -205,9 +207,14 @@ def test_gpu_memory_sweep_recommends_the_smallest_tp_that_fits(tiny_dir: Path, c
     assert recommend(result.estimates, 80 * GiB).tp == 1
     assert recommend(result.estimates, RESERVED_BYTES) is None
     args = ["estimate", "--model", str(tiny_dir), "--world-size", "4", "--gpu-memory", "80GiB"]
+    start = time.perf_counter()
     assert main([*args, "--seq-len", "128", "--batch-size", "2", "--dtype", "fp32"]) == 0
+    wall = time.perf_counter() - start
     out = capsys.readouterr().out
     assert "Recommended: --tp 1 --dp 4" in out and "rule: the smallest tp that fits" in out
+    # issue 51 case 16: the sweep's wall time, not its simulations' seconds summed over workers
+    took = float(re.search(r"Simulated in ([\d.]+) s on CPU", out).group(1))
+    assert took <= wall + 0.1, (took, wall)
     assert not dist.is_initialized()
 
 

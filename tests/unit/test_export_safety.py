@@ -207,3 +207,33 @@ def test_a_file_or_unwritable_out_dir_is_refused_before_the_checkpoint_is_read(
     line = one_error_line(export(capsys, str(run), target, "--overwrite"), 2)
     assert re.search(message, line), line
     assert snapshot(tmp_path) == before
+
+
+def test_overwrite_keeps_the_files_the_user_added(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 51 case 4: --overwrite over an earlier export deleted a file the user had added to it.
+    Only the files the earlier export wrote (listed in its marker) are replaced."""
+    out = tmp_path / "hf"
+    assert export(capsys, str(run), str(out)).returncode == 0
+    (out / "notes.txt").write_text("the user's own notes\n")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}\n")
+    for _ in range(2):  # and again: the user's files are never the export's own
+        assert export(capsys, str(run), str(out), "--overwrite").returncode == 0
+        assert (out / "notes.txt").read_text() == "the user's own notes\n"
+        assert (out / "eval" / "scores.json").read_text() == "{}\n"
+        own = json.loads((out / EXPORT_MARKER).read_text())["files"]
+        assert "model.safetensors" in own and "notes.txt" not in own and "eval" not in own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # nothing left beside
+
+
+def test_export_names_the_unfinished_newest_step_it_skipped(run: Path, tmp_path: Path, capsys) -> None:
+    """Issue 51 case 8: a newest step-N without its COMPLETE marker and manifest was passed over in
+    silence; the export says which step it skipped and which it used."""
+    unfinished = run / "checkpoints" / "step-2"
+    shutil.copytree(run / "checkpoints" / "step-1", unfinished)
+    for name in ("COMPLETE", "manifest.json"):
+        (unfinished / name).unlink(missing_ok=True)
+    proc = export(capsys, str(run), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"hf-tp: skipped {unfinished} (no COMPLETE marker: its save did not finish); using step-1" in proc.stdout
+    assert json.loads((tmp_path / "hf" / EXPORT_MARKER).read_text())["checkpoint"] == "step-1"

@@ -254,3 +254,14 @@ def test_layer_ranges() -> None:
     assert layer_ranges((1, 3)) == "1, 3"
     assert layer_ranges((0, 2, 4, 6, 8)) == "0, 2, ..., 8"
     assert layer_ranges((0, 1, 2, 5, 6, 9)) == "0-2, 5-6, 9"
+
+
+def test_the_default_seq_len_fits_the_model(tmp_path: Path) -> None:
+    """Issue 51 case 15: a model with 256 positions was refused over a --seq-len 2048 the user never gave."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 256
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    code, out, err = run_cli("--model", str(tmp_path), "--tp", "2", "--json")
+    assert code == 0 and err == "", err
+    assert json.loads(out)["seq_len"] == 256
+    assert run_cli("--model", str(tmp_path), "--tp", "2", "--seq-len", "4096")[0] == 2  # given: still checked
