@@ -132,7 +132,11 @@ FAMILY_EXTRAS.update(
         "mistral4": dict(head_dim=32),
         # A hash-routed MoE layer, then a learned-router one (two hash layers leave no router logits for the
         # aux loss: transformers' own loss then fails)
-        "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
+        # and both attention kinds of its published shape (heavily compressed; compressed with a sparse indexer)
+        "deepseek_v4": dict(
+            mlp_layer_types=["hash_moe", "moe"],
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        ),
         # A linear-attention layer and an attention one (its 2-layer default has no attention layer)
         # and its attention's QSA indexer, which has no defaults (2 blocks of 2 tokens per query)
         "qwen4_exp_text": dict(

@@ -31,8 +31,12 @@ def per_kind_blocks(mt: str, facts: list[dict], layers: list[nn.Module]) -> dict
                 continue
             cls = type(layer.get_submodule(name)).__name__
             mixer = Mixer(f["blocks"][name], tuple(sorted(f["region_params"].get(name, ()))))
-            if seen.setdefault(cls, mixer) != mixer:
+            have = seen.setdefault(cls, mixer)
+            if have.block != mixer.block:
                 raise refuse(mt, f"its layers read {name} ({cls}) in two ways")
+            # one class built in two shapes and run alike (DeepSeek-V4's attention with and without
+            # its indexer, both whole): the union of their parameters, each layer holding its own
+            seen[cls] = replace(have, params=tuple(sorted({*have.params, *mixer.params})))
         if len({m.block for m in seen.values()}) < 2:
             continue
         mixers[name] = seen
