@@ -197,6 +197,10 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     if cfg.eval_dataset:
         check_dataset_source(cfg.eval_dataset)
         first_rows[cfg.eval_dataset] = check_text_dataset(cfg.eval_dataset, split=cfg.eval_dataset_split, **columns)
+    from hf_tp.data.formats.preference import check_objective_data  # (imports torch)
+
+    for source, first in first_rows.items():  # the data's kind before its size: pairs for dpo, ...
+        check_objective_data(cfg.objective, first[0] if first is not None else None, source)
     check_batch_fits(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)

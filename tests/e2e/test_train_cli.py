@@ -257,20 +257,22 @@ def test_dataset_errors_are_one_line_before_any_rank_starts(setup, tmp_path, cap
 
 
 def test_an_error_inside_the_ranks_is_printed_once_last_with_exit_2(setup, tmp_path) -> None:
-    """Too few tokens for one block shows only once the ranks tokenize the corpus: the launching
-    process prints the first rank's error once, as its last line, without torch elastic's report."""
+    """Too few tokens for one block shows only once the ranks tokenize the corpus (its 60 bytes
+    pass the check before launch, which bounds a batch of one row by bytes; the tokenizer makes
+    under 64 tokens of them): the launching process prints the first rank's error once, as its
+    last line, without torch elastic's report."""
     model_dir, _ = setup
     data = tmp_path / "short.txt"
-    data.write_text("one two three\n")
+    data.write_text("word " * 12)
     out = tmp_path / "out"
     proc = hf_tp_train(
         "--model", str(model_dir), "--dataset", str(data), "--tp", "2", "--dp", "1", "--seq-len", "64",
-        "--batch-size", "2", "--output-dir", str(out), "--no-tensorboard",
+        "--batch-size", "1", "--output-dir", str(out), "--no-tensorboard",
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0] == (
-        f"hf-tp train: launching 2 ranks = tp 2 x dp 1 (1 node) on CPU, gloo, fp32; global batch 2 sequences "
-        f"(2 per rank x dp 1) = 128 tokens per step, 1000 steps -> {out}"
+        f"hf-tp train: launching 2 ranks = tp 2 x dp 1 (1 node) on CPU, gloo, fp32; global batch 1 sequence "
+        f"(1 per rank x dp 1) = 64 tokens per step, 1000 steps -> {out}"
     )
     last = proc.stderr.strip().splitlines()[-1]
     assert __import__("re").fullmatch(
