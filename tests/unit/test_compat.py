@@ -1,4 +1,4 @@
-"""The release range: pyproject's floors are hf_tp/compat.py's (what CI's compat run proves), a
+"""The release range: pyproject's floors are hf_tp/compat/releases.py's (what CI's compat run proves), a
 release below a floor stops ``hf-tp`` with one line, and a family the installed transformers cannot
 serve is refused naming the release it needs, before any model is built."""
 
@@ -15,6 +15,7 @@ from transformers import AutoConfig
 import hf_tp
 from hf_tp import compat
 from hf_tp.cli.main import main
+from hf_tp.compat import releases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,9 +43,9 @@ def test_the_installed_releases_meet_the_floors() -> None:
     compat.check_releases()
 
 
-def _installed_as(monkeypatch, **releases: str) -> None:
-    real = compat.installed
-    monkeypatch.setattr(compat, "installed", lambda package: releases.get(package) or real(package))
+def _installed_as(monkeypatch, **found: str) -> None:
+    real = releases.installed
+    monkeypatch.setattr(releases, "installed", lambda package: found.get(package) or real(package))
 
 
 def test_a_release_below_the_floor_stops_hf_tp_with_one_line(monkeypatch, capsys) -> None:
@@ -94,5 +95,5 @@ def test_a_family_is_refused_naming_the_release_it_needs(monkeypatch) -> None:
 def test_every_family_release_is_within_reach() -> None:
     # Each names a published release above the floor (else the family would need no entry).
     for model_type, (release, what) in compat.FAMILY_RELEASES.items():
-        assert compat._base(release) > compat._base(compat.FLOORS["transformers"]), model_type
+        assert releases._base(release) > releases._base(compat.FLOORS["transformers"]), model_type
         assert what.startswith("a tensor-parallel plan"), model_type
