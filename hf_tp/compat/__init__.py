@@ -1,7 +1,7 @@
 """Everything hf_tp needs to know about the releases it runs on, in one package.
 
-- :mod:`~hf_tp.compat.releases`: the tested range (floors, per-family needs) and its one-line
-  refusals; re-exported here (``from hf_tp.compat import FLOORS``).
+- :mod:`~hf_tp.compat.releases`: the tested range (floors, ceilings, per-family needs) and its
+  one-line refusals and warnings; re-exported here (``from hf_tp.compat import FLOORS``).
 - The only modules of hf_tp that reach a private (``_``-prefixed) name of torch, transformers,
   peft or the standard library, each behind a small documented function:
   :mod:`~hf_tp.compat.torch_distributed` (meshes, process groups, collectives, DCP),
@@ -20,11 +20,14 @@ Importing this package imports neither torch nor transformers (``hf-tp --help`` 
 """
 
 from hf_tp.compat.releases import (
+    CEILINGS,
     EXPERTS,
     FAMILY_RELEASES,
     FLOORS,
+    PEFT_CEILING,
     PEFT_FLOOR,
     PLAN,
+    NewerRelease,
     UnsupportedRelease,
     below_floor,
     check_releases,
@@ -32,14 +35,22 @@ from hf_tp.compat.releases import (
     family_refusal,
     installed,
     moe_estimate_refusal,
+    newer_line,
+    newer_than_tested,
+    series,
+    unreported_newer,
+    warn_newer_releases,
 )
 
 __all__ = [
+    "CEILINGS",
     "EXPERTS",
     "FAMILY_RELEASES",
     "FLOORS",
+    "PEFT_CEILING",
     "PEFT_FLOOR",
     "PLAN",
+    "NewerRelease",
     "UnsupportedRelease",
     "below_floor",
     "check_releases",
@@ -47,4 +58,9 @@ __all__ = [
     "family_refusal",
     "installed",
     "moe_estimate_refusal",
+    "newer_line",
+    "newer_than_tested",
+    "series",
+    "unreported_newer",
+    "warn_newer_releases",
 ]
