@@ -25,6 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.compat.torch_internals import COMPILED_CHILD, child_slots, own_attribute, set_own_attribute
+from hf_tp.compat.transformers_private import LOSS_FUNCTION_SLOT
+
 ATTRIBUTE = "hf_tp"  # the one attribute parallelize sets on the model
 
 
@@ -146,7 +149,7 @@ def overridden_methods(model: nn.Module) -> tuple[str, ...]:
     out = []
     for path, module in model.named_modules():
         for name, value in vars(module).items():
-            if name == "_loss_function":  # (transformers' property stores what is set here)
+            if name == LOSS_FUNCTION_SLOT:  # (transformers' property stores what is set here)
                 name = "loss_function"
             elif isinstance(value, nn.Module) or not callable(value) or not callable(getattr(type(module), name, None)):
                 continue
@@ -174,17 +177,17 @@ def replaced_classes(model: nn.Module) -> tuple[str, ...]:
 
 def attach(model: nn.Module, record: ParallelRecord) -> None:
     """Put ``record`` on ``model`` (the one attribute parallelize sets)."""
-    model.__dict__[ATTRIBUTE] = record
+    set_own_attribute(model, ATTRIBUTE, record)
 
 
 def record_of(model: nn.Module) -> ParallelRecord | None:
     """The record of a parallelized model (or of a peft / ``torch.compile`` wrapper around one), else None."""
     for _ in range(4):  # OptimizedModule -> PeftModel -> LoraModel -> the HF model
-        found = model.__dict__.get(ATTRIBUTE)
+        found = own_attribute(model, ATTRIBUTE)
         if isinstance(found, ParallelRecord):
             return found
-        inner = model.__dict__.get("_modules", {})
-        nxt = inner.get("_orig_mod") or inner.get("base_model") or inner.get("model")
+        inner = child_slots(model) if isinstance(model, nn.Module) else {}
+        nxt = inner.get(COMPILED_CHILD) or inner.get("base_model") or inner.get("model")
         if not isinstance(nxt, nn.Module) or not _wrapper(model):
             return None
         model = nxt

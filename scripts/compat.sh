@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a venv with a given set of releases and run hf_tp's unit suite there.
 #
-#   scripts/compat.sh floor                          # the floors of hf_tp/compat.py (what CI runs)
+#   scripts/compat.sh floor                          # the floors of hf_tp/compat/releases.py (what CI runs)
 #   scripts/compat.sh transformers==5.17.0 accelerate==1.10.0 ...
 #   scripts/compat.sh next                           # the newest releases the registry holds, past the ceilings
 #   COMPAT_VENV=/tmp/v COMPAT_PYTEST="-x -k grid" scripts/compat.sh floor
@@ -55,10 +55,10 @@ fi
 specs=()
 for arg in "$@"; do
     if [ "$arg" = floor ]; then
-        # hf_tp/compat.py's FLOORS and PEFT_FLOOR, read without importing hf_tp (no packages needed)
+        # hf_tp/compat/releases.py's FLOORS and PEFT_FLOOR, read without importing hf_tp (no packages needed)
         mapfile -t floors < <("$python" - <<'EOF'
 import ast
-tree = ast.parse(open("hf_tp/compat.py").read())
+tree = ast.parse(open("hf_tp/compat/releases.py").read())
 for node in tree.body:
     if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "FLOORS":
         for k, v in ast.literal_eval(node.value).items():

@@ -34,7 +34,6 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -51,6 +50,7 @@ from hf_tp.adapters.inspect_model import inspect_model
 from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
 from hf_tp.adapters.source import AS_CALLED
 from hf_tp.adapters.text_tower import causal_lm_from_config
+from hf_tp.compat.torch_fake import unset_fake_temporarily
 from hf_tp.styles import (
     ByKind,
     ColwiseOwnOutput,

@@ -13,6 +13,7 @@ from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import derived_expert_styles, layer_experts_region, moe_blocks, moe_region
 from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 from hf_tp.adapters.source import edits_in_place, hidden_states_passing
+from hf_tp.compat.torch_internals import own_attribute
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
@@ -135,7 +136,7 @@ def _kv_projections(config, layer: nn.Module, colwise: list[str], gathered: list
     sharded = [p for p in colwise if p not in gathered and kv_heads != heads]
     width = {p: layer.get_submodule(p).out_features for p in sharded}
     # values may have their own head size (MiMo-V2-Flash's v_head_dim)
-    dims = {head_dim} | {v for m in layer.modules() if isinstance(v := m.__dict__.get("v_head_dim"), int)}
+    dims = {head_dim} | {v for m in layer.modules() if isinstance(v := own_attribute(m, "v_head_dim"), int)}
     kv = [p for p in sharded if width[p] in {kv_heads * d for d in dims}]
     packed = [
         p
@@ -191,7 +192,7 @@ def head_dim_of(layer: nn.Module, config) -> int:
     """The attention's own ``head_dim`` (it may differ per layer: Gemma 4 reads it from per-layer
     configs and refuses the global one), else the config's, else hidden / heads."""
     for module in layer.modules():
-        value = module.__dict__.get("head_dim")
+        value = own_attribute(module, "head_dim")
         if isinstance(value, int):
             return value
     try:

@@ -13,6 +13,8 @@ import copy
 
 from transformers import PretrainedConfig
 
+from hf_tp.compat.torch_internals import pop_own_attribute
+
 # quant_method -> transformers' config class that loads it dequantized (``dequantize=True``)
 DEQUANTIZING = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
 
@@ -76,5 +78,5 @@ def full_precision(config: PretrainedConfig) -> PretrainedConfig:
     if getattr(out, "quantization_config", None):
         del out.quantization_config
     for flag in ("load_in_4bit", "load_in_8bit"):
-        out.__dict__.pop(flag, None)
+        pop_own_attribute(out, flag)
     return out

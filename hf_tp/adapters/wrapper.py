@@ -24,6 +24,7 @@ from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.inspect_model import base_model_path
 from hf_tp.adapters.source import plain_logits, source_tree
 from hf_tp.adapters.text_tower import causal_lm_from_config
+from hf_tp.compat.transformers_private import model_of_class
 
 
 def refuse(model_type: str, what: str) -> ValueError:
@@ -70,7 +71,7 @@ def wrapper_class(config: PretrainedConfig) -> type[nn.Module] | None:
 def model_from_config(config: PretrainedConfig, **kwargs) -> nn.Module:
     """The whole model of ``config``: its wrapper class for a multimodal wrapper, else its causal LM."""
     cls = wrapper_class(config)
-    return AutoModelForCausalLM.from_config(config, **kwargs) if cls is None else cls._from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs) if cls is None else model_of_class(cls, config, **kwargs)
 
 
 def model_from_pretrained(path, **kwargs) -> nn.Module:

@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
+from hf_tp.compat.torch_distributed import local_shape_and_offset
+
 
 @dataclass(frozen=True)
 class FusedSource:
@@ -193,9 +195,7 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
     """The box of the global tensor this rank holds of ``param`` (the whole tensor if not a DTensor)."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(param)
     if tuple(shape) != tuple(param.to_local().shape):
         raise RuntimeError(f"the local shard is {tuple(param.to_local().shape)}, its placements give {tuple(shape)}")
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from hf_tp.compat.torch_distributed import metadata_path, set_element
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # Every global a DCP ``.metadata`` refers to (pickletools.dis of a tp2 x dp2 hf_tp checkpoint with
@@ -118,7 +119,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if rank not in self._metadata:
-            metadata = read_safe_metadata(self._get_metadata_path(rank))
+            metadata = read_safe_metadata(metadata_path(self, rank))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from hf_tp.compat.argparse_private import HelpTextFormatter
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+
+class HelpFormatter(HelpTextFormatter):
     """Appends ``(default: X)`` to a flag's help unless the help already names its default (train's
     flags default to None so that a YAML file can set them: their help states the real default)."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def help_text(self, action: argparse.Action) -> str:
         text = action.help or ""
         if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
             return text

@@ -109,9 +109,9 @@ def _started(cfg: TrainConfig, args: argparse.Namespace, device_type: str, in_ra
             # it. Abort, not destroy: destroy is the normal exit and may wait for collectives in
             # flight (NCCL), abort returns at once (for gloo both only forget the groups). The
             # non-zero exit makes the launcher stop the other ranks.
-            from torch.distributed.distributed_c10d import _abort_process_group
+            from hf_tp.compat.torch_distributed import abort_process_group
 
-            _abort_process_group()
+            abort_process_group()
         return code
     shutdown()
     if result.preempted_at is not None:

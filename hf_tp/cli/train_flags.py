@@ -14,6 +14,16 @@ import argparse
 import typing
 from dataclasses import Field, fields
 
+from hf_tp.compat.argparse_private import (
+    ArgumentGroup,
+    action_groups,
+    expanded_help,
+    formatter_of,
+    group_actions,
+    invocation,
+    is_help_action,
+    parser_actions,
+)
 from hf_tp.train.config import EMBEDDED_PROFILE, GENERAL_PROFILE, GROUPS, TrainConfig
 from hf_tp.train.setting import flags_of, value_types
 
@@ -29,7 +39,7 @@ def default_text(f: Field) -> str:
     return f"default {show(f.default)}"
 
 
-def add_setting_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
+def add_setting_flags(groups: dict[str, ArgumentGroup]) -> None:
     """The flags of every setting, each into the argument group titled as its settings group."""
     hints = typing.get_type_hints(TrainConfig)
     for group in GROUPS:
@@ -37,7 +47,7 @@ def add_setting_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
             add_field_flags(groups[group.TITLE], f, value_types(hints[f.name]))
 
 
-def add_field_flags(p: argparse._ArgumentGroup, f: Field, allowed: tuple[type, ...]) -> None:
+def add_field_flags(p: ArgumentGroup, f: Field, allowed: tuple[type, ...]) -> None:
     """One field's flags: the one that sets it, a bool's ``--no-`` form, its presets."""
     spec = flags_of(f)
     if spec.help is None and spec.no_help is None and not spec.presets:
@@ -80,21 +90,21 @@ def with_flags(doc: str, table: str) -> str:
 def flags_markdown(parser: argparse.ArgumentParser) -> str:
     """A markdown table per flag group of ``parser`` (flag, YAML key, help as ``--help`` prints it),
     then the settings that have no flag."""
-    formatter = parser._get_formatter()
+    formatter = formatter_of(parser)
     settings = set(TrainConfig.field_names())
     lines: list[str] = []
-    for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    for group in action_groups(parser):
+        actions = [a for a in group_actions(group) if a.option_strings and not is_help_action(a)]
         if not actions:
             continue
         lines += [f"**{group.title}**", "", "| flag | YAML key | what it does |", "|---|---|---|"]
         for a in actions:
-            flag = formatter._format_action_invocation(a)
+            flag = invocation(formatter, a)
             key = f"`{a.dest}`" if a.dest in settings else "(not a setting)"
-            text = " ".join(formatter._expand_help(a).split()).replace("|", "\\|").replace("*", "\\*")
+            text = " ".join(expanded_help(formatter, a).split()).replace("|", "\\|").replace("*", "\\*")
             lines.append(f"| `{flag}` | {key} | {text} |")
         lines.append("")
-    flagged = {a.dest for a in parser._actions}
+    flagged = {a.dest for a in parser_actions(parser)}
     unflagged = [f for f in fields(TrainConfig) if f.name not in flagged]
     if unflagged:
         lines += ["Settings without a flag (YAML or Python only):", ""]

@@ -25,15 +25,16 @@ is freed after it: no memory and no time per step); SimPO has no reference.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
+from hf_tp.compat.torch_fake import fake_tensor_mode
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.memory import (
     MemoryBreakdown,
@@ -188,7 +189,7 @@ def simulate_spec(
     start = time.perf_counter()
     with simulation(spec.world_size):
         mesh, groups = mesh_and_groups(spec.tp, spec.cp, spec.dp, spec.dp_replicate)
-        fake = FakeTensorMode()
+        fake = fake_tensor_mode()
         with fake:
             model = model_from_config(config, mesh, spec)
             optimizer = build_optimizer(model)
@@ -259,7 +260,7 @@ def _passenger_params(model, config: PretrainedConfig) -> tuple[int, int]:
 
 
 def _tracked_step(
-    fake: FakeTensorMode,
+    fake: contextlib.AbstractContextManager,
     model,
     optimizer,
     batch: dict,
@@ -340,7 +341,7 @@ def _no_grad_forward_peak(est: Estimate, config: PretrainedConfig) -> int:
     """Bytes one rank holds at the peak of the frozen copy's log-prob forward (its shards included)."""
     with simulation(est.world_size):
         mesh, _ = mesh_and_groups(est.tp, est.cp, est.dp, est.dp_replicate)
-        fake = FakeTensorMode()
+        fake = fake_tensor_mode()
         with fake:
             frozen = est.spec.replace(activation_checkpointing=False, lora_r=0)  # a no-grad copy of the base
             model = model_from_config(config, mesh, frozen).requires_grad_(False).eval()

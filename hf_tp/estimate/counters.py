@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
-from torch._guards import active_fake_mode
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from hf_tp.compat.torch_distributed import resolve_process_group
+from hf_tp.compat.torch_fake import TorchDispatchMode, active_fake_mode, tree_leaves
+from hf_tp.compat.torch_internals import aten_op, in_autograd_backward, op_schema
 
 # op packet name -> (collective, where the full-size buffer is: an arg index or "result").
 # "Full size" is the gathered output of an all-gather and the input of a reduce-scatter.
@@ -84,7 +85,7 @@ class CommStat:
 
 
 def _nbytes(obj) -> int:
-    leaves, _ = tree_flatten(obj)
+    leaves = tree_leaves(obj)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
@@ -156,7 +157,7 @@ class CommCounter(TorchDispatchMode):
                 return self.groups[name]
         for name in names:  # a group outside the mesh dims
             try:
-                groups.append(_resolve_process_group(name))
+                groups.append(resolve_process_group(name))
             except (RuntimeError, ValueError, KeyError):
                 continue
         return ("other", groups[0].size()) if groups else ("other", 0)
@@ -172,6 +173,7 @@ class CommCounter(TorchDispatchMode):
 
 
 aten = torch.ops.aten
+_GROUPED_MM = aten_op("_grouped_mm")
 
 # Kernels that move no data of their own (allocation, aliasing) or are bookkeeping.
 _NO_TRAFFIC = {
@@ -237,8 +239,8 @@ def _grouped_mm(a, b, *args, out=None, **kwargs) -> int:
 
 
 _ATTENTION_EXTRA = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash_forward,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash_backward,
+    aten_op("_scaled_dot_product_flash_attention_for_cpu").default: _cpu_flash_forward,
+    aten_op("_scaled_dot_product_flash_attention_for_cpu_backward").default: _cpu_flash_backward,
 }
 
 
@@ -247,7 +249,7 @@ def flops_of(func, args, kwargs, out) -> tuple[str, int] | None:
     if func in _ATTENTION_EXTRA:
         return "attention", int(_ATTENTION_EXTRA[func](*args, **kwargs))
     packet = func.overloadpacket
-    if packet is aten._grouped_mm:
+    if packet is _GROUPED_MM:
         return "matmul", int(_grouped_mm(*args, out=out, **kwargs))
     formula = flop_counter.flop_registry.get(packet)
     if formula is None:
@@ -267,7 +269,7 @@ def _moves_data(func) -> bool:
 def _written_args(func, args, kwargs) -> int:
     """Bytes of the arguments an op writes in place (for ops that return nothing, e.g. fused AdamW)."""
     total = 0
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_schema(func).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -279,7 +281,7 @@ def recomputing() -> bool:
     """Whether the running op belongs to activation checkpointing's recompute: autograd's engine
     runs backward functions with grad mode off, while checkpoint re-runs the forward inside
     backward with grad mode on (also where it stops recomputing early)."""
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+    return in_autograd_backward() and torch.is_grad_enabled()
 
 
 class WorkCounter(TorchDispatchMode):
@@ -287,7 +289,7 @@ class WorkCounter(TorchDispatchMode):
 
     Only ops run under the fake mode active on entry (None: real tensors) are counted. DTensor
     works out each op's output shape by running it once more on *global*-shape tensors in a fake
-    mode of its own (:func:`hf_tp.estimate.simulate.separate_sharding_fake_mode`); those runs,
+    mode of its own (:func:`hf_tp.compat.torch_fake.separate_sharding_fake_mode`); those runs,
     one per new sharding (e.g. a whole unsharded MLP), are no work of this rank's, as MemTracker
     also skips them.
     """

@@ -17,18 +17,17 @@ two short runs of the model to place the full depth's peak (see that module).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.inspect_moe import num_experts
+from hf_tp.compat.mem_tracker import PeakMemTracker, forward_snapshots
 from hf_tp.estimate.spec import GiB, MiB
 from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.record import facts_of
@@ -70,60 +69,6 @@ class MemoryBreakdown:
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
-
-
-class PeakMemTracker(MemTracker):
-    """``MemTracker`` that keeps the per-device peak, and per-module peaks only of watched modules.
-
-    The per-module bookkeeping walks every tracked module on every op, about half the run time
-    of an estimate; only the modules given to :meth:`watch` (the MoE experts) get their
-    ``PEAK_FW``/``PEAK_BW`` snapshots. Every module still gets torch's ``PRE_FW``/``POST_FW``
-    snapshots (taken in its hooks). Falls back to torch's version if its private fields change.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._watched: tuple[nn.Module, ...] = ()
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        # torch's tracker hooks every parameter's gradient, and a frozen one (a LoRA run's base)
-        # refuses a hook: mark those hooked already (they never get a gradient). Looked up at each
-        # call: FSDP2 swaps in unsharded parameters around a forward.
-        handles = getattr(self, "_param_to_grad_hook_handles", None)
-        if install_grad_hooks and handles is not None:
-            for p in module.parameters():
-                if not p.requires_grad and handles.get(p, None) is None:
-                    handles[p] = (_NoHook(), _NoHook())
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    def watch(self, modules: Iterable[nn.Module]) -> None:
-        """Keep the forward and backward peaks of ``modules`` too."""
-        self._watched = tuple(modules)
-
-    def _update_peak_stats(self, peak_state) -> None:
-        current, peak, peak_snap = (getattr(self, n, None) for n in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap"))
-        if not (isinstance(current, dict) and isinstance(peak, dict) and isinstance(peak_snap, dict)):
-            return super()._update_peak_stats(peak_state)
-        for device, snap in current.items():
-            total = snap.get("Total", 0)
-            if peak.get(device, 0) < total:
-                peak[device] = total
-                peak_snap[device] = dict(snap)
-        for module in self._watched:  # as torch does for every module, for these only
-            stats = self.memory_tracking.get(module)
-            if stats is None or stats.mod_fqn not in self._mod_tracker.parents or peak_state not in stats.snapshots:
-                continue
-            for device, snap in current.items():
-                if stats.local_peak.get(device, 0) < snap.get("Total", 0):
-                    stats.local_peak[device] = snap["Total"]
-                    stats.snapshots[peak_state][-1][device] = dict(snap)
-
-
-class _NoHook:
-    """Stands for a hook handle that was never registered (removing it does nothing)."""
-
-    def remove(self) -> None:
-        pass
 
 
 EP_DIMS = ("dp_out", "ep", "tp")  # hf_tp.parallel.expert_parallel.build_ep_mesh's names
@@ -220,8 +165,7 @@ def moe_stats(
     other_bytes = sum(_local_bytes(p) for p in model.parameters() if id(p) not in expert_params)
     kept, peak = 0, 0
     for module in experts:
-        snaps = tracker.memory_tracking[module].snapshots
-        pre, post, top = (snaps[state][0] for state in (_ModState.PRE_FW, _ModState.POST_FW, _ModState.PEAK_FW))
+        pre, post, top = forward_snapshots(tracker, module)
         kept += _total(post) - _total(pre)
         peak = max(peak, _total(top) - _total(pre))
     total = num_experts(config) or 0
@@ -272,34 +216,14 @@ class SegmentTracker(PeakMemTracker):
         self._segment: SegmentKey = BEGIN
         self.segments: dict[SegmentKey, tuple[int, dict]] = {}
 
-    def _mark(self, module: nn.Module | None, event: str) -> None:
+    def on_module(self, module: nn.Module, event: str, backward: bool) -> None:
         index = self._layer_index.get(id(module)) if module is not None else None
         if index is not None:
-            self._segment = (event, bool(self._mod_tracker.is_bw), index)
+            self._segment = (event, backward, index)
 
-    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
-        super()._pre_fw_hook(module, inputs)
-        self._mark(module, "fwd_pre")
-
-    def _post_fw_hook(self, module: nn.Module, inputs, outputs) -> None:
-        super()._post_fw_hook(module, inputs, outputs)
-        self._mark(module, "fwd_post")
-
-    def _pre_bw_hook(self, module: nn.Module, args) -> None:
-        super()._pre_bw_hook(module, args)
-        self._mark(module, "bwd_pre")
-
-    def _post_bw_hook(self, module: nn.Module, args) -> None:
-        super()._post_bw_hook(module, args)
-        self._mark(module, "bwd_post")
-
-    def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        current = getattr(self, "_curr_mem_snap", None)
-        if not isinstance(current, dict):
-            return
+    def on_snapshot(self, current: dict, optimizer: bool) -> None:
         total = sum(int(snap.get("Total", 0)) for snap in current.values())
-        key = OPTIMIZER if getattr(self, "_in_opt", False) else self._segment
+        key = OPTIMIZER if optimizer else self._segment
         held = self.segments.get(key)
         if held is None or held[0] < total:
             self.segments[key] = (total, {device: dict(snap) for device, snap in current.items()})

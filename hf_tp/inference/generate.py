@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from transformers.generation.utils import GenerateOutput
 
 from hf_tp.adapters.wrapper import text_config_of
+from hf_tp.compat.torch_distributed import flatten_mesh, root_mesh
+from hf_tp.compat.torch_fsdp import fsdp_lazy_init
 from hf_tp.record import record_of
 
 __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
@@ -44,13 +46,13 @@ def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None
     weight = model.get_input_embeddings().weight
     if not isinstance(weight, DTensor):
         return None, None
-    root = weight.device_mesh._get_root_mesh()  # private DeviceMesh API; torch has no public one
+    root = root_mesh(weight.device_mesh)
     if root.ndim == 2 and set(root.mesh_dim_names or ()) == {"dp", "tp"}:
         return root["dp"], root["tp"]
     if root.ndim == 3 and root.mesh_dim_names == ("dp", "cp", "tp"):
         return root["dp"], root["tp"]  # the cp ranks of a dp rank share its rows
     if root.ndim == 3 and root.mesh_dim_names == ("dp_replicate", "dp_shard", "tp"):
-        return root["dp_replicate", "dp_shard"]._flatten("dp"), root["tp"]  # HSDP: dp is both dims
+        return flatten_mesh(root["dp_replicate", "dp_shard"], "dp"), root["tp"]  # HSDP: dp is both dims
     return None, root  # parallelize accepts only these: 3-D (dp, cp, tp), HSDP, 2-D (dp, tp) or 1-D tp
 
 
@@ -184,7 +186,7 @@ def passengers_in_step(model: nn.Module, dp_mesh: DeviceMesh, kwargs: dict) -> N
             "and projector on every dp rank together: give every dp rank images, or generate text-only "
             "prompts in a call of their own"
         )
-    model._get_fsdp_state()._lazy_init()  # private FSDP2 API (no-op once set up); torch has no public one
+    fsdp_lazy_init(model)  # (a no-op once set up)
 
 
 def _samples(model: nn.Module, kwargs: dict) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from hf_tp.compat.peft_private import adapters_disabled, has_adapter_switch, set_adapters_disabled
 from hf_tp.parallel.logps import sequence_log_probs
 
 
@@ -38,7 +39,7 @@ class AdaptersOff:
 
     def __init__(self, policy: nn.Module) -> None:
         self.policy = policy
-        self.layers = [m for m in policy.modules() if hasattr(m, "_disable_adapters") and hasattr(m, "lora_A")]
+        self.layers = [m for m in policy.modules() if has_adapter_switch(m) and hasattr(m, "lora_A")]
         if not self.layers:
             raise ValueError("the adapter-off reference needs a model with peft LoRA layers (--lora-r)")
 
@@ -50,11 +51,11 @@ class AdaptersOff:
     def _off(self) -> Iterator[None]:
         # The flag peft's forward reads; set directly, since peft's enable_adapters(False) also
         # flips requires_grad on the adapters, which must stay trainable.
-        saved = [layer._disable_adapters for layer in self.layers]
+        saved = [adapters_disabled(layer) for layer in self.layers]
         for layer in self.layers:
-            layer._disable_adapters = True
+            set_adapters_disabled(layer, True)
         try:
             yield
         finally:
             for layer, flag in zip(self.layers, saved, strict=True):
-                layer._disable_adapters = flag
+                set_adapters_disabled(layer, flag)

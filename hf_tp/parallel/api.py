@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
-from hf_tp.compat import check_releases
+from hf_tp.compat import check_releases, warn_newer_releases
 from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.layout import check_compile, check_dp_replicate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
@@ -167,6 +167,8 @@ def _check(
     takes packed position ids in its 4-row form (:mod:`hf_tp.parallel.packed_positions`)."""
     check_releases()  # a release below the tested floors: one line naming it, before anything else
     model, peft = unwrap_peft(outer)
+    if peft:
+        warn_newer_releases(("peft",))  # (the lora extra's ceiling, checked where LoRA is used)
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")

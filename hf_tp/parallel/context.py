@@ -32,17 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.compat.torch_distributed import autograd_all_gather
 from hf_tp.labels import IGNORE_INDEX
 from hf_tp.record import facts_of, record_of
 
 ATTENTION_NAME = "hf_tp_cp"
-# torch 2.13 renamed the autograd all-gather (backward: reduce-scatter); 2.11 has only the old name.
-_all_gather = (
-    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-)  # the name registered in transformers' AttentionInterface
+_all_gather = autograd_all_gather()  # the autograd all-gather (backward: reduce-scatter)
 
 
 @dataclass(frozen=True)

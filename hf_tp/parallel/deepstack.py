@@ -20,18 +20,18 @@ import inspect
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate
 
+from hf_tp.compat.torch_fake import unset_fake_temporarily
+from hf_tp.compat.transformers_private import DEEPSTACK, deepstack_merge, set_deepstack_merge
 from hf_tp.parallel.context import Layout, state_of
 
-DEEPSTACK = "_deepstack_process"  # transformers' name for the merge (Qwen3-VL, Qwen3-VL-MoE, Cohere Compass)
 ARGUMENTS = ("hidden_states", "visual_pos_masks", "visual_embeds")
 
 
 def shard_deepstack(language_model: nn.Module) -> None:
     """Let ``language_model``'s DeepStack merge (if it has one) take sequence-sharded hidden states."""
-    own = getattr(type(language_model), DEEPSTACK, None)
+    own = deepstack_merge(language_model)
     if own is None:
         return
     if tuple(inspect.signature(own).parameters)[1:] != ARGUMENTS or not _adds_at_positions(language_model, own):
@@ -48,7 +48,7 @@ def shard_deepstack(language_model: nn.Module) -> None:
             return own(language_model, hidden_states, visual_pos_masks, visual_embeds)
         return hidden_states + sequence_addend(hidden_states, visual_pos_masks, visual_embeds, layout)
 
-    setattr(language_model, DEEPSTACK, process)
+    set_deepstack_merge(language_model, process)
 
 
 def _adds_at_positions(language_model: nn.Module, own) -> bool:

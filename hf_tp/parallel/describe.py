@@ -9,6 +9,7 @@ import re
 from torch import nn
 
 from hf_tp.adapters.modules import has_submodule
+from hf_tp.compat.torch_internals import own_attribute
 from hf_tp.plan.styles import parts
 from hf_tp.record import ATTRIBUTE, ParallelRecord, record_of
 from hf_tp.styles import resolve
@@ -47,7 +48,7 @@ def format_record(model: nn.Module) -> str:
 def _holder(model: nn.Module) -> nn.Module:
     """The module the record sits on (a peft or compile wrapper looked through)."""
     for module in model.modules():
-        if isinstance(module.__dict__.get(ATTRIBUTE), ParallelRecord):
+        if isinstance(own_attribute(module, ATTRIBUTE), ParallelRecord):
             return module
     return model
 

@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import device_mesh
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hf_tp.compat.torch_distributed import all_to_all_autograd, default_group, wait_tensor
+from hf_tp.compat.torch_internals import own_attribute, parameter_slots, pop_own_attribute, set_own_attribute
 from hf_tp.layout import check_expert_ranks
 from hf_tp.parallel.mesh import pp_size
 from hf_tp.parallel.routing import MEASURED
@@ -70,7 +71,7 @@ def build_ep_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     # One mesh object per world and shape: DTensor's sharding propagation caches output specs by
     # mesh equality, so a second model's expert weights may come back on the first model's (equal)
     # mesh, and FSDP2's SPMD path then refuses a mesh that is not the very object it was given.
-    world = dist.distributed_c10d._get_default_group()
+    world = default_group()
     key = (threading.get_ident(), mesh.device_type, pp, dp // ep, ep, tp)  # (threaded test worlds: a mesh per thread)
     cached = _EP_MESHES.get(key)
     if cached is None or cached[0] is not world:
@@ -202,7 +203,7 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh, shard: ExpertShard):
         send_sizes, recv_sizes = routing.sizes(dest, ep, group)
         ids = torch.empty(sum(recv_sizes), dtype=flat_expert.dtype, device=flat_expert.device)
         dist.all_to_all_single(ids, flat_expert - dest * local, recv_sizes, send_sizes, group=group)
-        rows = wait_tensor(all_to_all_single_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
+        rows = wait_tensor(all_to_all_autograd(hidden_states[flat_token], recv_sizes, send_sizes, group))
         shard.tokens_per_expert = routing.load(ids, local)  # this rank's experts' load
         # rows that crossed the network, out and in (benchmarks and the estimate read it)
         shard.a2a_rows = (sum(send_sizes) - send_sizes[me], sum(recv_sizes) - recv_sizes[me])
@@ -213,23 +214,24 @@ def _dispatching_forward(original, ep_mesh: DeviceMesh, shard: ExpertShard):
         # dtype, made here: after FSDP2 has unsharded them over dp_out, and so that their gradients
         # are accumulated before FSDP2's post-backward runs (it fires once the gradients of this
         # forward's inputs are computed; views made at the region's entry would come later).
-        before = {n: self.__dict__.get(n) for n in self._parameters}
-        for name, param in self._parameters.items():
+        before = {n: own_attribute(self, n) for n in parameter_slots(self)}
+        for name, param in parameter_slots(self).items():
             view = region_view(self, name)
-            self.__dict__[name] = (with_lora(self, name, param.to_local()) if view is None else view).to(rows.dtype)
+            local = with_lora(self, name, param.to_local()) if view is None else view
+            set_own_attribute(self, name, local.to(rows.dtype))
         try:
             out = original(self, rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype, device=rows.device))
             if torch.is_grad_enabled() and not out.requires_grad and rows.requires_grad:
-                out = _join_backward(out, rows, [self.__dict__[n] for n in self._parameters])
+                out = _join_backward(out, rows, [own_attribute(self, n) for n in parameter_slots(self)])
         finally:
             if total is not None:
                 self.num_experts = total
             for name, view in before.items():
                 if view is None:
-                    self.__dict__.pop(name, None)
+                    pop_own_attribute(self, name)
                 else:
-                    self.__dict__[name] = view
-        back = wait_tensor(all_to_all_single_autograd(out, send_sizes, recv_sizes, group))
+                    set_own_attribute(self, name, view)
+        back = wait_tensor(all_to_all_autograd(out, send_sizes, recv_sizes, group))
         return _Combine.apply(back, weights, flat_token, hidden_states)
 
     return forward

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, f
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
-from hf_tp.parallel.passengers import keep_output_capture
+from hf_tp.compat.transformers_private import keep_output_capture
 from hf_tp.record import facts_of
 
 

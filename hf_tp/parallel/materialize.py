@@ -16,6 +16,8 @@ import types
 import torch
 from torch import nn
 
+from hf_tp.compat.torch_internals import reinstall_backward_hooks
+
 _SWAP_LOCK = threading.Lock()  # torch.__future__'s switch is process-wide (threaded test worlds)
 
 
@@ -31,8 +33,7 @@ def to_empty_keeping_parameters(model: nn.Module, device: torch.device | str, re
         finally:
             torch.__future__.set_swap_module_params_on_conversion(before)
     for param in model.parameters(recurse=recurse):
-        if param._backward_hooks:
-            param._backward_hooks = param._backward_hooks
+        reinstall_backward_hooks(param)
     return model
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hf_tp.compat.torch_distributed import flatten_mesh, root_mesh
 from hf_tp.layout import check_layout, check_world
 
 HSDP_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -44,12 +45,12 @@ def build_mesh(
     device_type = device_type or default_device_type()
     if dp_replicate > 1:
         mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # every dp rank's own rows, as on a ("dp", "tp") mesh
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")  # every dp rank's own rows, as on a ("dp", "tp") mesh
         return mesh
     if cp == 1:
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
+    flatten_mesh(mesh["dp", "cp"], "dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
     return mesh
 
 
@@ -75,9 +76,9 @@ def _pipeline_mesh(tp: int, dp: int, device_type: str | None, cp: int, dp_replic
         shape, names = (pp, dp, tp), ("pp", "dp", "tp")
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     if dp_replicate > 1:
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     if cp > 1:
-        mesh["dp", "cp"]._flatten("dp_cp")  # each stage's FSDP2 mesh, as without pp
+        flatten_mesh(mesh["dp", "cp"], "dp_cp")  # each stage's FSDP2 mesh, as without pp
     return mesh
 
 
@@ -88,7 +89,7 @@ def stage_dims(mesh: DeviceMesh) -> tuple[str, ...]:
 
 def pp_size(mesh: DeviceMesh) -> int:
     """The size of the ``pp`` dim of ``mesh``'s root mesh (1 without pipeline parallelism)."""
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     return root["pp"].size() if "pp" in (root.mesh_dim_names or ()) else 1
 
 
@@ -97,7 +98,7 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
     HSDP both dp dims flattened, re-flattened rather than sliced from the root, which torch
     deprecates for flattened dims)."""
     if mesh.mesh_dim_names == HSDP_DIMS:
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     return mesh["dp"]
 
 
@@ -136,9 +137,9 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh]:
     if mesh.ndim == 2 and names is not None and set(names) == {"dp", "tp"}:
         return mesh["dp"], mesh["tp"]
     if mesh.ndim == 3 and names == ("dp", "cp", "tp"):
-        return mesh["dp", "cp"]._flatten("dp_cp"), mesh["tp"]
+        return flatten_mesh(mesh["dp", "cp"], "dp_cp"), mesh["tp"]
     if mesh.ndim == 3 and names == HSDP_DIMS:  # the dp mesh is both dims flattened; FSDP2 takes fsdp_mesh
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp"), mesh["tp"]
+        return flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp"), mesh["tp"]
     raise ValueError(
         f"the mesh must be 1-D (tp), 2-D with dims named ('dp', 'tp') or 3-D ('dp', 'cp', 'tp') or "
         f"('dp_replicate', 'dp_shard', 'tp'), got "

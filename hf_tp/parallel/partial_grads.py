@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+
+from hf_tp.compat.torch_internals import eager_only, parameter_slots, queue_backward_callback
 
 
 @dataclass
@@ -56,7 +57,7 @@ class PartialGradReducer:
         """Hook the tensors the modules hold right now: FSDP2's unsharded parameters while it
         has them unsharded, else the parameters themselves."""
         for w in weights:
-            t = w.module._parameters[w.name]
+            t = parameter_slots(w.module)[w.name]
             if t is not None and t.requires_grad and not any(h is t for h in w.hooked):  # (frozen: no gradient)
                 t.register_hook(self._hook(w))
                 w.hooked.append(t)
@@ -70,7 +71,7 @@ class PartialGradReducer:
             local = grad.to_local()
             self._pending.append((weight, local))
             if not self._queued:
-                Variable._execution_engine.queue_callback(self._flush)
+                queue_backward_callback(self._flush)
                 self._queued = True
             placements = [Replicate() if p.is_partial() else p for p in grad.placements]
             zero = torch.zeros_like(local)
@@ -93,7 +94,7 @@ class PartialGradReducer:
             full = flat[offset : offset + g.numel()].view(g.shape)
             offset += g.numel()
             # After backward FSDP2 has put its sharded parameter (the optimizer's) back in place.
-            param = weight.module._parameters[weight.name]
+            param = parameter_slots(weight.module)[weight.name]
             if self.fsdp and id(param) not in self.outside and any(param is h for h in weight.hooked):
                 raise RuntimeError(
                     f"hf_tp: FSDP2 left {weight.name} unsharded after backward, so its fused gradient has "
@@ -175,7 +176,7 @@ def _hook_at_first_forward(unit: nn.Module, reducer: PartialGradReducer, weights
     if not weights:
         return
 
-    @torch._dynamo.disable  # runs once, eagerly, also in front of a compiled decoder layer
+    @eager_only  # runs once, eagerly, also in front of a compiled decoder layer
     def first_forward(module: nn.Module, args) -> None:
         handle.remove()
         reducer.hook_current_tensors(weights)

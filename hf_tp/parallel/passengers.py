@@ -236,23 +236,3 @@ def _whole_rows_before_language_model(model: nn.Module, lm_path: str) -> None:
     parent.register_forward_pre_hook(enter)
     parent.register_forward_hook(leave, always_call=True)
     model.get_submodule(lm_path).register_forward_pre_hook(leave, prepend=True)
-
-
-def keep_output_capture(model: nn.Module) -> None:
-    """Give each module FSDP2 re-classed (``FSDP<Name>``) its class's output-capture flags back.
-
-    transformers (5.x) looks a model's ``_can_record_outputs`` up by its class's name, so after
-    ``fully_shard`` a vision tower no longer records the hidden states its wrapper selects from
-    (LLaVA's ``vision_feature_layer``: ``'NoneType' object is not subscriptable``).
-    """
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY as registry  # private, no public API
-    except ImportError:
-        return
-    for module in model.modules():
-        key = str(type(module))
-        if key in registry:
-            continue
-        found = next((str(c) for c in type(module).__mro__[1:] if str(c) in registry), None)
-        if found is not None:
-            dict.__setitem__(registry, key, dict.get(registry, found))

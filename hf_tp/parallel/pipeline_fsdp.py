@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from hf_tp.compat.torch_fsdp import internals_present, param_groups, root_post_backward, unsharded_params
+
 
 def fsdp_roots(models: list[nn.Module]) -> list[FSDPModule]:
     """The stages' FSDP2 roots (none without dp), checked to expose the FSDP2 internals this module
@@ -38,26 +40,12 @@ def fsdp_roots(models: list[nn.Module]) -> list[FSDPModule]:
     for root in roots:
         state = fully_shard.state(root)
         units = [fully_shard.state(m) for m in root.modules() if isinstance(m, FSDPModule)]
-        if (
-            not hasattr(state, "_root_post_backward_final_callback")
-            or not all(hasattr(s, "_fsdp_param_groups") for s in units)
-            or not _param_internals()
-        ):
+        if not internals_present(state, units):
             raise RuntimeError(
                 f"--pp with FSDP2 (dp > 1) drives FSDP2's internals as torch 2.13 has them; torch {torch.__version__} "
                 "lacks them: install torch 2.13 or train with --pp 1"
             )
     return roots
-
-
-def _param_internals() -> bool:
-    """Whether torch's FSDP2 parameter keeps its gathered copy where :func:`hold_gradients` reads
-    it (``_unsharded_param``, set lazily: checked on the class)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:
-        return False
-    return "_unsharded_param" in getattr(FSDPParam, "__annotations__", {})
 
 
 def keep_gathered(roots: list[FSDPModule]) -> None:
@@ -77,7 +65,7 @@ def hold_gradients(roots: list[FSDPModule], split_backward: bool) -> list[Held]:
     for root in roots:
         params = [fp for g in _groups(root) for fp in g.fsdp_params]
         sync = all(g.reduce_grads for g in _groups(root))
-        unsharded = [fp._unsharded_param for fp in params if hasattr(fp, "_unsharded_param")]
+        unsharded = unsharded_params(params)
         held.append(Held(sync, _take_grads([fp.sharded_param for fp in params]), _take_grads(unsharded)))
         if split_backward:
             root.set_is_last_backward(False)
@@ -98,7 +86,7 @@ def release_gradients(roots: list[FSDPModule], held: list[Held]) -> None:
         root.set_requires_gradient_sync(kept.sync)
         for group in _groups(root):
             group.post_backward()
-        fully_shard.state(root)._root_post_backward_final_callback()
+        root_post_backward(fully_shard.state(root))
         _add_grads(kept.sharded)
 
 
@@ -129,4 +117,4 @@ def _groups(root: FSDPModule) -> list:
     """The FSDP2 parameter groups of every unit under ``root`` (each once; read from the modules,
     which FSDP2's root state lists only after its lazy init, at the first forward)."""
     states = {id(s): s for m in root.modules() if isinstance(m, FSDPModule) for s in [fully_shard.state(m)]}
-    return [g for s in states.values() for g in s._fsdp_param_groups]
+    return [g for s in states.values() for g in param_groups(s)]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hf_tp.adapters.adapter import Adapter
+from hf_tp.compat.torch_internals import buffer_slots, child_slots, parameter_slots
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.record import StageRecord, facts
 
@@ -246,15 +247,16 @@ def _merged(modules: list[nn.Module]) -> nn.Module:
     real = [m for m in distinct if not isinstance(m, StageGap)]
     if not real:  # gaps only: one holding a tied weight if there is one
         return next((m for m in distinct if any(True for _ in m.parameters())), distinct[0])
-    if len(real) == 1 or not real[0]._modules:
+    if len(real) == 1 or not child_slots(real[0]):
         return real[0]
     merged = nn.ModuleList() if isinstance(real[0], nn.ModuleList) else nn.Module()
-    for name, param in real[0]._parameters.items():
+    for name, param in parameter_slots(real[0]).items():
         if param is not None:
             merged.register_parameter(name, param)
-    for name, buf in real[0]._buffers.items():
+    buffers, not_saved = buffer_slots(real[0])
+    for name, buf in buffers.items():
         if buf is not None:
-            merged.register_buffer(name, buf, persistent=name not in real[0]._non_persistent_buffers_set)
-    for name in dict.fromkeys(n for m in real for n, child in m._modules.items() if child is not None):
-        merged.add_module(name, _merged([m._modules[name] for m in real if m._modules.get(name) is not None]))
+            merged.register_buffer(name, buf, persistent=name not in not_saved)
+    for name in dict.fromkeys(n for m in real for n, child in child_slots(m).items() if child is not None):
+        merged.add_module(name, _merged([child_slots(m)[name] for m in real if child_slots(m).get(name) is not None]))
     return merged

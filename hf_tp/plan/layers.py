@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.adapters.source import self_calls
+from hf_tp.compat.torch_internals import own_attribute
 from hf_tp.plan.collectives import Sizes, block_collectives, in_order
 from hf_tp.plan.record import Collective, LayerKind, ModuleRow, ParamShard
 from hf_tp.plan.styles import Part, Placed, parts, placements
@@ -180,11 +181,11 @@ def _kv_widths(block: nn.Module, resolved: dict[str, list[Part]], path: str, ctx
     attention = next((m for m in block.modules() if "Attention" in type(m).__name__), None)
     if attention is None or ctx.sizes.cp == 1:
         return None
-    groups = attention.__dict__.get("num_key_value_groups") or max(ctx.heads // ctx.kv_heads, 1)
+    groups = own_attribute(attention, "num_key_value_groups") or max(ctx.heads // ctx.kv_heads, 1)
     kv = ctx.heads // groups
-    head = attention.__dict__.get("head_dim") or ctx.sizes.hidden // ctx.heads
-    k_dim = attention.__dict__.get("qk_head_dim") or head
-    v_dim = attention.__dict__.get("v_head_dim") or head
+    head = own_attribute(attention, "head_dim") or ctx.sizes.hidden // ctx.heads
+    k_dim = own_attribute(attention, "qk_head_dim") or head
+    v_dim = own_attribute(attention, "v_head_dim") or head
     kinds = {p.kind for p in resolved.get(path, [])}
     inside = {p.kind for q, ps in resolved.items() if q.startswith(path + ".") for p in ps}
     if "kv_replicated" in inside:

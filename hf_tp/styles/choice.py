@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
+from hf_tp.compat.torch_styles import prepare_input_arg
+
 
 class PerLayerChoice(ParallelStyle):
     """A plan entry that is one of several styles, chosen per layer from the module it is applied to."""
@@ -67,11 +69,11 @@ class GatherAsCalled(PrepareModuleInput):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple, kwargs: dict):
             if "hidden_states" in kwargs:
-                value = self._prepare_input_arg(kwargs["hidden_states"], device_mesh, Shard(1), Replicate())
+                value = prepare_input_arg(self, kwargs["hidden_states"], device_mesh, Shard(1), Replicate())
                 return args, {**kwargs, "hidden_states": value}
             if not args:
                 raise ValueError(f"{type(mod).__name__} was called without hidden states (no positional argument)")
-            return (self._prepare_input_arg(args[0], device_mesh, Shard(1), Replicate()), *args[1:]), kwargs
+            return (prepare_input_arg(self, args[0], device_mesh, Shard(1), Replicate()), *args[1:]), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

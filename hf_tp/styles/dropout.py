@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_tp.compat.torch_internals import in_autograd_backward
+
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index, rank) over the seed space
 
 
@@ -67,7 +69,7 @@ class ShardAwareDropout(nn.Module):
         """This call's generator: seeded from the stream's owner and the call's key (the next one,
         or inside an activation-checkpointing recompute, which runs in the backward, the key its
         forward used: the recompute redraws the forward's mask)."""
-        if torch._C._current_graph_task_id() != -1 and self._replay:
+        if in_autograd_backward() and self._replay:
             key = self._replay.popleft()
         else:
             key, self.calls = self.calls, self.calls + 1

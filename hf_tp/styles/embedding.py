@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import RowwiseParallel
 
+from hf_tp.compat.torch_internals import child_slots
+
 
 class ScaledEmbeddingRowwise(RowwiseParallel):
     """``RowwiseParallel`` for HF's scaled word embeddings (``lookup * embed_scale``): the lookup is
@@ -34,7 +36,7 @@ class ScaledEmbeddingRowwise(RowwiseParallel):
         if not scaled and not self.output_norm:
             return super()._apply(module, device_mesh)
         module.forward = types.MethodType(nn.Embedding.forward, module)  # the lookup alone
-        norm = module._modules.pop(self.output_norm) if self.output_norm else None  # (not vocab-split)
+        norm = child_slots(module).pop(self.output_norm) if self.output_norm else None  # (not vocab-split)
         module = super()._apply(module, device_mesh)  # registers the reduce-scatter as a forward hook
         if scaled:
             module.register_forward_hook(_scale_output)  # runs after it

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.compat.torch_internals import own_attribute, parameter_slots, pop_own_attribute, set_own_attribute
 from hf_tp.record import facts, facts_of
 from hf_tp.styles.choice import PerLayerChoice, resolve
 from hf_tp.styles.lora_params import adopt_param_wrappers, factor_paths, peft_base, region_role, with_lora
@@ -99,7 +100,7 @@ class MoERegion(ParallelStyle):
         owners = []  # (owner module, leaf name, role)
         for name, role in _with_lora_factors(self.roles, module).items():
             owner, leaf = _owner(module, name)
-            param = owner._parameters[leaf]
+            param = parameter_slots(owner)[leaf]
             if role.kind == "shard":
                 if role.packed:
                     facts(owner).hf_shapes[leaf] = tuple(param.shape)
@@ -122,7 +123,7 @@ class MoERegion(ParallelStyle):
 
         def enter(mod: nn.Module, args, kwargs):
             for owner, leaf, role in owners:  # an instance attribute shadows the parameter for the call
-                owner.__dict__[leaf] = _view(owner._parameters[leaf], role, tp)
+                set_own_attribute(owner, leaf, _view(parameter_slots(owner)[leaf], role, tp))
             _add_lora_updates(owners)
             by_keyword = self.positional == 0 or (self.positional < 0 and "hidden_states" in kwargs)
             hidden = kwargs["hidden_states"] if by_keyword else args[0]
@@ -149,7 +150,7 @@ class MoERegion(ParallelStyle):
 
         def leave(mod: nn.Module, args, kwargs, output):
             for owner, leaf, _ in owners:
-                owner.__dict__.pop(leaf, None)
+                pop_own_attribute(owner, leaf)
             if self.output_norm:  # already summed at the norm's input
                 return output
             first = output[0] if isinstance(output, tuple) else output
@@ -178,7 +179,7 @@ def _add_lora_updates(owners: list[tuple[nn.Module, str, Role]]) -> None:
     factors' views; expert parallelism makes its experts' views, and adds them, itself)."""
     for owner, leaf, _ in owners:
         if getattr(facts_of(owner), "experts", None) is None:
-            owner.__dict__[leaf] = with_lora(owner, leaf, owner.__dict__[leaf])
+            set_own_attribute(owner, leaf, with_lora(owner, leaf, own_attribute(owner, leaf)))
 
 
 def _with_lora_factors(roles: dict[str, Role], block: nn.Module) -> dict[str, Role]:
@@ -204,7 +205,7 @@ def region_view(owner: nn.Module, leaf: str) -> torch.Tensor | None:
     made now from the parameter registered now: for code that must make it later than the region's
     entry (experts sharded over dp by FSDP2 are unsharded at their own forward)."""
     found = region_role(owner, leaf)
-    return None if found is None else with_lora(owner, leaf, _view(owner._parameters[leaf], *found))
+    return None if found is None else with_lora(owner, leaf, _view(parameter_slots(owner)[leaf], *found))
 
 
 def _view(param: DTensor, role: Role, tp: int) -> torch.Tensor:
@@ -263,7 +264,7 @@ def mark_packed(style: ParallelStyle, module: nn.Module) -> None:
     for name, role in style.roles.items():
         if role.kind == "shard" and role.packed:
             owner, leaf = _owner(module, name)
-            facts(owner).packed[leaf] = (role.dim, tuple(owner._parameters[leaf].shape))
+            facts(owner).packed[leaf] = (role.dim, tuple(parameter_slots(owner)[leaf].shape))
 
 
 def packed_params(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:

@@ -7,6 +7,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hf_tp.compat.torch_internals import parameter_slots, pop_own_attribute, set_own_attribute
+
 
 class LocalParamViews(ParallelStyle):
     """Distribute the parameters ``names`` of the module (dotted names reach into its submodules)
@@ -28,7 +30,7 @@ class LocalParamViews(ParallelStyle):
                 owner = module.get_submodule(prefix) if prefix else module
             except AttributeError:
                 owner = None
-            param = owner._parameters.get(leaf) if owner is not None else None
+            param = parameter_slots(owner).get(leaf) if owner is not None else None
             if param is None:  # a name of another layer kind (hybrid models merge their kinds' names)
                 continue
             owner.register_parameter(
@@ -38,11 +40,11 @@ class LocalParamViews(ParallelStyle):
 
         def local_views(mod: nn.Module, args) -> None:
             for owner, leaf in owners:  # an instance attribute shadows the registered parameter for the call
-                owner.__dict__[leaf] = owner._parameters[leaf].to_local()
+                set_own_attribute(owner, leaf, parameter_slots(owner)[leaf].to_local())
 
         def drop_views(mod: nn.Module, args, output):
             for owner, leaf in owners:
-                owner.__dict__.pop(leaf, None)
+                pop_own_attribute(owner, leaf)
             return output
 
         module.register_forward_pre_hook(local_views)

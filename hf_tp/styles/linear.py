@@ -8,18 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle
 
-
-class ColwiseOwnOutput(ColwiseParallel):
-    """``ColwiseParallel`` whose local output is a tensor of its own, not a view of the DTensor
-    output: attention code that edits projections in place (OLMo's ``query_states.clamp_`` under
-    ``clip_qkv``) fails on such a view ("a view ... is being modified inplace"). Costs one copy."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output else out
+from hf_tp.compat.torch_internals import parameter_slots, pop_own_attribute, set_own_attribute
+from hf_tp.compat.torch_styles import ColwiseOwnOutput  # noqa: F401  (hf_tp.styles' name for it)
 
 
 class PerTokenOnShards(ParallelStyle):
@@ -56,12 +48,12 @@ class PerTokenOnShards(ParallelStyle):
             state[:] = [TokenLayout(full, placements, dim, local.shape[: (dim or 0) + 1], empty)]
             grads = [Partial()] if dim is not None else [Replicate()]
             for owner, n in owners:  # an instance attribute shadows the registered parameter for the call
-                owner.__dict__[n] = owner._parameters[n].to_local(grad_placements=grads)
+                set_own_attribute(owner, n, parameter_slots(owner)[n].to_local(grad_placements=grads))
             return (local, *args[1:])
 
         def to_shards(mod: nn.Module, args, output):
             for owner, n in owners:
-                owner.__dict__.pop(n, None)
+                pop_own_attribute(owner, n)
             tokens = state[0]
             each = [self._wrap(o, tokens, device_mesh) for o in (output if isinstance(output, tuple) else [output])]
             return tuple(each) if isinstance(output, tuple) else each[0]

@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_tp.compat.torch_internals import copy_instance
+from hf_tp.compat.torch_styles import linear_style_hooks
 from hf_tp.record import reclass
 from hf_tp.styles.choice import ByKind
 from hf_tp.styles.experts import DenseOrMoE
@@ -57,16 +59,18 @@ class _LoraBranch:
             self.desired_input_layouts = (Shard(-1),)  # as RowwiseParallel sets it for a Linear
         split = [module.base_layer, *(module.lora_A.values() if row else module.lora_B.values())]
 
+        partition_linear, prepare_input, prepare_output = linear_style_hooks(self)
+
         def partition(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
             if any(sub is s for s in split):  # the rest (the other factor) is replicated
-                self._partition_linear_fn(name, sub, mesh)
+                partition_linear(name, sub, mesh)
 
         return distribute_module(
             module,
             device_mesh,
             partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(prepare_input, self.input_layouts, self.desired_input_layouts),
+            partial(prepare_output, self.output_layouts, self.use_local_output),
         )
 
 
@@ -95,9 +99,7 @@ def lora_aware(style: ParallelStyle) -> ParallelStyle:
         return style
     if base not in _CLASSES:
         _CLASSES[base] = type(f"Lora{base.__name__}", (mixin, base), {"__module__": __name__})
-    out = _CLASSES[base].__new__(_CLASSES[base])
-    out.__dict__.update(copy.copy(style.__dict__))
-    return out
+    return copy_instance(style, _CLASSES[base])
 
 
 class _LoraWholeRun:

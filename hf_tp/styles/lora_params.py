@@ -16,12 +16,12 @@ dp turns into the global batch's gradient as it does for the expert weights.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_tp.compat.peft_private import parametrization_off, swapped_in_out, wrapped_ndim
+from hf_tp.compat.torch_internals import parameter_slots
 from hf_tp.record import facts, facts_of
 
 
@@ -48,11 +48,6 @@ def factor_paths(block: nn.Module) -> list[str]:
     return out
 
 
-@contextlib.contextmanager
-def _no_parametrization(active_adapters: list[str]):
-    yield
-
-
 def adopt_param_wrappers(block: nn.Module) -> None:
     """Record on each wrapped module which ``ParamWrapper`` adds its update to which parameter,
     and switch the wrappers' own parametrization off (their forward then calls the base as is)."""
@@ -60,7 +55,7 @@ def adopt_param_wrappers(block: nn.Module) -> None:
         if is_param_wrapper(module):
             base = peft_base(module)
             facts(base).lora[module.parameter_name] = module
-            module._activate_lora = _no_parametrization
+            parametrization_off(module)
 
 
 def with_lora(owner: nn.Module, leaf: str, view: torch.Tensor) -> torch.Tensor:
@@ -99,12 +94,12 @@ def update_factors(wrapper: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tupl
     """``(lhs, rhs)`` with the update ``scaling * lhs @ rhs`` in the wrapped parameter's layout from
     the factors ``a`` (``lora_A``) and ``b`` (``lora_B``) (peft's ``get_delta_factors``; for a 2-D
     parameter ``lora_B @ lora_A``)."""
-    if wrapper._param_ndim == 2:
+    if wrapped_ndim(wrapper) == 2:
         return b, a
     n = wrapper.num_experts
     a = a.reshape(n, -1, a.shape[-1])  # (experts, rank, in)
     b = b.reshape(b.shape[0], -1, n).permute(2, 0, 1)  # (experts, out, rank)
-    if wrapper._did_swap_in_out_features:  # stored (experts, out, in)
+    if swapped_in_out(wrapper):  # stored (experts, out, in)
         return b, a
     return a.transpose(-2, -1), b.transpose(-2, -1)
 
@@ -121,7 +116,7 @@ def _local_factors(owner: nn.Module, leaf: str, lhs: torch.Tensor, rhs: torch.Te
     if found is None or found[0].kind != "shard" or found[1] == 1:
         return lhs, rhs
     role, tp = found
-    mesh = owner._parameters[leaf].device_mesh
+    mesh = parameter_slots(owner)[leaf].device_mesh
     rank = mesh.get_local_rank(mesh.ndim - 1)  # tp: the last mesh dim
     if role.dim not in (1, 2) or lhs.dim() != 3:
         raise ValueError(f"LoRA on {type(owner).__name__}.{leaf}: hf_tp slices expert factors on dims 1 and 2 only")

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from hf_tp.compat.torch_internals import in_autograd_backward
 from hf_tp.styles.dropout import stream_seed
 
 SHARD, REPLICATE = "shard", "replicate"
@@ -56,7 +57,7 @@ class ModelDropout:
 
     def enter(self, module: nn.Module, kind: str, checkpointed: bool) -> None:
         """Region entry (a forward pre-hook): its key, replayed inside a recompute."""
-        recompute = torch._C._current_graph_task_id() != -1
+        recompute = in_autograd_backward()
         if recompute and self._replay[id(module)]:
             key = self._replay[id(module)].popleft()
         else:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from datetime import timedelta
 from pathlib import Path
+
+from hf_tp.compat.torch_distributed import default_store, set_collective_timeout
 
 # torch is imported inside the functions: the launching processes read the constants and must
 # answer `hf-tp train --help` and bad flags without loading it.
@@ -63,10 +64,7 @@ class Faults:
 
 def apply_collective_timeout(seconds: float) -> None:
     """Every process group of this rank (the world, the mesh dims') times out after ``seconds``."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
-
-    for group in list(_world.pg_map):
-        _set_pg_timeout(timedelta(seconds=seconds), group)
+    set_collective_timeout(seconds)
 
 
 def heartbeat(step: int) -> None:
@@ -121,9 +119,7 @@ def _ranks_behind(step: int) -> list[tuple[int, int]]:
 
 def _store():
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001 - no store (a fake or threaded group): no heartbeat
         return None
 

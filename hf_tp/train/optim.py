@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_tp.compat.torch_internals import set_last_lr
 from hf_tp.train.config import TrainConfig
 
 ADAMW_BETAS = (0.9, 0.95)
@@ -51,4 +52,4 @@ def restore_schedule_position(sched: torch.optim.lr_scheduler.LRScheduler, state
     lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
     for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
-    sched._last_lr = lrs  # what get_last_lr() reports (LambdaLR keeps it in this attribute)
+    set_last_lr(sched, lrs)  # what get_last_lr() reports

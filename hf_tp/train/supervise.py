@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from hf_tp.compat.torch_distributed import terminate_process_handler
 from hf_tp.train.faults import STOP_SIGNALS
 
 STRAGGLER_GRACE_S = 5.0
@@ -51,12 +52,11 @@ def forward_to_ranks(folder: Path) -> dict:
     """SIGTERM/SIGUSR1 go on to every registered rank; returns the old handlers (none off the main
     thread, where Python cannot set any). Before any rank has registered (nothing to save yet)
     torch elastic's own handling stops them."""
-    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
     def forward(signum: int, frame: object) -> None:
         pids = rank_pids(folder).values()
         if not pids:
-            _terminate_process_handler(signum, frame)
+            terminate_process_handler(signum, frame)
         for pid in pids:
             try:
                 os.kill(pid, signum)

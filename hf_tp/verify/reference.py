@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hf_tp.compat.transformers_private import can_set_experts_implementation
 from hf_tp.train.optim import ADAMW_BETAS
 from hf_tp.verify.compare import full_buffers, full_grads, full_params
 
@@ -80,7 +81,7 @@ def exact_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, t
     own round-off is measured against (:mod:`hf_tp.verify.measured`)."""
     twin = copy.deepcopy(model).double()
     for module in twin.modules():  # torch's grouped_mm, transformers' default experts kernel, has no float64
-        if hasattr(module, "set_experts_implementation") and module._can_set_experts_implementation():
+        if hasattr(module, "set_experts_implementation") and can_set_experts_implementation(module):
             module.set_experts_implementation("eager")  # reaches its sub-models too
             break
     twin(**batch, use_cache=False).loss.backward()

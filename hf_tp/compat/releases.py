@@ -1,7 +1,10 @@
-"""The releases hf_tp is tested with: floors, per-family needs, and the one-line refusals.
+"""The releases hf_tp is tested with: floors, ceilings, per-family needs, and the one-line refusals.
 
 The floors are what ``scripts/compat.sh`` proves in CI (the unit suite passes with exactly these
-releases installed, see docs/compatibility.md); pyproject.toml declares the same numbers. Where a
+releases installed, see docs/compatibility.md), the ceilings what the README's test command
+proves (the newest releases); pyproject.toml declares the same range (``>=floor,<next minor``),
+and ``configs/constraints/floor.txt`` / ``newest.txt`` pin its two ends. Below a floor hf_tp
+refuses to start; a release series newer than a ceiling's gets one warning per package. Where a
 family needs a later transformers than the floor (its config gained a tensor-parallel plan later),
 :data:`FAMILY_RELEASES` names that release so the refusal can say what to install. Reads package
 metadata only: importing this module imports neither torch nor transformers.
@@ -9,6 +12,9 @@ metadata only: importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Iterable
 from importlib import metadata
 
 from packaging.version import Version
@@ -22,6 +28,16 @@ FLOORS: dict[str, str] = {
 }
 # the lora extra's floor (peft is optional: checked where LoRA is used, not at start-up)
 PEFT_FLOOR = "0.21.0"
+# package -> the newest release CI proves (the README's test command; pyproject's upper bound is the
+# next minor release): a newer release series is warned about once, not refused
+CEILINGS: dict[str, str] = {
+    "torch": "2.13.0",
+    "transformers": "5.25.0",
+    "accelerate": "1.16.0",
+    "datasets": "5.2.0",
+}
+# the lora extra's ceiling (warned about where LoRA is used, as PEFT_FLOOR is the lora extra's floor)
+PEFT_CEILING = "0.22.0"
 
 # model_type -> (the first transformers release that serves it, what that release added): the
 # families a release inside the supported range cannot serve. Read off each release's configs
@@ -57,6 +73,10 @@ class UnsupportedRelease(ValueError):
     """An installed package (or a family under it) needs a later release; the message says which."""
 
 
+class NewerRelease(UserWarning):
+    """An installed package is newer than the newest release hf_tp is tested with (it may work)."""
+
+
 def installed(package: str) -> str | None:
     """The installed release of ``package`` (its distribution metadata), or None if absent."""
     try:
@@ -87,10 +107,69 @@ def below_floor() -> list[str]:
 
 
 def check_releases() -> None:
-    """Raise :class:`UnsupportedRelease` (one line per package) if any package is below its floor."""
+    """Raise :class:`UnsupportedRelease` (one line per package) if any package is below its floor;
+    else warn (once per process and package) about a release newer than the tested ceiling."""
     lines = below_floor()
     if lines:
         raise UnsupportedRelease("; ".join(lines))
+    warn_newer_releases()
+
+
+def series(release: str) -> tuple[int, int]:
+    """The release series ``(major, minor)`` of ``release`` (``5.25.3+cpu`` -> ``(5, 25)``)."""
+    major, minor = (_base(release).release + (0, 0))[:2]
+    return major, minor
+
+
+def _tested(package: str) -> str | None:
+    """The newest release of ``package`` CI proves, or None for a package without a ceiling."""
+    return PEFT_CEILING if package == "peft" else CEILINGS.get(package)
+
+
+def newer_line(package: str) -> str | None:
+    """The one-line warning for an installed ``package`` whose release series is newer than its
+    ceiling's (5.25.3 is inside a 5.25.0 ceiling, 5.26.0 is not), else None."""
+    found, ceiling = installed(package), _tested(package)
+    if found is None or ceiling is None or series(found) <= series(ceiling):
+        return None
+    major, minor = series(ceiling)
+    return (
+        f"{package} {found} is newer than the newest release hf_tp is tested with ({major}.{minor}); it may "
+        f"work: report what breaks, or pip install '{package}<{major}.{minor + 1}'"
+    )
+
+
+def newer_than_tested(packages: Iterable[str] = tuple(CEILINGS)) -> list[str]:
+    """One line per installed package of ``packages`` newer than the newest release CI proves."""
+    return [line for package in packages if (line := newer_line(package)) is not None]
+
+
+_REPORTED: set[str] = set()  # packages whose newer release this process has reported already
+# ... or a process that started this one (hf-tp train's ranks inherit what the CLI printed)
+REPORTED_ENV = "HF_TP_RELEASES_REPORTED"
+
+
+def unreported_newer(packages: Iterable[str] = tuple(CEILINGS)) -> list[str]:
+    """:func:`newer_than_tested`'s lines for the packages not reported yet by this process or the one
+    that started it (they count as reported from now on, here and in the processes this one starts:
+    the CLI prints them, and neither ``parallelize`` nor a launched rank warns again)."""
+    reported = _REPORTED | set(filter(None, os.environ.get(REPORTED_ENV, "").split(",")))
+    lines = []
+    for package in packages:
+        line = newer_line(package)
+        if line is not None and package not in reported:
+            _REPORTED.add(package)
+            lines.append(line)
+    if lines:
+        os.environ[REPORTED_ENV] = ",".join(sorted(reported | _REPORTED))
+    return lines
+
+
+def warn_newer_releases(packages: Iterable[str] = tuple(CEILINGS)) -> None:
+    """``warnings.warn`` (:class:`NewerRelease`) each of :func:`unreported_newer`'s lines: one per
+    package and process. ``packages=("peft",)`` where LoRA is used."""
+    for line in unreported_newer(packages):
+        warnings.warn(line, NewerRelease, stacklevel=2)
 
 
 def family_refusal(model_type: str) -> str | None:
