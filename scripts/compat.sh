@@ -40,7 +40,9 @@ if [ "${1:-}" = next ]; then
     log=$(mktemp)
     eval "extra=(${COMPAT_PYTEST:-})"
     set +e
-    OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 -rfE --tb=no "${extra[@]}" tests/unit >"$log" 2>&1
+    # (past the ceilings by design: the test that holds the installed releases to them is left out)
+    OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 -rfE --tb=no "${extra[@]}" tests/unit \
+        --deselect tests/unit/test_compat.py::test_the_installed_releases_are_not_newer_than_tested >"$log" 2>&1
     status=$?
     set -e
     # one line per failure: the test (its family in brackets) and the first line of its error

@@ -38,11 +38,16 @@ FAMILIES: dict[str, dict] = {
     "dots1": {},
 }
 MODES = ("cp", "lora", "ac")
+# cp refuses a sparse-attention indexer with its reason (it selects keys from the whole mask): under
+# cp, DeepSeek-V4's layers are both of its other attention kind
+CP_CONFIG: dict[str, dict] = {"deepseek_v4": dict(layer_types=["heavily_compressed_attention"] * 2)}
 
 
 def _reference(name: str, mode: str) -> tuple[torch.nn.Module, dict, Trace]:
     """The plain HF (or peft) model, its rows and its trace (main thread: it draws from the CPU RNG)."""
-    config = grid_config(name.split("+")[0], **FAMILIES.get(name, {}))
+    config = grid_config(
+        name.split("+")[0], **FAMILIES.get(name, {}), **(CP_CONFIG.get(name, {}) if mode == "cp" else {})
+    )
     if is_moe(config):
         config.output_router_logits = False  # HF's aux loss is per forward (hf_tp.fit reduces it globally)
     model = grid_model(config)
