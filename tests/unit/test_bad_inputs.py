@@ -515,6 +515,41 @@ ROWS = [
         E + r"--eval-split 0\.999 holds out 3 of dataset '.*d\.txt''s 3 rows and leaves none for training; lower "
         r"--eval-split \(0\.05 is usual\), or pass --eval-dataset",
     ),
+    # case 13: checked only once the ranks ran: more pipeline stages than decoder layers, a port out of range
+    Row(
+        "pp-over-the-layers",
+        train("--pp", "3", "--microbatches", "3", "--batch-size", "3", "--tp", "1", "--dp", "1"),
+        E + r"--pp 3: 3 stages but the model has 2 decoder layers: at most one stage per layer; use --pp 2 or less",
+    ),
+    Row(
+        "zbv-over-the-layers",
+        train(
+            "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual-stages", "2", "--microbatches", "2", "--batch-size", "2"
+        ),
+        E + r"--pp-schedule zbv places 2 stages per rank: --pp 2 x 2 = 4 stages but the model has 2 decoder layers: "
+        r"at most one stage per layer; use --pp-schedule 1f1b or gpipe, or train with --pp 1",
+    ),
+    Row(
+        "dualpipev-over-the-layers",
+        train(
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "dualpipev",
+            "--pp-virtual-stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "4",
+        ),
+        E + r"--pp-schedule dualpipev places 2 stages per rank: --pp 2 x 2 = 4 stages but .*",
+    ),
+    Row(
+        "master-port-out-of-range",
+        train("--tp", "2", "--dp", "1", "--master-port", "99999"),
+        E + r"--master-port must be a port number, 1-65535, got 99999",
+    ),
     Row(
         "export-missing-run",
         command("export", "{tmp}/nope", "{tmp}/e"),
