@@ -114,7 +114,7 @@ def check_text_dataset(
     builder, files = data_files(source, path)
     check_utf8(source, files, builder)
     if every_row:
-        with _quiet_datasets():
+        with quiet_datasets():
             ds = _load_local(source, path, split)
         if len(ds) == 0:
             raise ValueError(f"dataset '{source}' is empty")
@@ -128,7 +128,7 @@ def check_text_dataset(
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     try:
-        with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
+        with quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
     # (TypeError: a JSON line that is a list, from datasets < 5.1)
@@ -213,7 +213,7 @@ def _check_hub_first_row(
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()  # the launcher's pass over the rows: one line at most

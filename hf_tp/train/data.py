@@ -28,6 +28,7 @@ from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.first_rows import NO_IMAGE_EVAL
 from hf_tp.train.fits import training_rows
 from hf_tp.train.pair_evaluation import PairEvalSet
 
@@ -66,7 +67,7 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
     if not is_image_data(raw.column_names):
         return None
     if cfg.eval_split or cfg.eval_dataset:
-        raise ValueError("hf_tp does not evaluate image + text data yet: drop --eval-split / --eval-dataset")
+        raise ValueError(NO_IMAGE_EVAL)
     from transformers import AutoProcessor
 
     processor = rank0_first(lambda: AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))

@@ -224,8 +224,9 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
         raise ValueError("--train-vision-tower trains the tower's own weights, which --lora-r freezes: drop one")
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
-    from hf_tp.train.first_rows import check_first_rows  # transformers' tokenizer
+    from hf_tp.train.first_rows import check_first_rows, check_image_data  # transformers' tokenizer, processor
 
+    check_image_data(cfg, first_rows, model_config)
     check_first_rows(cfg, first_rows)
     return kind
 
