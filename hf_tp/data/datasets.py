@@ -292,6 +292,11 @@ def _load_hub(source: str, split: str, config_name: str | None = None) -> datase
     try:
         return datasets.load_dataset(source, name=config_name, split=split)
     except OSError as exc:  # DatasetNotFoundError, ConnectionError when offline, Hub HTTP errors
+        if datasets.config.HF_HUB_OFFLINE:  # it may well be on the Hub: the cache was all there was to read
+            raise ValueError(
+                f"dataset not found: '{source}' is not a local file/directory and not in the datasets cache, and "
+                "HF_HUB_OFFLINE is set; unset it to download the dataset, or pass a local file"
+            ) from None
         raise ValueError(f"{not_found} ({_reason(exc)})") from None
     except ValueError as exc:  # e.g. an unknown split or a missing config name
         raise ValueError(f"cannot load split '{split}' of dataset '{source}' ({_reason(exc)})") from None
