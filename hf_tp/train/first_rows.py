@@ -50,6 +50,14 @@ FIRST_IMAGE_ROWS = 16  # image rows encoded before launch (the ranks encode ever
 NO_IMAGE_EVAL = "hf_tp does not evaluate image + text data yet: drop --eval-split / --eval-dataset"
 
 
+def image_rows_refusal(source: str, what: str) -> str:
+    """The line for image + text rows read a way hf_tp does not read them yet (``--streaming``, ``a Hub dataset``)."""
+    rows = f"dataset '{source}' holds image + text rows (messages and images columns)"
+    if what == "--streaming":
+        return f"{rows}, which --streaming does not read yet: drop --streaming"
+    return f"{rows}, which hf_tp reads from local files only yet: download it and pass its path"
+
+
 def check_image_data(cfg: TrainConfig, first_rows: dict, model_config: Any) -> None:
     """Image + text rows (``messages`` and ``images`` columns) before launch: what hf_tp cannot
     train them with (``--streaming``, an evaluation set, a Hub dataset, a model with no vision
@@ -65,9 +73,9 @@ def check_image_data(cfg: TrainConfig, first_rows: dict, model_config: Any) -> N
     if source != cfg.dataset or cfg.has_eval:
         raise ValueError(NO_IMAGE_EVAL)
     if cfg.streaming:
-        raise ValueError(f"{rows}, which --streaming does not read yet: drop --streaming")
+        raise ValueError(image_rows_refusal(source, "--streaming"))
     if not Path(source).expanduser().exists():
-        raise ValueError(f"{rows}, which hf_tp reads from local files only yet: download it and pass its path")
+        raise ValueError(image_rows_refusal(source, "a Hub dataset"))
     if getattr(model_config, "text_config", None) is None:
         raise ValueError(
             f"{rows}, but this {model_config.model_type} model has no vision tower: pass a multimodal checkpoint "

@@ -237,3 +237,15 @@ def test_processor_rows_train_a_parallel_smolvlm_as_plain_hf(tmp_path) -> None:
         pytest.skip(f"this transformers builds Idefics3's processor only with torchvision: {str(exc).strip()[:80]}")
     diffs = processor_parity("smolvlm", tmp_path)
     assert max(diffs.values()) <= 1e-6, diffs
+
+
+def test_streamed_image_rows_are_refused_in_the_ranks_too(tmp_path) -> None:
+    # hf-tp train refuses them before launch (tests/unit/test_bad_inputs.py); ranks started by torchrun
+    # themselves read the stream's columns and say the same line (it was KeyError: 'prompt')
+    from hf_tp.train.config import TrainConfig
+    from hf_tp.train.data import build_data
+
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 1), counts=(1, 1)))
+    cfg = TrainConfig(model=str(tmp_path), dataset=str(path), streaming=True, output_dir=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=r"^dataset '.*images.jsonl' holds image \+ text rows .*: drop --streaming$"):
+        build_data(cfg.resolve(), tokenizer=None)
