@@ -38,10 +38,22 @@ def check_pipeline(pp: int, schedule: str, microbatches: int, virtual: int, laye
             f"--pp-schedule dualpipev needs at least as many micro-batches as stages: --microbatches {microbatches} < {2 * pp}"
         )
     if layers is not None and layers < pp * virtual:
-        raise ValueError(
-            f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages but the model has {layers} decoder layers: "
-            "at most one stage per layer"
-        )
+        raise ValueError(_too_many_stages(pp, schedule, virtual, layers))
+
+
+def _too_many_stages(pp: int, schedule: str, virtual: int, layers: int) -> str:
+    """The line for more pipeline stages than decoder layers, with the largest ``--pp`` that fits."""
+    if virtual == 1:
+        stages = f"--pp {pp}: {pp} stages"
+    elif schedule in V_SHAPED:
+        stages = f"--pp-schedule {schedule} places 2 stages per rank: --pp {pp} x 2 = {pp * virtual} stages"
+    else:
+        stages = f"--pp {pp} x --pp-virtual-stages {virtual} = {pp * virtual} stages"
+    most = layers // virtual
+    fix = f"use --pp {most} or less" if most >= 2 else "use fewer virtual stages, or train with --pp 1"
+    if schedule in V_SHAPED and most < 2:
+        fix = "use --pp-schedule 1f1b or gpipe, or train with --pp 1"
+    return f"{stages} but the model has {layers} decoder layers: at most one stage per layer; {fix}"
 
 
 def check_tied_schedule(tied: bool, schedule: str) -> None:

@@ -57,6 +57,7 @@ class PipelineCase:
     lora: int = 0  # a peft LoRA model of this rank (all-linear, random non-zero adapters) against plain peft
     tied: bool = False  # lm_head tied to the embedding (a copy on the first and the last stage)
     accum: int = 1  # micro-steps per optimizer step (gradient accumulation; FSDP2 reduces on the last)
+    grads: bool = False  # every gradient this rank holds after step 1 against plain HF's (LoRA: always, adapters)
 
     def reference(self) -> tuple[torch.nn.Module, dict, list[float], dict, dict, dict, tuple[dict, float]]:
         """(untouched model copy, batch, reference losses, start params, final params, first
@@ -102,7 +103,7 @@ class PipelineCase:
             assert bool(record.experts) == (self.ep > 1 and moe) == ("ep" in record.meshes)
         opt = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3, weight_decay=0.01)
         steps = self.resume["at"] if self.resume else self.steps
-        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora else None, self.accum)
+        got = self._train(pipe, mesh, opt, data, steps, want_grads if self.lora or self.grads else None, self.accum)
         if self.resume:
             fresh, mesh, resumed = self._resumed(fresh, pipe.checkpoint_model, opt, data)
             got += resumed
@@ -160,9 +161,9 @@ class PipelineCase:
             for group in groups:
                 dist.all_reduce(loss, group=group)
             got.append(loss.item())
-            if want_grads is not None and len(got) == 1:  # every adapter gradient this rank holds, the frozen base none
+            if want_grads is not None and len(got) == 1:  # every gradient this rank holds (LoRA: adapters only)
                 grads = {n: g for m in pipe.models for n, g in full_grads(m).items()}
-                assert grads and all(".lora_" in n for n in grads), sorted(grads)
+                assert grads and (not self.lora or all(".lora_" in n for n in grads)), sorted(grads)
                 assert_close_dict(grads, {n: want_grads[n] for n in grads}, "grad")
             pipe.sync_tied_grads()  # a tied weight: both stages' copies get the summed gradient
             opt.step()

@@ -9,13 +9,34 @@ starts or ends) and :meth:`on_snapshot` (the memory held changed) instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from hf_tp.compat.registry import reaches
 
 TRACKER = "torch.distributed._tools.mem_tracker:MemTracker"
 EVENTS = ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")  # what on_module is told
+# torch's ModTracker (inside MemTracker), when a module's forward starts while one of its name runs.
+MESSED_UP = r"The module hierarchy tracking maybe be messed up\. Please file a bug to PyTorch, if it is the case\.$"
+
+
+@contextlib.contextmanager
+def quiet_module_tracking() -> Iterator[None]:
+    """Exactly torch's ModTracker warning :data:`MESSED_UP` silenced: it warns when a module's
+    forward starts while a module of the same name runs (a module called inside itself, a
+    family's shared submodule), which leaves that module's own per-module figures in doubt, never
+    the per-device peak an estimate reads. torch also replaces ``warnings.formatwarning`` for the
+    whole process as it warns: restored on the way out."""
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=MESSED_UP, category=UserWarning)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
 
 
 class _NoHook:
@@ -92,6 +113,17 @@ def peak_mem_tracker_class() -> type:
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
             _mark_frozen_hooked(self, module, install_grad_hooks)
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def __enter__(self):
+            self._quiet = quiet_module_tracking()
+            self._quiet.__enter__()
+            return super().__enter__()
+
+        def __exit__(self, *exc) -> None:
+            try:
+                super().__exit__(*exc)
+            finally:
+                self._quiet.__exit__(None, None, None)
 
         def watch(self, modules) -> None:
             """Keep the forward and backward peaks of ``modules`` too."""

@@ -114,7 +114,7 @@ def check_text_dataset(
     builder, files = data_files(source, path)
     check_utf8(source, files, builder)
     if every_row:
-        with _quiet_datasets():
+        with quiet_datasets():
             ds = _load_local(source, path, split)
         if len(ds) == 0:
             raise ValueError(f"dataset '{source}' is empty")
@@ -128,7 +128,7 @@ def check_text_dataset(
     if not files:
         raise ValueError(f"dataset '{source}' is empty")
     try:
-        with _quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
+        with quiet_datasets():  # its "Failed to load JSON" log line would repeat the error below
             stream = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, streaming=True)
             first = next(iter(stream), None)
     # (TypeError: a JSON line that is a list, from datasets < 5.1)
@@ -213,7 +213,7 @@ def _check_hub_first_row(
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()  # the launcher's pass over the rows: one line at most
@@ -292,6 +292,11 @@ def _load_hub(source: str, split: str, config_name: str | None = None) -> datase
     try:
         return datasets.load_dataset(source, name=config_name, split=split)
     except OSError as exc:  # DatasetNotFoundError, ConnectionError when offline, Hub HTTP errors
+        if datasets.config.HF_HUB_OFFLINE:  # it may well be on the Hub: the cache was all there was to read
+            raise ValueError(
+                f"dataset not found: '{source}' is not a local file/directory and not in the datasets cache, and "
+                "HF_HUB_OFFLINE is set; unset it to download the dataset, or pass a local file"
+            ) from None
         raise ValueError(f"{not_found} ({_reason(exc)})") from None
     except ValueError as exc:  # e.g. an unknown split or a missing config name
         raise ValueError(f"cannot load split '{split}' of dataset '{source}' ({_reason(exc)})") from None

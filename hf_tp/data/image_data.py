@@ -15,7 +15,7 @@ from hf_tp.data.formats.images import (
     clean_messages,
     encode_image_row,
     image_row_problem,
-    load_image,
+    load_row_images,
 )
 from hf_tp.data.formats.rows import SKIPPED
 from hf_tp.data.places import RowPlaces
@@ -51,6 +51,8 @@ def encode_image_dataset(
     an image PIL or the processor rejects, a row over ``seq_len`` with its image tokens: image rows
     are never cut) raises one line naming it, or with ``skip`` is dropped and its line returned."""
     places = RowPlaces(label)
+    placeholder = getattr(processor, "image_token", None)
+    placeholder = placeholder if isinstance(placeholder, str) and placeholder else None
 
     def encode(row: dict, index: int) -> dict:
         where = places(index)
@@ -65,10 +67,10 @@ def encode_image_dataset(
         return {"input_ids": [], "labels": [], SKIPPED: line}
 
     def _encode(row: dict, where: str) -> dict:
-        problem = image_row_problem(row, base_dir)
+        problem = image_row_problem(row, base_dir, placeholder=placeholder)
         if problem is not None:
             raise ValueError(problem)
-        images = [load_image(ref, base_dir) for ref in row[IMAGES] or ()]
+        images = load_row_images(row[IMAGES], base_dir)
         messages = clean_messages(row[MESSAGES])
         ids, labels = encode_image_row(processor, messages, images, assistant_only=assistant_only, where=where)
         if len(ids) > seq_len:

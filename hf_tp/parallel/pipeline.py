@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
-from hf_tp.parallel.pipeline_fsdp import fsdp_roots, hold_gradients, release_gradients
+from hf_tp.parallel.pipeline_fsdp import fsdp_roots, hold_gradients, quiet_stage_views, release_gradients
 from hf_tp.parallel.pipeline_split import merged_stages
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline_checks import MULTI_STAGE, V_SHAPED
@@ -248,7 +248,8 @@ class Pipeline:
         args = (input_ids,) if 0 in self.stage_ids else ()
         roots = fsdp_roots(self.models)  # FSDP2 reduces once, after the step (hf_tp.parallel.pipeline_fsdp)
         held = hold_gradients(roots, self.schedule in V_SHAPED)
-        schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+        with quiet_stage_views():  # FSDP2's warning that a stage returned a view (harmless here)
+            schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
         release_gradients(roots, held)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:

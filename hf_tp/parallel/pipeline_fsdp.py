@@ -24,6 +24,9 @@ reshard. The shape pass's backward computes input gradients only, so nothing of 
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -118,3 +121,20 @@ def _groups(root: FSDPModule) -> list:
     which FSDP2's root state lists only after its lazy init, at the first forward)."""
     states = {id(s): s for m in root.modules() if isinstance(m, FSDPModule) for s in [fully_shard.state(m)]}
     return [g for s in states.values() for g in param_groups(s)]
+
+
+# FSDP2's warning when a wrapped module's forward returns a view (torch 2.13: _fsdp_state.py).
+STAGE_VIEW = r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor\. An in-place op on this view"
+
+
+@contextlib.contextmanager
+def quiet_stage_views() -> Iterator[None]:
+    """Exactly FSDP2's warning that a stage returned a view, silenced over a pipeline step: a
+    stage's output (its hidden states, their cp tokens, its logits) is a view that the schedule
+    only sends on or takes the loss of (a V-shaped schedule, which frees it in place, gets a copy:
+    :class:`hf_tp.parallel.pipeline.StageModule`), so no pre-backward hook is skipped: every
+    gradient equals plain HF's at pp2 with cp2, dp2, HSDP and interleaved stages
+    (tests/e2e/test_pipeline_torchrun.py)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=STAGE_VIEW, category=UserWarning)
+        yield

@@ -88,6 +88,8 @@ class ConfigChecks:
         profiled = parse_profile_steps(self.profile_steps)
         if profiled and self.max_steps is not None and profiled[1] > self.max_steps:
             raise ValueError(f"--profile-steps {self.profile_steps} goes past --max-steps {self.max_steps}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be a port number, 1-65535, got {self.master_port}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.tp is not None and self.dp is not None and self.world_size % self.nnodes:

@@ -28,6 +28,7 @@ from hf_tp.data.streaming import PackedStream, StreamingBatchSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.evaluation import EvalSet
+from hf_tp.train.first_rows import NO_IMAGE_EVAL, image_rows_refusal
 from hf_tp.train.fits import training_rows
 from hf_tp.train.pair_evaluation import PairEvalSet
 
@@ -66,7 +67,7 @@ def image_batches(cfg: TrainConfig, dp_rank: int, device: torch.device) -> StepB
     if not is_image_data(raw.column_names):
         return None
     if cfg.eval_split or cfg.eval_dataset:
-        raise ValueError("hf_tp does not evaluate image + text data yet: drop --eval-split / --eval-dataset")
+        raise ValueError(NO_IMAGE_EVAL)
     from transformers import AutoProcessor
 
     processor = rank0_first(lambda: AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code))
@@ -130,6 +131,8 @@ def build_data(cfg: TrainConfig, tokenizer: Any) -> tuple[datasets.Dataset | Pac
         stream = rename_dataset(stream, cfg.column_renames, f"'{cfg.dataset}'", names)
         names = list(rename_row(dict.fromkeys(names), cfg.column_renames, f"'{cfg.dataset}'"))
         fmt = detect_format(names, assistant_only=cfg.assistant_only_loss, label=f"'{cfg.dataset}'", **columns)
+        if is_image_data(names):  # (hf-tp train refuses it before launch; ranks started by torchrun here)
+            raise ValueError(image_rows_refusal(cfg.dataset, "--streaming"))
         skip = dict(skip_bad_rows=cfg.skip_bad_rows, report=report_on_rank0)
         train = PackedStream(stream, fmt, tokenizer, cfg.seq_len, cfg.document_masking, **skip)
     else:

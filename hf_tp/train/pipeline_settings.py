@@ -33,3 +33,14 @@ def check_pipeline_settings(cfg: Any) -> None:
     for flag, on in refused.items():
         if on:
             raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
+
+
+def check_pipeline_layers(cfg: Any, model_config: Any) -> None:
+    """Before launch, once the model's config is read: no more pipeline stages (``--pp`` x
+    virtual stages) than the model has decoder layers (the ranks check again where they cut)."""
+    if cfg.pp == 1:
+        return
+    from hf_tp.adapters import get_adapter
+
+    config = get_adapter(model_config).layers_config(model_config)  # a wrapper's language model
+    check_pipeline(cfg.pp, cfg.pp_schedule, cfg.pipeline_microbatches, cfg.pp_virtual_stages, config.num_hidden_layers)

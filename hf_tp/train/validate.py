@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.fits import check_batch_fits, check_step_memory
+from hf_tp.train.pipeline_settings import check_pipeline_layers
 from hf_tp.train.run_dir import check_output_dir
 
 if TYPE_CHECKING:
@@ -206,6 +207,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_devices(cfg, kind)
     model_config = load_model_config(cfg.model, cfg.trust_remote_code)
     validate_model_config(model_config, cfg.tp, cfg.seq_len, ep=cfg.ep)
+    check_pipeline_layers(cfg, model_config)
     if Path(cfg.model).expanduser().is_dir():  # every weight in the files, in its shape (headers only)
         from hf_tp.checkpoint.file_check import check_weights_match
 
@@ -222,8 +224,9 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
         raise ValueError("--train-vision-tower trains the tower's own weights, which --lora-r freezes: drop one")
     if cfg.resume:
         check_resume_before_launch(cfg, model_config)
-    from hf_tp.train.first_rows import check_first_rows  # transformers' tokenizer
+    from hf_tp.train.first_rows import check_first_rows, check_image_data  # transformers' tokenizer, processor
 
+    check_image_data(cfg, first_rows, model_config)
     check_first_rows(cfg, first_rows)
     return kind
 

@@ -42,18 +42,26 @@ CASES = [
     {"family": "llama", "schedule": "loopedbfs", "virtual": 2, "dp": 2, "resume": {"at": 1, "tp": 1, "dp": 4}},
     # the router aux loss (coef 0.5: its gradients weigh): counted through the pipeline, each stage its layers' share
     {"family": "qwen3_moe", "schedule": "1f1b", "tp": 2, "overrides": _AUX},
-    {"family": "mixtral", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2, "overrides": _AUX},
+    {"family": "mixtral", "schedule": "interleaved1f1b", "virtual": 2, "dp": 2, "overrides": _AUX, "grads": True},
     {"family": "llama", "schedule": "1f1b", "tp": 2, "lora": 4},  # peft LoRA (all-linear): adapter gradients too
-    {"family": "gemma3_text", "schedule": "1f1b", "dp": 2, "dtype": "float64", "overrides": _GEMMA3_WINDOWS},
-    {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2},  # HSDP inside each stage
+    {
+        "family": "gemma3_text",
+        "schedule": "1f1b",
+        "dp": 2,
+        "dtype": "float64",
+        "overrides": _GEMMA3_WINDOWS,
+        "grads": True,
+    },
+    {"family": "llama", "schedule": "gpipe", "dp": 2, "dp_replicate": 2, "grads": True},  # HSDP inside each stage
     # cp inside each stage (RoPE, right padding): every stage sees the same token layout and positions;
-    # 2 micro-steps a step (FSDP2 over cp: the gradients accumulated across torch's rebuilt stages)
-    {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16, "b": 8, "accum": 2},
+    # 2 micro-steps a step (FSDP2 over cp: the gradients accumulated across torch's rebuilt stages);
+    # every gradient after step 1 equal to plain HF's ("grads", here and in three cases above)
+    {"family": "llama", "schedule": "1f1b", "cp": 2, "s": 16, "b": 8, "accum": 2, "grads": True},
     # ep inside each stage (its dp ranks' all-to-all), the aux loss over every stage and dp rank; the
     # first two layers dense (DeepSeek's first_k_dense_replace): stage 0 holds no experts nor routers
     {"family": "qwen3_moe", "schedule": "1f1b", "dp": 2, "ep": 2, "overrides": {**_AUX, "mlp_only_layers": [0, 1]}},
     # ep over the cp ranks of each stage: the aux loss's routing over this rank's cp tokens
-    {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX},
+    {"family": "qwen3_moe", "schedule": "1f1b", "cp": 2, "ep": 2, "s": 16, "overrides": _AUX, "grads": True},
     # V-shaped (rank r: stages r and 3 - r) with the backward split in input and weight parts: FSDP2's
     # reduce-scatter after the step; 2 micro-steps a step (the first's unreduced gradients kept on the
     # gathered layers through the second's shape pass); the two stages saved as one and resumed at pp1 x tp2 x dp2
@@ -75,3 +83,5 @@ def test_pipeline_parity() -> None:
     proc = torchrun(4, "tests/e2e/pipeline_worker.py", json.dumps(CASES))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("PIPELINE OK") == len(CASES), proc.stdout[-3000:]
+    # FSDP2's "returned a view tensor ... can cause wrong gradients": silenced, the gradients compared above
+    assert "returned a view tensor" not in proc.stderr, proc.stderr[-3000:]

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from hf_tp.cli.main import main
+from tests.image_data import image_rows, llava_processor, save_tiny_llava, write_images, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class World:
     data: Path  # a text corpus
     run: Path  # a finished run: config.yaml, metrics.jsonl, checkpoints/step-2 (whole)
     other: Path  # an unrelated non-empty folder of the user's
+    llava: Path  # a tiny multimodal model folder with its processor (tests/image_data.py)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,9 @@ def world(tmp_path_factory) -> World:
 
     root = tmp_path_factory.mktemp("world")
     assets = ensure_default_assets(root / "assets")
-    w = World(root, assets.model_dir, assets.data_file, root / "run", root / "other")
+    w = World(root, assets.model_dir, assets.data_file, root / "run", root / "other", root / "llava")
     build_run(w.run, w.model, w.data)
+    save_tiny_llava(w.llava, llava_processor())
     w.other.mkdir()
     (w.other / "notes.txt").write_text("the user's own file\n")
     return w
@@ -106,7 +109,7 @@ def train(*flags: str) -> Callable[[World, Path], list[str]]:
     flags are filled in."""
 
     def argv(w: World, tmp: Path) -> list[str]:
-        names = dict(model=w.model, data=w.data, run=w.run, other=w.other, tmp=tmp)
+        names = dict(model=w.model, data=w.data, run=w.run, other=w.other, tmp=tmp, llava=w.llava)
         filled = [f.format(**names) for f in flags]
         base = ["train", "--model", str(w.model), "--dataset", str(w.data), "--seq-len", "32"]
         if "--output-dir" not in filled:
@@ -144,6 +147,19 @@ def with_model(change: Callable[[Path], None], *flags: str) -> Callable[[World, 
         shutil.copytree(w.model, model)
         change(model)
         return train("--model", str(model), *flags)(w, tmp)[:]
+
+    return argv
+
+
+def with_images(change: Callable[[list[dict]], list[dict]], *flags: str, model: str = "{llava}"):
+    """`hf-tp train` on ``tmp/images.jsonl`` (image + text rows, two PNGs and a damaged one beside
+    them), its rows changed by ``change``, with the world's LLaVA unless ``model`` names another."""
+
+    def argv(w: World, tmp: Path) -> list[str]:
+        names = write_images(tmp, 2)
+        (tmp / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot a png")
+        data = write_jsonl(tmp / "images.jsonl", change(image_rows(names, counts=(1, 1, 1, 1))))
+        return train("--model", model, "--dataset", str(data), "--seq-len", "48", *flags)(w, tmp)
 
     return argv
 
@@ -514,6 +530,76 @@ ROWS = [
         with_file("d.txt", "one\ntwo\nthree\n", train("--dataset", "{tmp}/d.txt", "--eval-split", "0.999")),
         E + r"--eval-split 0\.999 holds out 3 of dataset '.*d\.txt''s 3 rows and leaves none for training; lower "
         r"--eval-split \(0\.05 is usual\), or pass --eval-dataset",
+    ),
+    # case 13: checked only once the ranks ran: more pipeline stages than decoder layers, a port out of range
+    Row(
+        "pp-over-the-layers",
+        train("--pp", "3", "--microbatches", "3", "--batch-size", "3", "--tp", "1", "--dp", "1"),
+        E + r"--pp 3: 3 stages but the model has 2 decoder layers: at most one stage per layer; use --pp 2 or less",
+    ),
+    Row(
+        "zbv-over-the-layers",
+        train(
+            "--pp", "2", "--pp-schedule", "zbv", "--pp-virtual-stages", "2", "--microbatches", "2", "--batch-size", "2"
+        ),
+        E + r"--pp-schedule zbv places 2 stages per rank: --pp 2 x 2 = 4 stages but the model has 2 decoder layers: "
+        r"at most one stage per layer; use --pp-schedule 1f1b or gpipe, or train with --pp 1",
+    ),
+    Row(
+        "dualpipev-over-the-layers",
+        train(
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "dualpipev",
+            "--pp-virtual-stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "4",
+        ),
+        E + r"--pp-schedule dualpipev places 2 stages per rank: --pp 2 x 2 = 4 stages but .*",
+    ),
+    Row(
+        "master-port-out-of-range",
+        train("--tp", "2", "--dp", "1", "--master-port", "99999"),
+        E + r"--master-port must be a port number, 1-65535, got 99999",
+    ),
+    # case 13: image rows checked only in the ranks (a KeyError, transformers' raw template error, ...)
+    Row(
+        "image-rows-streaming",
+        with_images(lambda rows: rows, "--streaming"),
+        E + r"dataset '.*images\.jsonl' holds image \+ text rows \(messages and images columns\), which --streaming "
+        r"does not read yet: drop --streaming",
+    ),
+    Row(
+        "image-rows-eval-split",
+        with_images(lambda rows: rows, "--eval-split", "0.25"),
+        E + r"hf_tp does not evaluate image \+ text data yet: drop --eval-split / --eval-dataset",
+    ),
+    Row(
+        "image-rows-on-a-text-model",
+        with_images(lambda rows: rows, model="{model}"),
+        E
+        + r"dataset '.*' holds image \+ text rows \(messages and images columns\), but this llama model has no vision "
+        r"tower: pass a multimodal checkpoint \(e\.g\. a LLaVA or Qwen2-VL model\), or data without an images column",
+    ),
+    Row(
+        "image-placeholder-without-images",
+        with_images(
+            lambda rows: (
+                rows[:2]
+                + [{"messages": [{"role": "user", "content": "<image> where?"}, rows[2]["messages"][1]], "images": []}]
+            )
+        ),
+        E + r"line 3 of .*images\.jsonl: message 0 \(user\) writes the image placeholder '<image>' as text; mark each "
+        r"image with a \{'type': 'image'\} content part, its file in column 'images'",
+    ),
+    Row(
+        "image-damaged-png-in-the-first-rows",
+        with_images(lambda rows: rows[:1] + [dict(rows[1], images=["broken.png"])] + rows[2:]),
+        E + r"line 2 of .*images\.jsonl: image 0 \(broken\.png\) cannot be opened \(.*\)",
     ),
     Row(
         "export-missing-run",

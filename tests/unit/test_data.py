@@ -106,8 +106,8 @@ def test_load_text_column_and_split_slice(tmp_path: Path) -> None:
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError,
-        match=r"dataset not found: 'definitely-not/a-dataset-xyz' is neither a local file/directory nor a "
-        r"dataset on the Hub \(.+\)$",
+        match=r"dataset not found: 'definitely-not/a-dataset-xyz' is not a local file/directory and not in the "
+        r"datasets cache, and HF_HUB_OFFLINE is set; unset it to download the dataset, or pass a local file$",
     ):
         load_text_dataset("definitely-not/a-dataset-xyz")
     with pytest.raises(ValueError, match=r"dataset not found: '.*nope/x\.jsonl' is neither .*no such file"):

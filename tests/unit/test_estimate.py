@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,17 @@ def test_cli_estimates_generic_families_from_config_json(model_type: str, tmp_pa
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["peak"]["total"] > 0 and any(c["collective"] == "reduce_scatter" for c in data["comms"])
+
+
+def test_an_estimate_prints_no_warning(tiny_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 51 case 16: torch's module tracker warned "The module hierarchy tracking maybe be messed
+    up" on every estimate (silenced exactly, hf_tp.compat.mem_tracker.quiet_module_tracking), and
+    the format of every later warning of the process changed with it."""
+    formatwarning = warnings.formatwarning
+    args = ["estimate", "--model", str(tiny_dir), "--tp", "1", "--dp", "1", "--seq-len", "32", "--batch-size", "1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(args) == 0
+    assert not [str(w.message) for w in caught]
+    assert "Warning" not in capfd.readouterr().err
+    assert warnings.formatwarning is formatwarning

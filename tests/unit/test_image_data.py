@@ -68,7 +68,7 @@ def test_rows_the_processor_rejects_or_too_long_are_named(processor, tmp_path) -
     rows = image_rows(names, counts=(1, 1))
     rows[1]["images"] = ["broken.png"]
     path = write_jsonl(tmp_path / "broken.jsonl", rows)
-    with pytest.raises(ValueError, match=r"line 2 of .*broken.jsonl: the processor or PIL rejects it"):
+    with pytest.raises(ValueError, match=r"line 2 of .*broken.jsonl: image 0 \(broken.png\) cannot be opened \("):
         _encode(processor, path)
     path = write_jsonl(tmp_path / "long.jsonl", image_rows(names, counts=(2,)))
     with pytest.raises(ValueError, match=r"line 1 of .*: 2\d tokens with its image tokens, over --seq-len 12"):
@@ -79,6 +79,27 @@ def test_rows_the_processor_rejects_or_too_long_are_named(processor, tmp_path) -
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     kept, dropped = _encode(processor, path, seq_len=20, skip=True)
     assert len(kept) == 2 and [line.split(":")[0] for line in dropped] == [f"line {i} of {path}" for i in (2, 3, 4)]
+
+
+def test_a_later_bad_row_is_named_with_its_line_and_file_in_the_ranks(processor, tmp_path) -> None:
+    # Before launch only the first rows are encoded (hf_tp.train.first_rows); the ranks encode every
+    # row: a damaged image or the placeholder written as text past them is one line naming the row.
+    names = write_images(tmp_path, 2)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot a png")
+    rows = image_rows(names, counts=(1,) * 20)
+    rows[18]["images"] = ["broken.png"]
+    path = write_jsonl(tmp_path / "late.jsonl", rows)
+    with pytest.raises(ValueError, match=r"^line 19 of .*late.jsonl: image 0 \(broken.png\) cannot be opened \(.*\)$"):
+        _encode(processor, path)
+    rows[18] = {
+        "messages": [{"role": "user", "content": f"{IMAGE_TOKEN} where?"}, rows[17]["messages"][1]],
+        "images": [],
+    }
+    path = write_jsonl(tmp_path / "late.jsonl", rows)
+    with pytest.raises(
+        ValueError, match=r"^line 19 of .*: message 0 \(user\) writes the image placeholder '<image>' as"
+    ):
+        _encode(processor, path)
 
 
 def test_collated_batches_train_a_parallel_llava_as_plain_hf(processor, tmp_path) -> None:
@@ -216,3 +237,15 @@ def test_processor_rows_train_a_parallel_smolvlm_as_plain_hf(tmp_path) -> None:
         pytest.skip(f"this transformers builds Idefics3's processor only with torchvision: {str(exc).strip()[:80]}")
     diffs = processor_parity("smolvlm", tmp_path)
     assert max(diffs.values()) <= 1e-6, diffs
+
+
+def test_streamed_image_rows_are_refused_in_the_ranks_too(tmp_path) -> None:
+    # hf-tp train refuses them before launch (tests/unit/test_bad_inputs.py); ranks started by torchrun
+    # themselves read the stream's columns and say the same line (it was KeyError: 'prompt')
+    from hf_tp.train.config import TrainConfig
+    from hf_tp.train.data import build_data
+
+    path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 1), counts=(1, 1)))
+    cfg = TrainConfig(model=str(tmp_path), dataset=str(path), streaming=True, output_dir=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=r"^dataset '.*images.jsonl' holds image \+ text rows .*: drop --streaming$"):
+        build_data(cfg.resolve(), tokenizer=None)

@@ -44,9 +44,12 @@ def image_parts(messages: Any) -> int:
     )
 
 
-def image_row_problem(row: Mapping[str, Any], base_dir: Path | None = None, *, files: bool = True) -> str | None:
+def image_row_problem(
+    row: Mapping[str, Any], base_dir: Path | None = None, *, files: bool = True, placeholder: str | None = None
+) -> str | None:
     """What is wrong with a raw row that the inputs alone decide (before launch), or None: the
-    conversation's shape, its image parts against its images, a missing image file (``files``)."""
+    conversation's shape, the processor's image ``placeholder`` written as text, its image parts
+    against its images, a missing image file (``files``)."""
     messages, images = row.get(MESSAGES), row.get(IMAGES)
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         return "column 'messages' must hold a non-empty list of {'role', 'content'} messages"
@@ -56,6 +59,12 @@ def image_row_problem(row: Mapping[str, Any], base_dir: Path | None = None, *, f
         content = m.get("content")
         if not isinstance(content, str) and not (isinstance(content, Sequence) and content):
             return f"message {j} ({m['role']}) has content {repr(content)[:40]}; give a string or a list of parts"
+    written = placeholder and next((j for j, m in enumerate(messages) if placeholder in _text_of(m["content"])), None)
+    if written is not None:
+        return (
+            f"message {written} ({messages[written]['role']}) writes the image placeholder {placeholder!r} as text; "
+            "mark each image with a {'type': 'image'} content part, its file in column 'images'"
+        )
     images = [] if images is None else images
     if not isinstance(images, Sequence) or isinstance(images, str | bytes):
         return f"column 'images' must hold a list of images (paths, PIL images or bytes), got {type(images).__name__}"
@@ -66,6 +75,26 @@ def image_row_problem(row: Mapping[str, Any], base_dir: Path | None = None, *, f
         if files and path is not None and not _resolve(path, base_dir).is_file():
             return f"image {k} ({path}) is not a file"
     return None
+
+
+def _text_of(content: Any) -> str:
+    """A message's text: its string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+
+
+def load_row_images(images: Sequence[Any] | None, base_dir: Path | None = None) -> list:
+    """A row's images (:func:`load_image`); one that PIL cannot open raises a ``ValueError``
+    naming it (``image k (its path)``)."""
+    out = []
+    for k, ref in enumerate(images or ()):
+        try:
+            out.append(load_image(ref, base_dir))
+        except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for a damaged file
+            name = f" ({_path_of(ref)})" if _path_of(ref) is not None else ""
+            raise ValueError(f"image {k}{name} cannot be opened ({type(exc).__name__}: {exc})") from None
+    return out
 
 
 def load_image(ref: Any, base_dir: Path | None = None):
