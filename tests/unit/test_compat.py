@@ -53,6 +53,12 @@ def _installed_as(monkeypatch, **found: str) -> None:
     monkeypatch.setattr(releases, "installed", lambda package: found.get(package) or real(package))
 
 
+def _only_newer(monkeypatch, **found: str) -> None:
+    """``found`` installed, every other package at its ceiling (``scripts/compat.sh next`` runs
+    these tests past the ceilings: a really newer torch must not add its own line)."""
+    _installed_as(monkeypatch, **{**releases.CEILINGS, "peft": releases.PEFT_CEILING, **found})
+
+
 def test_a_release_below_the_floor_stops_hf_tp_with_one_line(monkeypatch, capsys) -> None:
     _installed_as(monkeypatch, transformers="5.9.0", torch="2.12.0+cu126")
     assert main(["estimate", "--model", "llama-3.2-1b", "--tp", "2", "--dp", "1", "--seq-len", "16"]) == 2
@@ -155,7 +161,7 @@ def test_a_release_in_the_tested_series_is_not_newer(monkeypatch, unreported) ->
 
 
 def test_a_newer_release_warns_once_with_one_line(monkeypatch, unreported) -> None:
-    _installed_as(monkeypatch, transformers="5.26.0")
+    _only_newer(monkeypatch, transformers="5.26.0")
     want = (
         "transformers 5.26.0 is newer than the newest release hf_tp is tested with (5.25); it may work: report "
         "what breaks, or pip install 'transformers<5.26'"
@@ -168,7 +174,7 @@ def test_a_newer_release_warns_once_with_one_line(monkeypatch, unreported) -> No
 
 
 def test_peft_newer_than_tested_warns_only_where_lora_is_used(monkeypatch, unreported) -> None:
-    _installed_as(monkeypatch, peft="0.23.1")
+    _only_newer(monkeypatch, peft="0.23.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error", compat.NewerRelease)
         compat.check_releases()  # start-up: peft is optional
@@ -177,7 +183,7 @@ def test_peft_newer_than_tested_warns_only_where_lora_is_used(monkeypatch, unrep
 
 
 def test_hf_tp_prints_a_newer_release_once_and_runs(monkeypatch, capsys, unreported) -> None:
-    _installed_as(monkeypatch, torch="2.14.0", accelerate="1.17.2")
+    _only_newer(monkeypatch, torch="2.14.0", accelerate="1.17.2")
     ran = []
     monkeypatch.setattr(plan, "run", lambda args: ran.append(args.command) or 0)
     with warnings.catch_warnings():
