@@ -95,27 +95,42 @@ def rss(field):
 with torch.device("meta"):  # imports the model's code before the baseline: a fixed cost, not the model's size
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1] + "/model_files"))
 before = rss("VmRSS:")
-export_checkpoint(sys.argv[1], sys.argv[2], max_shard_size="4MB", dtype="fp32")
-print(rss("VmHWM:") - before)
+peaks = []
+for ckpt, out in zip(sys.argv[1::2], sys.argv[2::2]):  # the small model first: its peak holds the fixed costs
+    export_checkpoint(ckpt, out, max_shard_size="4MB", dtype="fp32")
+    peaks.append(rss("VmHWM:") - before)
+print(*peaks)
 """
 
 
-def test_stream_export_memory_follows_shard_size(tmp_path: Path) -> None:
-    """A 91 MB (fp32) model exported with 4 MB shards: the exporting process grows by a fraction of it
-    (about a shard, the largest tensor and a fixed ~10 MB: 21 MB here)."""
-    config = AutoConfig.for_model(
-        "llama", hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
+def llama(layers: int) -> AutoConfig:
+    return AutoConfig.for_model(
+        "llama", hidden_size=384, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=8, vocab_size=4096, tie_word_embeddings=True,
     )  # fmt: skip
-    ckpt, model = fake_checkpoint(tmp_path, config)
+
+
+def test_stream_export_memory_follows_shard_size(tmp_path: Path) -> None:
+    """A 2-layer (21 MB fp32) and a 12-layer (91 MB) model exported with 4 MB shards in one process:
+    the larger one raises the peak by a small fraction of the 70 MB it adds (the peak is about a
+    shard, the largest tensor and fixed costs, none of which grows with depth)."""
+    small, _ = fake_checkpoint(tmp_path / "small", llama(2))
+    ckpt, model = fake_checkpoint(tmp_path / "big", llama(12))
     size = sum(p.numel() * 4 for p in model.parameters())
+    added = size - sum(p.numel() * 4 for p in AutoModelForCausalLM.from_config(llama(2)).parameters())
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", CHILD, str(ckpt), str(tmp_path / "export")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = [str(small), str(tmp_path / "small-export"), str(ckpt), str(tmp_path / "export")]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    growth = int(proc.stdout.split()[-1])
-    print(f"model {size / 2**20:.1f} MiB, export peak growth {growth / 2**20:.1f} MiB")
-    assert growth < size / 4, f"the export grew by {growth / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB model"
+    peak_small, peak = (int(x) for x in proc.stdout.split()[-2:])
+    mib = 2**20
+    print(
+        f"model {size / mib:.1f} MiB, export peak growth {peak / mib:.1f} MiB (2-layer model: {peak_small / mib:.1f})"
+    )
+    assert peak - peak_small < added / 4, (
+        f"10 more layers ({added / mib:.1f} MiB) raised the export's peak by {(peak - peak_small) / mib:.1f} MiB"
+    )
+    assert peak < size / 3, f"the export grew by {peak / mib:.1f} MiB for a {size / mib:.1f} MiB model"
     got = folder_tensors(tmp_path / "export")
     want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert sorted(got) == sorted(want) and len(list((tmp_path / "export").glob("*.safetensors"))) > 10
