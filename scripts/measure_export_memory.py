@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM
-from hf_tp.checkpoint.export import export_checkpoint
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) * 1024

@@ -18,9 +18,9 @@ import hf_tp
 from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
-from hf_tp.inference.evaluate import evaluate_pipeline
 from hf_tp.parallel.context import state_of
 from hf_tp.parallel.expert_parallel import experts_modules
+from hf_tp.parallel.held_out import evaluate_pipeline
 from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
@@ -90,7 +90,7 @@ class PipelineCase:
     def check(self) -> tuple[float, float, float]:
         """Train the pipeline on this rank's rows and assert the loss curve (rel 1e-5), every
         weight this rank holds after the steps and the trained model's held-out loss (rel 1e-5,
-        :func:`hf_tp.inference.evaluate.evaluate_pipeline`; ``hf_tp.evaluate`` when resumed
+        :func:`hf_tp.parallel.held_out.evaluate_pipeline`; ``hf_tp.evaluate`` when resumed
         without pp); returns the largest relative loss difference, this rank's largest weight
         difference relative to its AdamW update and the held-out loss's relative difference."""
         model, data, want, start, end, want_grads, (held_out, want_eval) = self.reference()

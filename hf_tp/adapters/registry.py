@@ -69,7 +69,7 @@ def get_adapter(config_or_type: PretrainedConfig | str) -> Adapter:
 def changed_adapters(change: Callable[[Adapter], Adapter]) -> Iterator[None]:
     """Inside the block, :func:`get_adapter` returns ``change(adapter)``, in this thread (a context
     variable: the rank threads of one process each see their own). ``hf-tp verify``'s injected
-    faults use it to build a layout with a wrong plan (:mod:`hf_tp.verify.faults`)."""
+    faults use it to build a layout with a wrong plan (:mod:`hf_tp.verify.injected_faults`)."""
     token = _CHANGE.set(change)
     try:
         yield

@@ -29,15 +29,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hf_tp.checkpoint.export import base_dtype, base_source
-from hf_tp.checkpoint.integrity import write_manifest
-from hf_tp.checkpoint.layout import (
+from hf_tp.checkpoint.checkpoint_dirs import (
     MARKER,
     checkpoint_root,
     complete_checkpoints,
     latest_checkpoint,
     load_trainer_state,
 )
+from hf_tp.checkpoint.hf_folder import base_dtype, base_source
+from hf_tp.checkpoint.integrity import write_manifest
 from hf_tp.checkpoint.packed import checkpoint_layout, write_back
 from hf_tp.checkpoint.remote_code import copy_model_code
 from hf_tp.checkpoint.safe_load import SafeReader, safe_load

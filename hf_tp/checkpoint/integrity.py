@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_tp.checkpoint.layout import MARKER, checkpoint_root, complete_checkpoints, unfinished_checkpoints
+from hf_tp.checkpoint.checkpoint_dirs import MARKER, checkpoint_root, complete_checkpoints, unfinished_checkpoints
 
 MANIFEST = "manifest.json"
 # What to do when no checkpoint of a run is whole: hf-tp train's advice (hf-tp export passes its own).

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_tp.checkpoint.export import export_checkpoint
+    from hf_tp.checkpoint.hf_folder import export_checkpoint
     from hf_tp.checkpoint.hub import push_to_hub
 
     try:

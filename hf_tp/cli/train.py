@@ -54,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from hf_tp.cli.auto_layout import auto_layout, check_request
-    from hf_tp.demo import with_embedded_default
+    from hf_tp.train.embedded_run import with_embedded_default
 
     in_rank = "WORLD_SIZE" in os.environ
     try:

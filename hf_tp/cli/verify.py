@@ -89,10 +89,10 @@ def config_from_args(args: argparse.Namespace):
 def checked(cfg) -> str:
     """The checks before launch (the numbers, peft, devices, the model's config against the layout,
     the plan); returns the device type. Raises ``ValueError`` naming what is refused."""
+    from hf_tp.adapters.shrink import cut_config
     from hf_tp.plan import plan_for
     from hf_tp.plan.build import resolve_config
     from hf_tp.train.validate import check_devices, check_packages, device_type
-    from hf_tp.verify.shrink import cut_config
 
     cfg.resolve().validate()
     if cfg.nnodes > 1 and not cfg.output_dir:
@@ -114,8 +114,8 @@ def checked(cfg) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from hf_tp.train.launch import launch
-    from hf_tp.verify.faults import requested
     from hf_tp.verify.folder import check_work_dir
+    from hf_tp.verify.injected_faults import requested
 
     try:
         check_work_dir(args.output_dir)  # never a run or a model folder of the user's
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ or cfg.world_size == 1:  # under torchrun, or one rank: run here
         return _in_place(cfg)
     with tempfile.TemporaryDirectory(prefix="hf_tp-verify-result-") as folder:
-        from hf_tp.verify.main import RESULT_ENV
+        from hf_tp.verify.rank import RESULT_ENV
 
         result = Path(folder) / "code"
         os.environ[RESULT_ENV] = str(result)
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _in_place(cfg) -> int:
     from hf_tp.train.distributed import shutdown
-    from hf_tp.verify.main import rank_main
+    from hf_tp.verify.rank import rank_main
 
     code = rank_main(cfg)
     shutdown()
@@ -152,7 +152,7 @@ def _launched(cfg) -> int:
     """A launched rank: the verdict goes to the launching process through the result file, so a
     rank whose checks failed still ends as a success (the launcher would report it as a crash)."""
     from hf_tp.train.distributed import shutdown
-    from hf_tp.verify.main import rank_main
+    from hf_tp.verify.rank import rank_main
 
     rank_main(cfg)
     shutdown()

@@ -10,7 +10,7 @@
   ops), :mod:`~hf_tp.compat.torch_styles` (tensor-parallel style hooks),
   :mod:`~hf_tp.compat.mem_tracker` (``MemTracker``), :mod:`~hf_tp.compat.transformers_private`,
   :mod:`~hf_tp.compat.peft_private` and :mod:`~hf_tp.compat.argparse_private`.
-- Every private name those functions reach is registered with :func:`~hf_tp.compat.registry.reaches`;
+- Every private name those functions reach is registered with :func:`~hf_tp.compat.reaches.reaches`;
   :func:`hf_tp.compat.probes.probes` checks them all on the installed releases and names each one
   that broke, with the release (tests/unit/test_compat_probes.py runs it).
 - :data:`~hf_tp.compat.allowed.ALLOWED`: the private names hf_tp may use elsewhere, each with its

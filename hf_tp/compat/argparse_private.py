@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hf_tp.compat.registry import reaches, register
+from hf_tp.compat.reaches import reaches, register
 
 # what ArgumentParser.add_argument_group returns (argparse names no public class for it)
 ArgumentGroup = argparse._ArgumentGroup

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 TRACKER = "torch.distributed._tools.mem_tracker:MemTracker"
 EVENTS = ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")  # what on_module is told

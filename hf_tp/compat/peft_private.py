@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 TUNER = "peft.tuners.tuners_utils:BaseTunerLayer"
 WRAPPER = "peft.tuners.lora.layer:ParamWrapper"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import platform
 
-from hf_tp.compat.registry import REACHES, Reach, defines, missing
+from hf_tp.compat.reaches import REACHES, Reach, defines, missing
 from hf_tp.compat.releases import installed
 
 # the compat modules that reach private names (each registers its names when imported)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 FAKE = "torch._subclasses.fake_tensor"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 STATE = "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState"
 PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"

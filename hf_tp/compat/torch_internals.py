@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hf_tp.compat.registry import reaches, register
+from hf_tp.compat.reaches import reaches, register
 
 MODULE = "torch.nn:Module()"
 COMPILED = "torch._dynamo.eval_frame:OptimizedModule"

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from hf_tp.compat.registry import reaches
+from hf_tp.compat.reaches import reaches
 
 PARALLEL = "torch.distributed.tensor.parallel"
 

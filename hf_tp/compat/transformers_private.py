@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hf_tp.compat.registry import reaches, register
+from hf_tp.compat.reaches import reaches, register
 from hf_tp.compat.torch_fake import is_fake
 
 DEEPSTACK = "_deepstack_process"  # transformers' name for the merge (Qwen3-VL, Qwen3-VL-MoE, Cohere Compass)

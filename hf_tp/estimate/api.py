@@ -62,12 +62,12 @@ from hf_tp.estimate.simulate import (
 )
 from hf_tp.estimate.spec import EstimateSpec, GiB, ImageLoad, MiB, validate
 from hf_tp.gpus import model_flops_per_token
+from hf_tp.parallel.expert_parallel import unrouted_expert_params
 from hf_tp.parallel.logps import sequence_log_probs
 from hf_tp.parallel.passengers import in_tower, passenger_parameters
 from hf_tp.parallel.routing import BALANCED, set_routing
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import loss_context
-from hf_tp.train.metrics import unrouted_expert_params
 
 __all__ = ["Estimate", "EstimateSpec", "GiB", "MemoryBreakdown", "MiB", "MoEStats", "estimate", "estimate_spec"]
 

@@ -24,6 +24,7 @@ from torch.utils import flop_counter
 from hf_tp.compat.torch_distributed import resolve_process_group
 from hf_tp.compat.torch_fake import TorchDispatchMode, active_fake_mode, tree_leaves
 from hf_tp.compat.torch_internals import aten_op, in_autograd_backward, op_schema
+from hf_tp.core.comm import RING_FACTOR, CommStat
 
 # op packet name -> (collective, where the full-size buffer is: an arg index or "result").
 # "Full size" is the gathered output of an all-gather and the input of a reduce-scatter.
@@ -54,34 +55,6 @@ _OPS: dict[tuple[str, str], tuple[str, int | str]] = {
     ("_c10d_functional_autograd", "all_to_all_single"): ("all_to_all", 0),
     ("c10d", "alltoall_base_"): ("all_to_all", 1),
 }
-
-# Bytes one rank sends per byte of full-size buffer in a ring of n ranks.
-_RING_FACTOR = {
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
-    "all_to_all": lambda n: (n - 1) / n,
-}
-
-
-@dataclass(frozen=True)
-class CommStat:
-    """The collectives of one kind on one mesh dim during one training step, on one rank.
-
-    ``bytes`` sums the full-size buffers (gathered output / reduce input / reduced tensor);
-    ``sent_bytes`` is what one rank sends with ring algorithms (e.g. (n-1)/n of an all-gather).
-    """
-
-    dim: str
-    collective: str
-    group_size: int
-    count: int
-    bytes: int
-    sent_bytes: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _nbytes(obj) -> int:
@@ -167,7 +140,7 @@ class CommCounter(TorchDispatchMode):
         out = []
         for (dim, collective), (count, nbytes) in sorted(self._stats.items()):
             n = self._sizes[dim]
-            sent = int(nbytes * _RING_FACTOR[collective](n))
+            sent = int(nbytes * RING_FACTOR[collective](n))
             out.append(CommStat(dim, collective, n, count, nbytes, sent))
         return out
 

@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
+from hf_tp.adapters.shrink import layer_kinds
 from hf_tp.estimate.api import Estimate, model_label, simulate_spec
 from hf_tp.estimate.counters import CommStat
 from hf_tp.estimate.layouts import config_key
 from hf_tp.estimate.memory import MemoryBreakdown, SegmentKey
 from hf_tp.estimate.spec import EstimateSpec
-from hf_tp.verify.shrink import layer_kinds
 
 PERIODS = (4, 5)  # periods of the repeating layers simulated
 CHECK = 6  # periods of the run a checked extension must predict exactly

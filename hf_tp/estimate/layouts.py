@@ -80,18 +80,18 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
 from hf_tp.adapters.modules import num_experts
+from hf_tp.adapters.shrink import layer_kinds
+from hf_tp.core.comm import RING_FACTOR, CommStat
 from hf_tp.estimate.api import Estimate, estimate_spec, model_label
-from hf_tp.estimate.counters import _RING_FACTOR, CommStat, Work
+from hf_tp.estimate.counters import Work
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.parallel.aux_loss import standard_aux_loss
-from hf_tp.parallel.expert_parallel import experts_modules
+from hf_tp.parallel.expert_parallel import experts_modules, unrouted_expert_params
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline_checks import V_SHAPED, check_tied_schedule
-from hf_tp.train.metrics import unrouted_expert_params
-from hf_tp.verify.shrink import layer_kinds
 
 Simulate = Callable[[PretrainedConfig, EstimateSpec, "str | None"], Estimate]
 ONCE_PER_STEP_OPS = ("_fused_adamw_", "_fused_adam_")  # the optimizer's kernels: once per step, not per micro-batch
@@ -181,7 +181,7 @@ def simulated_stage(config: PretrainedConfig, spec: EstimateSpec) -> Stage:
 
 
 def _stat(dim: str, collective: str, group: int, count: int, nbytes: int) -> CommStat:
-    return CommStat(dim, collective, group, count, nbytes, int(nbytes * _RING_FACTOR[collective](group)))
+    return CommStat(dim, collective, group, count, nbytes, int(nbytes * RING_FACTOR[collective](group)))
 
 
 def replicated(est: Estimate, replicas: int) -> Estimate:
@@ -348,7 +348,7 @@ class StagePlan:
 
     cuts: tuple[range, ...]
     costs: tuple[float, ...]  # each decoder layer's parameter count
-    kinds: tuple[str, ...]  # each decoder layer's kind (hf_tp.verify.shrink.layer_kinds)
+    kinds: tuple[str, ...]  # each decoder layer's kind (hf_tp.adapters.shrink.layer_kinds)
     num_params: int
     unrouted_params: int  # routed experts' weights one token does not use (MFU's N leaves them out)
     aux_loss: bool  # a MoE whose aux loss needs a routing pass before a pipeline step

@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases, warn_newer_releases
-from hf_tp.inference.generate import generate as parallel_generate
 from hf_tp.layout import check_compile, check_dp_replicate
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
+from hf_tp.parallel.generate import generate as parallel_generate
 from hf_tp.parallel.lora import (
     check_dropout_recompute,
     check_lora,
@@ -25,7 +25,7 @@ from hf_tp.parallel.lora import (
     lora_adapter,
     unwrap_peft,
 )
-from hf_tp.parallel.loss import local_loss_function
+from hf_tp.parallel.loss_parallel import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
 from hf_tp.parallel.mesh import cp_mesh, fsdp_mesh, split_mesh
 from hf_tp.parallel.packed_positions import pass_packed_positions

@@ -13,11 +13,11 @@ from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.record import record_of
 from hf_tp.styles.choice import resolve
-from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.experts import DenseOrMoE, MoERegion
 from hf_tp.styles.heads import Compose, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import ReplicatedKVProjection
 from hf_tp.styles.model_dropout import REPLICATE, SHARD, ModelDropout
+from hf_tp.styles.tp_dropout import ShardAwareDropout
 
 
 def dropout_probabilities(model: nn.Module) -> dict[str, float]:

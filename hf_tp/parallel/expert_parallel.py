@@ -41,6 +41,8 @@ from torch.distributed import device_mesh
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hf_tp.adapters import get_adapter
+from hf_tp.adapters.modules import experts_per_token, num_experts
 from hf_tp.compat.torch_distributed import all_to_all_autograd, default_group, wait_tensor
 from hf_tp.compat.torch_internals import own_attribute, parameter_slots, pop_own_attribute, set_own_attribute
 from hf_tp.layout import check_expert_ranks
@@ -272,3 +274,18 @@ def _join_backward(out: torch.Tensor, rows: torch.Tensor, weights: list[torch.Te
     """
     touch = rows.sum() + sum(w.sum() for w in weights if w.requires_grad)
     return out + 0 * touch.to(out.dtype)
+
+
+def unrouted_expert_params(model, config) -> int:
+    """Parameters of the routed experts one token does not use, (1 - top_k / experts) of every
+    experts module's weights (0 for a dense model): what :func:`hf_tp.gpus.model_flops_per_token`
+    leaves out of N. Counted from the model (DTensors count their global size)."""
+    adapter = get_adapter(config)
+    text = adapter.layers_config(config)
+    total, top_k = num_experts(text), experts_per_token(text)
+    if not adapter.moe or not total or not top_k or top_k >= total:
+        return 0
+    weights = sum(
+        p.numel() for _, m in experts_modules(model, adapter.layers_path, adapter.experts) for p in m.parameters()
+    )
+    return int(weights * (1 - top_k / total))

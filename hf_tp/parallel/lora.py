@@ -3,7 +3,7 @@
 ``parallelize`` takes a ``peft.PeftModel`` and works on the HF model inside it
 (``peft_model.base_model.model``), so the adapters' plan paths stay the HF model's. Every LoRA
 layer must be a ``lora.Linear`` over an ``nn.Linear`` that a plan shards column- or row-wise
-(:mod:`hf_tp.styles.lora` shards its branch like the base); anything else is refused before any
+(:mod:`hf_tp.styles.lora_branches` shards its branch like the base); anything else is refused before any
 collective, naming the module.
 """
 
@@ -23,10 +23,10 @@ from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.modules import has_submodule
 from hf_tp.parallel.dropout import runs_whole
 from hf_tp.styles.choice import resolve
-from hf_tp.styles.dropout import ShardAwareDropout
 from hf_tp.styles.experts import MoERegion
-from hf_tp.styles.lora import is_lora_linear, lora_aware, shards_lora
+from hf_tp.styles.lora_branches import is_lora_linear, lora_aware, shards_lora
 from hf_tp.styles.lora_params import is_param_wrapper
+from hf_tp.styles.tp_dropout import ShardAwareDropout
 
 
 def unwrap_peft(model: nn.Module) -> tuple[nn.Module, bool]:

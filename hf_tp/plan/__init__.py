@@ -9,7 +9,7 @@ Modules, each importing only those below it:
 """
 
 from hf_tp.plan.build import plan_for
-from hf_tp.plan.record import Collective, LayerKind, ModelPlan, ModuleRow, ParamShard
-from hf_tp.plan.text import format_plan
+from hf_tp.plan.model_plan import Collective, LayerKind, ModelPlan, ModuleRow, ParamShard
+from hf_tp.plan.plan_text import format_plan
 
 __all__ = ["Collective", "LayerKind", "ModelPlan", "ModuleRow", "ParamShard", "format_plan", "plan_for"]

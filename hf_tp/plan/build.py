@@ -24,7 +24,7 @@ from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
-from hf_tp.plan.record import ModelPlan
+from hf_tp.plan.model_plan import ModelPlan
 from hf_tp.plan.top import describe_top
 from hf_tp.record import record_of
 

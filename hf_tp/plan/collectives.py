@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hf_tp.estimate.counters import _RING_FACTOR, CommStat
-from hf_tp.plan.record import Collective
+from hf_tp.core.comm import RING_FACTOR, CommStat
+from hf_tp.plan.model_plan import Collective
 from hf_tp.plan.styles import Part
 
 FP32 = 4  # norms over a split width and the loss reduce in fp32; so does the fused gradient all-reduce
@@ -215,5 +215,5 @@ def summary(collectives: Iterable[Collective], sizes: dict[str, int]) -> list[Co
     out = []
     for (dim, op), (count, nbytes) in sorted(totals.items()):
         n = sizes[dim]
-        out.append(CommStat(dim, op, n, count, nbytes, int(nbytes * _RING_FACTOR[op](n))))
+        out.append(CommStat(dim, op, n, count, nbytes, int(nbytes * RING_FACTOR[op](n))))
     return out

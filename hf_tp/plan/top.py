@@ -8,7 +8,7 @@ from torch import nn
 
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.plan.layers import Context, shard_of
-from hf_tp.plan.record import ModuleRow, ParamShard
+from hf_tp.plan.model_plan import ModuleRow, ParamShard
 from hf_tp.plan.styles import PER_TOKEN, parts, placements
 
 PASSENGER = "whole on every tp rank (FSDP2 shards it over dp); a vision tower frozen unless --train-vision-tower, a projector trained"

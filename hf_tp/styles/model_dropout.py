@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from hf_tp.compat.torch_internals import in_autograd_backward
-from hf_tp.styles.dropout import stream_seed
+from hf_tp.styles.tp_dropout import stream_seed
 
 SHARD, REPLICATE = "shard", "replicate"
 

@@ -17,8 +17,8 @@ import torch
 
 from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.steps import to_device
-from hf_tp.inference.evaluate import EvalResult, evaluate, evaluate_pipeline
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.parallel.held_out import EvalResult, evaluate, evaluate_pipeline
 from hf_tp.parallel.pipeline import Pipeline
 
 

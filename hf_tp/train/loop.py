@@ -52,7 +52,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run a whole training on this rank (inside already-started processes).
 
     ``model``/``dataset`` left as None train the embedded tiny Llama on its generated corpus."""
-    from hf_tp.demo import with_embedded_default
+    from hf_tp.train.embedded_run import with_embedded_default
 
     run = set_up(with_embedded_default(cfg))
     result = TrainResult(output_dir=run.out)
@@ -249,7 +249,7 @@ def _finish(run: Run, result: TrainResult) -> None:
             record_preempted(os.environ.get(ERROR_DIR_ENV), line)
         return
     if run.cfg.export_on_finish:
-        from hf_tp.checkpoint.export import export_checkpoint
+        from hf_tp.checkpoint.hf_folder import export_checkpoint
 
         apply_collective_timeout(EXPORT_WAIT_S)  # the other ranks wait while rank 0 exports
         dist.barrier()

@@ -16,7 +16,7 @@ from hf_tp.parallel.as_forward import call_as_forward
 from hf_tp.parallel.aux_loss import router_aux_term, routing_totals, standard_aux_loss, step_totals
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
-from hf_tp.parallel.loss import loss_parallel
+from hf_tp.parallel.loss_parallel import loss_parallel
 
 
 def loss_context(vocab_sharded_logits: bool) -> contextlib.AbstractContextManager:

@@ -15,25 +15,6 @@ from tqdm.auto import tqdm
 from hf_tp.gpus import gpu_of_device
 
 
-def unrouted_expert_params(model, config) -> int:
-    """Parameters of the routed experts one token does not use, (1 - top_k / experts) of every
-    experts module's weights (0 for a dense model): what :func:`hf_tp.gpus.model_flops_per_token`
-    leaves out of N. Counted from the model (DTensors count their global size)."""
-    from hf_tp.adapters import get_adapter
-    from hf_tp.adapters.modules import experts_per_token, num_experts
-    from hf_tp.parallel.expert_parallel import experts_modules
-
-    adapter = get_adapter(config)
-    text = adapter.layers_config(config)
-    total, top_k = num_experts(text), experts_per_token(text)
-    if not adapter.moe or not total or not top_k or top_k >= total:
-        return 0
-    weights = sum(
-        p.numel() for _, m in experts_modules(model, adapter.layers_path, adapter.experts) for p in m.parameters()
-    )
-    return int(weights * (1 - top_k / total))
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The dense bf16 peak of this CUDA device from :data:`hf_tp.gpus.GPUS`, matched by its exact
     name; None on CPU, in fp32 or on a GPU the table does not list (no MFU is reported then)."""

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from hf_tp.data.pairs import PairCollator
 from hf_tp.data.steps import StepBatches, to_device
-from hf_tp.inference.generate import eval_mode
 from hf_tp.objectives.base import Objective
+from hf_tp.parallel.generate import eval_mode
 from hf_tp.train.evaluation import EvalSet
 
 

@@ -62,7 +62,7 @@ def check_output_dir(out: Path, cfg: TrainConfig) -> None:
             f"one is moved to {out / REPLACED}/), not both"
         )
     if cfg.export_on_finish and not cfg.overwrite:  # with --overwrite the earlier export moves aside
-        from hf_tp.checkpoint.export import check_replaceable
+        from hf_tp.checkpoint.hf_folder import check_replaceable
 
         try:
             check_replaceable(out / "export", overwrite=True)

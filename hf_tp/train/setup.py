@@ -19,6 +19,7 @@ from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel import build_mesh
+from hf_tp.parallel.expert_parallel import unrouted_expert_params
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.mesh import dp_mesh_of, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline
@@ -29,7 +30,7 @@ from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.loss import CrossEntropy
-from hf_tp.train.metrics import peak_flops, unrouted_expert_params
+from hf_tp.train.metrics import peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective

@@ -247,8 +247,8 @@ def check_packages(cfg: TrainConfig) -> None:
 def check_resume_before_launch(cfg: TrainConfig, model_config: PretrainedConfig) -> None:
     """``--resume``: the newest whole checkpoint fits this run's settings (the ranks check again
     after loading); refused here, the run's directory is left exactly as it was."""
+    from hf_tp.checkpoint.checkpoint_dirs import load_trainer_state
     from hf_tp.checkpoint.integrity import newest_good_checkpoint
-    from hf_tp.checkpoint.layout import load_trainer_state
 
     ckpt = newest_good_checkpoint(Path(cfg.output_dir), lambda line: None)  # the ranks name damaged ones
     if ckpt is None:

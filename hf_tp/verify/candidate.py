@@ -20,9 +20,9 @@ from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import loss_context, training_loss
 from hf_tp.train.model import build_parallel_model
 from hf_tp.verify.compare import full, full_buffers, full_grads, full_params
-from hf_tp.verify.faults import after_build, while_building
-from hf_tp.verify.model import targets
-from hf_tp.verify.reference import Settings, Trace, inputs, optimizer
+from hf_tp.verify.injected_faults import after_build, while_building
+from hf_tp.verify.random_model import targets
+from hf_tp.verify.single_rank import Settings, Trace, inputs, optimizer
 
 
 def build(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, lora_state: dict | None, fault: str | None):

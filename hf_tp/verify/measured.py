@@ -1,5 +1,5 @@
 """Checks whose tolerance, tensor by tensor, is the larger of a fixed one and the fp32 reference's
-own measured error against a float64 copy of it (:func:`hf_tp.verify.reference.exact_grads`).
+own measured error against a float64 copy of it (:func:`hf_tp.verify.single_rank.exact_grads`).
 
 A gradient summed from nearly cancelling terms (a hyper-connection mixer's base after a
 scale-invariant norm, a gated linear attention's ``A_log``) is only as exact, relative to its own

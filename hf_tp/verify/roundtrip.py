@@ -64,7 +64,7 @@ def export_error(ckpt: Path, out: Path, snapshot: nn.Module, lora: bool) -> Erro
     """On rank 0: export ``ckpt`` to ``out`` and compare what ``from_pretrained`` loads from it with
     ``snapshot`` (the reference after the same steps; a LoRA model merged)."""
     from hf_tp.adapters.wrapper import model_from_pretrained
-    from hf_tp.checkpoint.export import export_checkpoint
+    from hf_tp.checkpoint.hf_folder import export_checkpoint
 
     folder = export_checkpoint(ckpt, out, overwrite=True, merge=lora)
     loaded = model_from_pretrained(folder, dtype=torch.float32)

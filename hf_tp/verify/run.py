@@ -18,11 +18,11 @@ from hf_tp.adapters.wrapper import model_from_pretrained
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
 from hf_tp.verify.compare import adam_error, stream_mixer_params, tensor_error
-from hf_tp.verify.faults import requested
+from hf_tp.verify.injected_faults import requested
 from hf_tp.verify.measured import gradients_check
-from hf_tp.verify.model import make_batch, random_model, save_model
-from hf_tp.verify.reference import Settings, exact_grads, reference_run
+from hf_tp.verify.random_model import make_batch, random_model, save_model
 from hf_tp.verify.report import ADAM, EXACT, NORM, UNRESOLVED, VALUES, Check
+from hf_tp.verify.single_rank import Settings, exact_grads, reference_run
 
 # from_pretrained is not thread-safe (ranks run as threads of one process in the unit tests)
 _LOADING = threading.Lock()
@@ -32,8 +32,8 @@ LORA_B_STD = 0.1  # LoRA's B starts at zero in training; random here, so the fir
 def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str, list[Check]]:
     """(what was checked, in words; the checks of ``cfg``'s layout on this rank). The process
     group is up; ``work`` is a folder every rank can read (the checkpoint is written there)."""
+    from hf_tp.adapters.shrink import cut_config
     from hf_tp.plan.build import resolve_config
-    from hf_tp.verify.shrink import cut_config
 
     fault = requested()
     config = cut_config(resolve_config(cfg.model)[0], cfg.tp, cfg.seq_len)

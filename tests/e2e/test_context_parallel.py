@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_tp.checkpoint.layout import latest_checkpoint
+from hf_tp.checkpoint.checkpoint_dirs import latest_checkpoint
 from tests.cp_grid import CPCase, run_cases
 from tests.e2e.test_train_cli import COMMON, STEPS, hf_tp_train, metrics, setup  # noqa: F401
 from tests.reference_loop import reference_losses

@@ -1,4 +1,4 @@
-"""hf_tp.inference with real processes at tp=2 x dp=2 (FSDP2 + TP): greedy and sampled generate,
+"""hf_tp.generate and hf_tp.evaluate with real processes at tp=2 x dp=2 (FSDP2 + TP): greedy and sampled generate,
 evaluate over the dp ranks' own rows. The file is also the torchrun worker (run as a script)."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _worker() -> None:
     import torch.nn.functional as F
 
     import hf_tp
-    from hf_tp.inference import evaluate, generate
+    from hf_tp.parallel.generate import generate
+    from hf_tp.parallel.held_out import evaluate
     from tests.e2e.rank_exit import end_rank
     from tests.helpers import batch, tiny_config, tiny_model
 

@@ -76,7 +76,7 @@ def test_lora_tp2_dp2_gives_plain_peft_loss_curve(setup, tmp_path) -> None:  # n
 
     # --merge: full weights (base from the model folder + alpha/r * B @ A) that transformers loads,
     # giving the adapter model's logits.
-    from hf_tp.checkpoint.export import export_checkpoint
+    from hf_tp.checkpoint.hf_folder import export_checkpoint
 
     merged_dir = export_checkpoint(resumed, tmp_path / "merged", merge=True)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()

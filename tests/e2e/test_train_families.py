@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hf_tp.checkpoint.layout import latest_checkpoint
+from hf_tp.checkpoint.checkpoint_dirs import latest_checkpoint
 from tests.e2e.test_train_cli import COMMON, STEPS, hf_tp_train, metrics
 from tests.family_grid import grid_config
 from tests.reference_loop import reference_losses

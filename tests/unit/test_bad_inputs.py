@@ -68,8 +68,8 @@ def build_run(run: Path, model: Path, data: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_tp.checkpoint.checkpoint_dirs import MARKER
     from hf_tp.checkpoint.integrity import write_manifest
-    from hf_tp.checkpoint.layout import MARKER
     from hf_tp.train.config import TrainConfig
     from hf_tp.train.validate import run_fingerprint
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.checkpoint.export import resolve_checkpoint
+from hf_tp.checkpoint.checkpoint_dirs import complete_checkpoints
+from hf_tp.checkpoint.hf_folder import resolve_checkpoint
 from hf_tp.checkpoint.integrity import damage, newest_good_checkpoint
-from hf_tp.checkpoint.layout import complete_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hf_tp.compat import installed
 from hf_tp.compat.probes import MODULES, probes
-from hf_tp.compat.registry import REACHES, Reach
+from hf_tp.compat.reaches import REACHES, Reach
 
 COMPAT = Path(__file__).resolve().parents[2] / "hf_tp" / "compat"
 

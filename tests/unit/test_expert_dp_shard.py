@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import hf_tp
 from hf_tp.checkpoint.dcp import load_checkpoint, save_checkpoint
-from hf_tp.checkpoint.export import export_checkpoint
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 from tests.helpers import full, full_params, run_threaded
 from tests.parity import assert_parity, train_steps
 from tests.unit.test_expert_parallel import _case

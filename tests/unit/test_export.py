@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.checkpoint.export import describe_source, resolve_checkpoint
+from hf_tp.checkpoint.hf_folder import describe_source, resolve_checkpoint
 
 
 def test_messages_say_what_the_path_is(tmp_path: Path) -> None:
@@ -39,8 +39,8 @@ def test_model_card_names_sources_not_machine_paths(tmp_path: Path) -> None:
 
 def test_no_whole_checkpoint_advice_fits_the_command(tmp_path: Path) -> None:
     """Export's advice names what export takes (hf-tp export has no --resume); training's stays."""
+    from hf_tp.checkpoint.checkpoint_dirs import MARKER
     from hf_tp.checkpoint.integrity import newest_good_checkpoint
-    from hf_tp.checkpoint.layout import MARKER
 
     ckpt = tmp_path / "run" / "checkpoints" / "step-1"
     ckpt.mkdir(parents=True)

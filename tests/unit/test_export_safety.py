@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-import hf_tp.checkpoint.export as export_module
-from hf_tp.checkpoint.export import EXPORT_MARKER, export_checkpoint
+import hf_tp.checkpoint.hf_folder as export_module
+from hf_tp.checkpoint.hf_folder import EXPORT_MARKER, export_checkpoint
 from tests.unit.test_export_stream import fake_checkpoint
 
 

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_tp.checkpoint.export import export_checkpoint
-from hf_tp.checkpoint.layout import MARKER
+from hf_tp.checkpoint.checkpoint_dirs import MARKER
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ CHILD = """
 import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from hf_tp.checkpoint.export import export_checkpoint
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 def rss(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) * 1024
 with torch.device("meta"):  # imports the model's code before the baseline: a fixed cost, not the model's size

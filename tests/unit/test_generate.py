@@ -1,4 +1,4 @@
-"""hf_tp.inference against plain single-process HF: greedy generate and held-out loss at tp=2."""
+"""hf_tp.generate and hf_tp.evaluate against plain single-process HF: greedy generate and held-out loss at tp=2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import hf_tp
-from hf_tp.inference import evaluate, generate, generation_mode
+from hf_tp.parallel.generate import generate, generation_mode
+from hf_tp.parallel.held_out import evaluate
 from tests.helpers import (
     ATOL,
     RTOL,

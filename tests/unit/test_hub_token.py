@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from hf_tp.checkpoint.checkpoint_dirs import load_trainer_state
 from hf_tp.checkpoint.dcp import _write_rank0_files
-from hf_tp.checkpoint.export import export_checkpoint
-from hf_tp.checkpoint.layout import load_trainer_state
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.metrics import MetricsLogger
 from hf_tp.train.run_dir import write_run_record

@@ -61,7 +61,7 @@ def test_verify_draws_a_valid_hash_routing_table() -> None:
     # DeepSeek-V4's tid2eid (token -> its experts) is zeros until a checkpoint loads it: every token
     # twice to expert 0, the gate's gradient round-off (hf-tp verify failed on it); drawn as a trained
     # table is, distinct experts per token, while the other buffers stay as the init makes them
-    from hf_tp.verify.model import random_model
+    from hf_tp.verify.random_model import random_model
 
     config = grid_config("deepseek_v4")
     model = random_model(config, seed=0)

@@ -22,7 +22,7 @@ from hf_tp.compat import family_refusal
 from hf_tp.estimate.counters import CommCounter
 from hf_tp.plan import ModelPlan, plan_for
 from hf_tp.plan.collectives import summary
-from hf_tp.plan.text import layer_ranges
+from hf_tp.plan.plan_text import layer_ranges
 from hf_tp.train.validate import validate_model_config
 from tests.family_grid import grid_config, is_moe
 from tests.helpers import FAMILY_SETTINGS, batch, tiny_config

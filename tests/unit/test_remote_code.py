@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_tp.adapters import get_adapter
-from hf_tp.checkpoint.export import export_checkpoint
-from hf_tp.checkpoint.layout import MARKER
+from hf_tp.checkpoint.checkpoint_dirs import MARKER
+from hf_tp.checkpoint.hf_folder import export_checkpoint
 from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config, copy_model_code
 from hf_tp.cli.main import main
 from hf_tp.train.validate import load_model_config

@@ -129,7 +129,7 @@ def test_verify_marks_its_folder_and_reuses_only_its_own(tmp_path: Path) -> None
 
 
 def test_the_embedded_default_ends_with_a_checkpoint() -> None:
-    from hf_tp.demo import with_embedded_default
+    from hf_tp.train.embedded_run import with_embedded_default
 
     assert with_embedded_default(TrainConfig()).save_every == TrainConfig().resolve().max_steps
     assert with_embedded_default(TrainConfig(save_every=3)).save_every == 3

@@ -11,7 +11,7 @@ from transformers import CONFIG_MAPPING
 
 from hf_tp.cli.main import main
 from hf_tp.compat import family_refusal
-from hf_tp.verify.faults import FAULT_ENV
+from hf_tp.verify.injected_faults import FAULT_ENV
 from tests.family_grid import grid_config
 from tests.helpers import tiny_config
 from tests.verify_grid import model_dir, verify_threaded
@@ -50,8 +50,8 @@ def test_injected_fault_fails_naming_the_check(tmp_path, monkeypatch, fault, fai
 
 
 def test_cut_keeps_one_layer_of_each_kind() -> None:
+    from hf_tp.adapters.shrink import cut_config, layer_kinds
     from hf_tp.plan.build import resolve_config
-    from hf_tp.verify.shrink import cut_config, layer_kinds
 
     deepseek = cut_config(resolve_config("deepseek-v3")[0], tp=2, seq_len=32)
     kinds = layer_kinds(deepseek)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.data.formats.base import (
+from hf_tp.data.formats.data_format import (
     CHAT,
     COMPLETION,
     DEFAULT_MESSAGES_COLUMN,

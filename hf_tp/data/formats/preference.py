@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_tp.data.formats.base import PREFERENCE, DataFormat
 from hf_tp.data.formats.chat import check_chat_tokenizer, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import describe_value
+from hf_tp.data.formats.data_format import PREFERENCE, DataFormat
 from hf_tp.labels import IGNORE_INDEX
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"

@@ -12,9 +12,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from hf_tp.data.formats.base import CHAT, IMAGES, PREFERENCE, TEXT, DataFormat
 from hf_tp.data.formats.chat import encode_conversation, messages_problem, normalize_messages
 from hf_tp.data.formats.completion import COMPLETION, PROMPT, encode_pair, pair_problem
+from hf_tp.data.formats.data_format import CHAT, IMAGES, PREFERENCE, TEXT, DataFormat
 from hf_tp.data.formats.preference import COLUMNS as PAIR_COLUMNS
 from hf_tp.data.formats.preference import encode_preference_row, preference_problem
 from hf_tp.data.formats.text import encode_text_batch, text_problem

@@ -1,9 +1,9 @@
-"""A :class:`hf_tp.plan.record.ModelPlan` as the text ``hf-tp plan`` prints (and the snapshots hold)."""
+"""A :class:`hf_tp.plan.model_plan.ModelPlan` as the text ``hf-tp plan`` prints (and the snapshots hold)."""
 
 from __future__ import annotations
 
 from hf_tp.plan.collectives import summary
-from hf_tp.plan.record import Collective, LayerKind, ModelPlan, ModuleRow, ParamShard
+from hf_tp.plan.model_plan import Collective, LayerKind, ModelPlan, ModuleRow, ParamShard
 
 
 def format_plan(plan: ModelPlan) -> str:

@@ -10,8 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_tp.checkpoint.checkpoint_dirs import MARKER, load_trainer_state
 from hf_tp.checkpoint.integrity import damage, newest_good_checkpoint
-from hf_tp.checkpoint.layout import MARKER, load_trainer_state
 from hf_tp.paths import unwritable_reason
 
 DTYPES = ("fp32", "bf16", "fp16")  # torch, transformers: imported once the checkpoint is found

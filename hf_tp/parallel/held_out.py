@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hf_tp.inference.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
 from hf_tp.labels import count_targets
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of
+from hf_tp.parallel.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
-from hf_tp.parallel.loss import loss_parallel as _loss_parallel
+from hf_tp.parallel.loss_parallel import loss_parallel as _loss_parallel
 from hf_tp.parallel.pipeline_aux import stage_outputs
 
 __all__ = ["EvalResult", "count_targets", "evaluate", "evaluate_pipeline"]
