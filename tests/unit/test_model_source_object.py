@@ -127,3 +127,24 @@ def test_a_folder_without_config_and_an_unknown_model_type(tmp_path: Path) -> No
     with pytest.raises(ValueError) as info:
         ModelSource.for_shapes(str(tmp_path))
     assert str(info.value) == "config.json has model_type 'no-such-type', which transformers does not know"
+
+
+def test_estimate_takes_what_its_model_flag_takes() -> None:
+    from hf_tp.estimate import estimate
+
+    with pytest.raises(ValueError, match=r"tp must divide num_attention_heads \(14\) of this qwen2 model"):
+        estimate("qwen2-0.5b", tp=4, dp=1, seq_len=128, batch_size=1)
+
+
+def test_core_imports_no_tool() -> None:
+    from tests.unit.test_structure import import_graph
+
+    tools = ("hf_tp.train", "hf_tp.plan", "hf_tp.estimate", "hf_tp.verify", "hf_tp.cli", "hf_tp.checkpoint")
+    climbs = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if module.startswith("hf_tp.core")
+        for target in targets
+        if target.startswith(tools)
+    }
+    assert not climbs, f"hf_tp/core imports a tool: {sorted(climbs)}"
