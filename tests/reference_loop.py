@@ -13,7 +13,7 @@ import math
 import torch
 from transformers import AutoProcessor, AutoTokenizer
 
-from hf_tp.adapters.wrapper import model_from_pretrained
+from hf_tp.core.model_source import ModelSource
 from hf_tp.data import GlobalBatchOrder, PadToMultipleCollator, load_text_dataset, tokenize_dataset
 from hf_tp.data.formats.images import ImageBatchCollator, is_image_data
 from hf_tp.data.image_data import dataset_dir, encode_image_dataset
@@ -65,7 +65,7 @@ def reference_run(
             held_out = held_out.select(range(min(len(held_out), eval_rows or len(held_out))))
         data = tokenize_dataset(raw, tok, seq_len=seq_len)
         collate = PadToMultipleCollator(pad_token_id=tok.pad_token_id or 0)
-    model = model_from_pretrained(model_dir, dtype=torch.float32)  # a multimodal wrapper as its own class
+    model = ModelSource.at(model_dir).load(dtype=torch.float32)  # a multimodal wrapper as its own class
     model = wrap(model) if wrap is not None else model
     model.train()
     plan = GlobalBatchOrder(num_examples=len(data), global_batch=global_batch, seed=seed)

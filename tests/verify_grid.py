@@ -22,6 +22,7 @@ import torch.distributed as dist
 import hf_tp.train.model as train_model
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.cli.verify import add_arguments, config_from_args
+from hf_tp.core.model_source import ModelSource
 from hf_tp.verify.report import render
 from hf_tp.verify.run import verify_rank
 from tests.family_grid import grid_config
@@ -45,7 +46,7 @@ def serial_meta_builds() -> Iterator[None]:
     (separate processes, as launched, never share it). ``from_pretrained`` (the whole-model load of
     files that need a weight conversion) patches it too: two rank threads in it at once could
     leave the patch installed for the rest of the process (every later tied model untied)."""
-    real, real_load = train_model.build_empty, train_model.model_from_pretrained
+    real, real_load = train_model.build_empty, ModelSource.load
 
     def build_empty(config):
         dist.barrier()
@@ -54,13 +55,13 @@ def serial_meta_builds() -> Iterator[None]:
         dist.barrier()
         return model
 
-    def model_from_pretrained(*args, **kwargs):
+    def load(source: ModelSource, **kwargs):
         with _BUILDING:
-            return real_load(*args, **kwargs)
+            return real_load(source, **kwargs)
 
     with (
         mock.patch.object(train_model, "build_empty", build_empty),
-        mock.patch.object(train_model, "model_from_pretrained", model_from_pretrained),
+        mock.patch.object(ModelSource, "load", load),
     ):
         yield
 

@@ -74,14 +74,6 @@ def model_from_config(config: PretrainedConfig, **kwargs) -> nn.Module:
     return AutoModelForCausalLM.from_config(config, **kwargs) if cls is None else model_of_class(cls, config, **kwargs)
 
 
-def model_from_pretrained(path, **kwargs) -> nn.Module:
-    """``from_pretrained`` with the class :func:`model_from_config` builds."""
-    from transformers import AutoConfig
-
-    cls = wrapper_class(AutoConfig.from_pretrained(path))
-    return (cls or AutoModelForCausalLM).from_pretrained(path, **kwargs)
-
-
 def wrapper_adapter(config: PretrainedConfig, text: Adapter) -> Adapter:
     """The wrapper's adapter: ``text`` (its language model's) with every plan path re-rooted in the
     wrapper, and the passengers recorded (cached per config)."""

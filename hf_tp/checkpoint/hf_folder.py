@@ -262,14 +262,14 @@ def _write_weights(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | i
     """The weights (streamed) and config.json of the export into ``folder``; returns the config."""
     import torch
 
-    from hf_tp.adapters.wrapper import model_from_config
-    from hf_tp.checkpoint.remote_code import auto_config
     from hf_tp.checkpoint.stream import write_shards
+    from hf_tp.core.model_source import ModelSource
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    config = auto_config(ckpt / "model_files", trust)
+    source = ModelSource.at(ckpt / "model_files", trust)
+    config = source.config
     with torch.device("meta"):  # names, shapes, ties and weight conversions; no memory; a wrapper's own class
-        model = model_from_config(config, dtype=torch.float32)
+        model = source.build(dtype=torch.float32)
     run = load_trainer_state(ckpt).get("config") or {}
     read = None
     if run.get("lora_r"):  # merged: base weights from the run's model folder plus the adapters
@@ -293,11 +293,11 @@ def _write_adapter(ckpt: Path, folder: Path, dtype: str, max_shard_size: str | i
     import torch
 
     from hf_tp.checkpoint.lora_export import write_adapter
-    from hf_tp.checkpoint.remote_code import auto_config
+    from hf_tp.core.model_source import ModelSource
 
     run = load_trainer_state(ckpt)["config"]
     write_adapter(ckpt, folder, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype], run)
-    return auto_config(ckpt / "model_files", trust)
+    return ModelSource.at(ckpt / "model_files", trust).config
 
 
 def base_source(state: dict) -> str | None:

@@ -31,21 +31,3 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
             f"push to the Hub repo '{repo_id}' failed ({type(exc).__name__}: {first}); the export is kept at {folder}"
         ) from None
     return str(getattr(info, "commit_url", info))
-
-
-def hub_unreachable(timeout: float = 5.0) -> str | None:
-    """None if the Hub answers (any HTTP status) within ``timeout`` seconds, else why not.
-
-    One request, no retries: ``from_pretrained`` retries a refused connection 5 times with backoff
-    (about 25 s per file) before it says the Hub cannot be reached. ``HF_HUB_OFFLINE`` counts as
-    unreachable (its files then come from the cache only)."""
-    from huggingface_hub import constants, get_session
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    try:
-        get_session().head(constants.ENDPOINT, timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - DNS, refused, timeout, proxy: all "unreachable"
-        text = str(exc).strip()
-        return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-    return None

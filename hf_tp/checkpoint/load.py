@@ -36,18 +36,6 @@ def safetensors_keys(model_dir: Path) -> set[str] | None:
     return keys
 
 
-def local_model_dir(model: str) -> Path:
-    """A local folder holding the model's files (downloading config + safetensors from the Hub if needed)."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p
-    from huggingface_hub import snapshot_download
-
-    # *.py: the code of a model that ships its own (run only with --trust-remote-code: remote_code.py)
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.py"]
-    return Path(snapshot_download(model, allow_patterns=patterns))
-
-
 def build_empty(config: PretrainedConfig) -> torch.nn.Module:
     """The model with parameters on the meta device and real buffers (rotary tables are computed,
     not loaded, so they must not be left uninitialised); a multimodal wrapper as its own class."""

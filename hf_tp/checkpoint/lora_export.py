@@ -69,7 +69,8 @@ def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
     from safetensors import safe_open
 
     from hf_tp.checkpoint.expert_files import read_whole
-    from hf_tp.checkpoint.load import file_index, file_keys, local_model_dir, sliced_sources
+    from hf_tp.checkpoint.load import file_index, file_keys, sliced_sources
+    from hf_tp.core.model_source import local_model_dir
 
     base_dir = local_model_dir(run["model"])
     fused = sliced_sources(model, base_dir)

@@ -22,7 +22,8 @@ from hf_tp.checkpoint.stream import GroupReader, _read_group
 def frozen_from_source_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]) -> GroupReader:
     """For :func:`hf_tp.checkpoint.stream.write_shards`: one module's tensors, from the checkpoint
     where it holds them, else from the run's model folder (``model`` on the meta device)."""
-    from hf_tp.checkpoint.load import file_index, file_keys, local_model_dir
+    from hf_tp.checkpoint.load import file_index, file_keys
+    from hf_tp.core.model_source import local_model_dir
 
     if not run.get("model"):
         raise ValueError(f"{ckpt} does not record the model folder its run read; its frozen weights are there")

@@ -40,7 +40,7 @@ sweep's simulations run in --jobs worker processes (default: one per core)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.estimate.spec import bundled_models  # json files only: no torch for --help
+    from hf_tp.core.model_source import bundled_models  # json files only: no torch for --help
     from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
     names = ", ".join(bundled_models())

@@ -33,7 +33,7 @@ def add_model_and_layout(p: argparse.ArgumentParser, *, dp: bool = False, ep_cp:
     """``--model`` as ``hf-tp estimate`` resolves it, offline, and the layout sizes ``--tp``,
     ``--ep``, ``--cp`` (and ``--dp``): shared by ``hf-tp plan`` and ``hf-tp verify`` (which takes
     ``--ep`` and ``--cp`` as ``hf-tp train`` does, from its settings: ``ep_cp=False``)."""
-    from hf_tp.estimate.spec import bundled_models  # json files only: no torch for --help
+    from hf_tp.core.model_source import bundled_models  # json files only: no torch for --help
 
     names = ", ".join(bundled_models())
     p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")

@@ -43,9 +43,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, seq_len, name = args.model, args.seq_len, None
         if seq_len is None:  # a length the model takes: a flag the user never gave must not refuse it
-            from hf_tp.plan.build import resolve_config
+            from hf_tp.core.model_source import ModelSource
 
-            model, name = resolve_config(args.model)
+            source = ModelSource.for_shapes(args.model)
+            model, name = source.config, source.name
             text = getattr(model, "text_config", None) or model
             seq_len = min(DEFAULT_SEQ_LEN, getattr(text, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
         plan = plan_for(model, tp=args.tp, ep=args.ep, cp=args.cp, seq_len=seq_len, name=name)

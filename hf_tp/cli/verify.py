@@ -90,8 +90,8 @@ def checked(cfg) -> str:
     """The checks before launch (the numbers, peft, devices, the model's config against the layout,
     the plan); returns the device type. Raises ``ValueError`` naming what is refused."""
     from hf_tp.adapters.shrink import cut_config
+    from hf_tp.core.model_source import ModelSource
     from hf_tp.plan import plan_for
-    from hf_tp.plan.build import resolve_config
     from hf_tp.train.validate import check_devices, check_packages, device_type
 
     cfg.resolve().validate()
@@ -102,7 +102,7 @@ def checked(cfg) -> str:
     check_packages(cfg)
     kind = device_type(cfg)
     check_devices(cfg, kind)
-    config, _ = resolve_config(cfg.model)
+    config = ModelSource.for_shapes(cfg.model).config
     if getattr(config, "text_config", None) is not None:
         raise ValueError(
             f"hf-tp verify checks causal LMs; {cfg.model} is a multimodal wrapper: verify its language model "

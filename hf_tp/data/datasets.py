@@ -188,7 +188,7 @@ def _check_hub_first_row(
     config_name: str | None,
     renames: dict[str, str],
 ) -> tuple[DataFormat, dict] | None:
-    from hf_tp.checkpoint.hub import hub_unreachable
+    from hf_tp.core.model_source import hub_unreachable
 
     not_found = f"dataset not found: '{source}' is neither a local file/directory nor a dataset on the Hub"
     if not _HUB_ID.match(source) or Path(source).suffix.lower() in SUPPORTED_EXTENSIONS:

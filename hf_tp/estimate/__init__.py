@@ -1,7 +1,7 @@
 """Planning a run before it starts: per-rank memory and communication estimates, (tp, dp) sweeps.
 
 Names are imported on first use, so ``hf-tp estimate --help`` (which lists the bundled models
-through :mod:`hf_tp.estimate.spec`) loads neither torch nor transformers.
+through :mod:`hf_tp.core.model_source`) loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "MoEStats": "hf_tp.estimate.memory",
     "Speed": "hf_tp.estimate.speed",
     "Sweep": "hf_tp.estimate.sweep",
-    "bundled_models": "hf_tp.estimate.spec",
+    "bundled_models": "hf_tp.core.model_source",
     "estimate": "hf_tp.estimate.api",
     "estimate_fast": "hf_tp.estimate.depth",
     "estimate_spec": "hf_tp.estimate.api",

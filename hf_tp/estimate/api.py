@@ -35,6 +35,7 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.quantized import full_precision
 from hf_tp.compat.torch_fake import fake_tensor_mode
+from hf_tp.core.model_source import ModelSource
 from hf_tp.estimate.counters import CommCounter, CommStat, Work, WorkCounter
 from hf_tp.estimate.memory import (
     MemoryBreakdown,
@@ -155,15 +156,17 @@ class Estimate:
         return out
 
 
-def estimate(config: PretrainedConfig, *shape, model_name: str | None = None, **named) -> Estimate:
+def estimate(config: PretrainedConfig | str, *shape, model_name: str | None = None, **named) -> Estimate:
     """Simulate one training step of ``config`` and return one rank's memory and comms: the
     :class:`~hf_tp.estimate.spec.EstimateSpec` of ``shape`` and ``named`` (``tp, dp, seq_len,
     batch_size``, then ``dtype``, ``ep``, ``cp``, ``lora_r``, ...) through :func:`estimate_spec`."""
     return estimate_spec(config, EstimateSpec(*shape, **named), model_name)
 
 
-def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
-    """Simulate one training step of ``config`` laid out and shaped as ``spec``.
+def estimate_spec(config: PretrainedConfig | str, spec: EstimateSpec, model_name: str | None = None) -> Estimate:
+    """Simulate one training step of ``config`` laid out and shaped as ``spec``. ``config`` may
+    also be what ``hf-tp estimate --model`` takes (a bundled name, a local folder or config.json,
+    a Hub id: :meth:`hf_tp.core.model_source.ModelSource.for_shapes`), then reported by that name.
 
     At ``spec.ep`` > 1 the all-to-alls are simulated with balanced routing
     (:data:`hf_tp.parallel.routing.BALANCED`, installed on the experts: fake tensors have no routing).
@@ -173,6 +176,9 @@ def estimate_spec(config: PretrainedConfig, spec: EstimateSpec, model_name: str 
     projector whole over tp, FSDP2 over dp, the tower frozen); its step is text-only (no image
     activations). (:func:`hf_tp.estimate.depth.estimate_fast`: the same from two short runs.)
     """
+    if not isinstance(config, PretrainedConfig):
+        source = ModelSource.for_shapes(config)
+        config, model_name = source.config, model_name or source.name
     return simulate_spec(config, spec, model_name)[0]
 
 

@@ -3,11 +3,11 @@ layout and the step's shape (:class:`EstimateSpec`), checked once (:func:`valida
 rules training and ``hf_tp.parallelize`` share, and what a multimodal wrapper's images add to it
 (:func:`image_load`).
 
-The model's config comes from a bundled short name, a local dir or config.json, or a Hub id. The
-bundled configs (``hf_tp/estimate/models/*.json``) hold the published shapes of a few common models,
-so ``hf-tp estimate --model llama-3.1-8b`` works offline and without Hub access. Listing them
-(:func:`bundled_models`, for ``--help``) reads json only: this module imports torch and
-transformers (through ``hf_tp.adapters``) only inside the functions that need them.
+The model's config comes from a bundled short name, a local dir or config.json, or a Hub id, as
+:class:`hf_tp.core.model_source.ModelSource` resolves it (the bundled configs make
+``hf-tp estimate --model llama-3.1-8b`` work offline; listing them, :func:`bundled_models`, for
+``--help``, reads json only). This module imports torch and transformers (through
+``hf_tp.adapters``) only inside the functions that need them.
 
 Images (``--images-per-row``) are counted from the config: the simulated step itself is text-only (a
 wrapper's image path has data-dependent shapes, the placeholder positions and 3-D positions, that
@@ -34,17 +34,15 @@ row, fp32): the step's peak grew by 6.0 MiB with the images, 5.0 MiB counted her
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
+from hf_tp.core.model_source import ModelSource
 from hf_tp.layout import LAYOUT_DIMS, check_cp_rows, check_layout, check_positive
 from hf_tp.pipeline_checks import check_pipeline
-from hf_tp.train.validate import check_mixed_precision, load_model_config, validate_model_config
+from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -154,63 +152,12 @@ def parse_memory(text: str) -> int:
 # The model's config (hf-tp estimate --model)
 
 
-def bundled_models() -> dict[str, str]:
-    """Short name -> Hub id of every bundled config, sorted by short name."""
-    out = {}
-    for entry in sorted(resources.files("hf_tp.estimate").joinpath("models").iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".json"):
-            out[entry.name[: -len(".json")]] = json.loads(entry.read_text()).get("_name_or_path", "")
-    return out
-
-
-def config_from_dict(data: dict) -> PretrainedConfig:
-    """A transformers config object from the contents of a ``config.json``."""
-    from transformers import CONFIG_MAPPING
-
-    model_type = data.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"config.json has model_type {model_type!r}, which transformers does not know")
-    return CONFIG_MAPPING[model_type].from_dict(dict(data))
-
-
-def bundled_config(short_name: str) -> PretrainedConfig:
-    """The bundled config of ``short_name`` (case-insensitive); a ``ValueError`` naming them if unknown."""
-    name = short_name.lower()
-    models = bundled_models()
-    if name not in models:
-        raise ValueError(f"unknown model short name '{short_name}'; bundled ones are: {', '.join(models)}")
-    entry = resources.files("hf_tp.estimate").joinpath("models", f"{name}.json")
-    return config_from_dict(json.loads(entry.read_text()))
-
-
 def resolve_model_config(model: str) -> tuple[PretrainedConfig, str]:
     """``(config, label)`` for ``--model``: a local dir or config.json, a bundled short name (or
-    its Hub id, served offline from the bundle), else a Hub id through ``AutoConfig``."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        return config_from_dict(json.loads(path.read_text())), str(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"local directory '{model}' has no config.json; pass a model dir or a config.json file")
-        return config_from_dict(json.loads((path / "config.json").read_text())), str(path)
-    if model.startswith((".", "/", "~")) or model.endswith(".json"):
-        raise ValueError(f"model not found: no file or directory at '{model}'")
-    models = bundled_models()
-    by_hub_id = {hub_id.lower(): short for short, hub_id in models.items() if hub_id}
-    short = model.lower() if model.lower() in models else by_hub_id.get(model.lower())
-    if short is not None:
-        return bundled_config(short), models[short] or short
-    if "/" not in model:
-        raise ValueError(
-            f"unknown model '{model}': not a bundled short name ({', '.join(models)}), a local path, or a Hub id"
-        )
-    try:
-        return load_model_config(model), model  # one quick request when the Hub is unreachable
-    except ValueError as exc:
-        raise ValueError(
-            f"cannot load a config for '{model}' ({exc}); offline, use a local dir/config.json or a bundled "
-            f"short name: {', '.join(models)}"
-        ) from None
+    its Hub id, served offline from the bundle), else a Hub id
+    (:meth:`hf_tp.core.model_source.ModelSource.for_shapes`)."""
+    source = ModelSource.for_shapes(model)
+    return source.config, source.name
 
 
 # Image inputs (hf-tp estimate --images-per-row / --image-size)

@@ -10,7 +10,6 @@ here with the same one-line message.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from hf_tp.adapters.modules import experts_per_token
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
+from hf_tp.core.model_source import ModelSource
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.model_plan import ModelPlan
@@ -56,7 +56,8 @@ def plan_for(
     text = adapter.layers_config(config)
     opts = PlanOptions(kv_replicas=adapter.kv_replicas(config, tp))
     if model is None:
-        model = _meta_model(config)
+        with torch.device("meta"):  # shapes only, as parallelize would get it
+            model = ModelSource(config).build()
     _check(model, adapter, opts, ep, cp)
     multiple = tp * (2 * cp if cp > 1 else 1)  # training pads rows to this multiple
     padded = -(-seq_len // multiple) * multiple
@@ -106,40 +107,11 @@ def _describe(
 
 def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
     """(model to read, or None to build one on meta; its config; a label)."""
-    if isinstance(given, nn.Module):
-        if record_of(given) is not None:  # parallelized: its shapes are no longer the plan's input
-            return None, given.config, ""
-        return given, given.config, ""
-    if isinstance(given, PretrainedConfig):
-        return None, given, ""
-    config, label = resolve_config(str(given))
-    return None, config, label
-
-
-def resolve_config(model: str) -> tuple[PretrainedConfig, str]:
-    """``hf-tp estimate``'s resolution (bundled name, local folder or config.json, Hub id), with a
-    Hub id read from the Hub cache first: no request at all when it is there."""
-    from hf_tp.estimate.spec import bundled_models, resolve_model_config
-
-    bundled = {k.lower() for k in bundled_models()} | {v.lower() for v in bundled_models().values() if v}
-    if "/" in model and not Path(model).expanduser().exists() and model.lower() not in bundled:
-        from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
-
-        try:
-            return auto_config(model, False, say=None, local_files_only=True), model
-        except RemoteCodeRefused:
-            raise
-        except (OSError, ValueError):
-            pass  # not in the cache: the estimate's resolution asks the Hub, or says why not
-    return resolve_model_config(model)
-
-
-def _meta_model(config: PretrainedConfig) -> nn.Module:
-    """The model of ``config`` on the meta device (shapes only), as parallelize would get it."""
-    from hf_tp.adapters.wrapper import model_from_config
-
-    with torch.device("meta"):
-        return model_from_config(config)
+    source = ModelSource.for_shapes(given)
+    model = source.module
+    if model is not None and record_of(model) is not None:  # parallelized: its shapes are no longer the plan's input
+        model = None
+    return model, source.config, source.name
 
 
 def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: int) -> None:

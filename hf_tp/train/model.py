@@ -18,9 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers.utils import logging as hf_logging
 
 from hf_tp.adapters import get_adapter
-from hf_tp.adapters.wrapper import model_from_pretrained
-from hf_tp.checkpoint.load import build_empty, local_model_dir, materialize_and_load, safetensors_keys, sliced_sources
-from hf_tp.checkpoint.remote_code import auto_config
+from hf_tp.checkpoint.load import build_empty, materialize_and_load, safetensors_keys, sliced_sources
+from hf_tp.core.model_source import ModelSource, local_model_dir
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.parallel.passengers import describe as describe_passengers
@@ -84,7 +83,8 @@ def unparallelized_model(cfg: TrainConfig, device: torch.device) -> tuple[torch.
     if dist.get_rank() != 0:
         hf_logging.disable_progress_bar()  # one progress bar, not one per rank
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
-    config = auto_config(model_dir, cfg.trust_remote_code, say=None)  # the launcher warned once
+    source = ModelSource.at(model_dir, cfg.trust_remote_code, say=None)  # the launcher warned once
+    config = source.config
     validate_model_config(config, cfg.tp, cfg.seq_len, ep=cfg.ep)
     model = build_empty(config) if safetensors_keys(model_dir) is not None else None
     # Files whose tensors are the model's up to renames, or fused experts stacked from one tensor
@@ -98,7 +98,7 @@ def unparallelized_model(cfg: TrainConfig, device: torch.device) -> tuple[torch.
             flush=True,
         )
     if fused is None:
-        model = model_from_pretrained(model_dir, dtype=torch.float32).to(device)
+        model = source.load(dtype=torch.float32).to(device)
     model.train()
     return model, model_dir, fused
 

@@ -61,7 +61,7 @@ def _precomputed(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, dev
     """The training pairs with the reference's log-probs: from the dataset cache when an earlier
     run (or this one before a --resume) scored the same pairs with the same reference, else scored
     here (the frozen copy built only then, and freed after)."""
-    from hf_tp.checkpoint.load import local_model_dir
+    from hf_tp.core.model_source import local_model_dir
 
     model_dir = rank0_first(lambda: local_model_dir(cfg.model))
     path = cache_path(cache_key(model_dir, batches.data, cfg.seq_len, cfg.compute_dtype_name(device.type)))

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
+from hf_tp.core.model_files import check_model_source
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
@@ -32,7 +33,6 @@ from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.loss import CrossEntropy
 from hf_tp.train.metrics import peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
-from hf_tp.train.model_source import check_model_source
 from hf_tp.train.objective import build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
 from hf_tp.train.pair_evaluation import PairEvalSet

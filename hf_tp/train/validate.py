@@ -24,73 +24,11 @@ if TYPE_CHECKING:
 
 
 def load_model_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    """``AutoConfig.from_pretrained`` with a one-line error for a missing model, and for one that
-    needs its own code without ``trust_remote_code`` (:mod:`hf_tp.checkpoint.remote_code`).
+    """The config of ``hf-tp train``'s ``--model`` (:meth:`hf_tp.core.model_source.ModelSource.for_training`:
+    one-line errors for a missing model, an unreachable Hub, code it ships without ``trust_remote_code``)."""
+    from hf_tp.core.model_source import ModelSource
 
-    For a Hub id one quick request first asks whether the Hub answers at all; if it does not, the
-    config comes from the Hub cache or the error says so at once (``from_pretrained`` alone spends
-    about 25 s in retries first). ``HF_HUB_OFFLINE=1`` uses the cache only."""
-    from huggingface_hub import constants
-
-    from hf_tp.checkpoint.hub import hub_unreachable
-    from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
-    from hf_tp.train.model_source import looks_local
-
-    local = Path(model).expanduser()
-    if local.exists():
-        return _auto_config(model, "local directory", trust_remote_code)
-    if looks_local(model):  # absolute, ./ or ~, or no Hub id's form: a path that is not there
-        raise ValueError(f"model not found: no file or directory at '{model}'")
-    unreachable = hub_unreachable()
-    if unreachable is None:
-        return _auto_config(model, "Hub id or local directory", trust_remote_code)
-    try:
-        config = auto_config(model, trust_remote_code, local_files_only=True)
-    except RemoteCodeRefused:
-        raise
-    except (OSError, ValueError):
-        if "/" not in model:  # a folder name mistyped, or an owner-less Hub id such as gpt2
-            raise ValueError(
-                f"model not found: there is no directory '{model}' in {Path.cwd()}, and no Hub model '{model}' "
-                f"in the Hub cache (the Hub cannot be reached: {unreachable}); pass a model folder's path, or a "
-                "Hub id (most are owner/name, e.g. Qwen/Qwen2-0.5B)"
-            ) from None
-        raise ValueError(
-            f"model not found: '{model}' is not a local directory and not in the Hub cache, and the Hub "
-            f"cannot be reached ({unreachable})"
-        ) from None
-    if not constants.HF_HUB_OFFLINE:  # the ranks would retry every file for minutes before using the cache
-        raise ValueError(
-            f"the Hub cannot be reached ({unreachable}); '{model}' is in the Hub cache: set HF_HUB_OFFLINE=1 "
-            "to train from the cache"
-        )
-    return config
-
-
-def _auto_config(model: str, where: str, trust_remote_code: bool) -> PretrainedConfig:
-    from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config
-
-    try:
-        return auto_config(model, trust_remote_code)
-    except RemoteCodeRefused:
-        raise
-    except (OSError, ValueError) as exc:
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-        cause = exc.__cause__  # transformers re-raises huggingface_hub's error as an OSError
-        not_on_hub = isinstance(cause, RepositoryNotFoundError) and not isinstance(cause, GatedRepoError)
-        if not_on_hub and where != "local directory":
-            if "/" not in model:  # a folder name mistyped, or an owner-less Hub id such as gpt2
-                raise ValueError(
-                    f"model not found: there is no directory '{model}' in {Path.cwd()}, and no model '{model}' on "
-                    "the Hub; pass a model folder's path, or a Hub id (most are owner/name, e.g. Qwen/Qwen2-0.5B)"
-                ) from None
-            raise ValueError(
-                f"model not found: no model '{model}' on the Hub and no local directory of that name; check "
-                "the id, or log in (hf auth login) if it is a private model"
-            ) from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"model not found: cannot load a config from {where} '{model}' ({first})") from None
+    return ModelSource.for_training(model, trust_remote_code).config
 
 
 def validate_model_config(
@@ -186,7 +124,7 @@ def prelaunch_checks(cfg: TrainConfig) -> str:
     check_dataset_source(cfg.dataset)
     check_output_dir(Path(cfg.output_dir), cfg)
     check_packages(cfg)
-    from hf_tp.train.model_source import check_model_source  # file names and headers: no torch, no tensors
+    from hf_tp.core.model_files import check_model_source  # file names and headers: no torch, no tensors
 
     check_model_source(cfg.model)
     from hf_tp.data.datasets import check_text_dataset  # datasets (pyarrow, pandas), not torch

@@ -63,11 +63,11 @@ def load(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
 def export_error(ckpt: Path, out: Path, snapshot: nn.Module, lora: bool) -> Error:
     """On rank 0: export ``ckpt`` to ``out`` and compare what ``from_pretrained`` loads from it with
     ``snapshot`` (the reference after the same steps; a LoRA model merged)."""
-    from hf_tp.adapters.wrapper import model_from_pretrained
     from hf_tp.checkpoint.hf_folder import export_checkpoint
+    from hf_tp.core.model_source import ModelSource
 
     folder = export_checkpoint(ckpt, out, overwrite=True, merge=lora)
-    loaded = model_from_pretrained(folder, dtype=torch.float32)
+    loaded = ModelSource.at(folder).load(dtype=torch.float32)
     want = snapshot.merge_and_unload() if lora else snapshot
     got_params = {n: p.detach() for n, p in loaded.named_parameters()}
     want_params = {n: p.detach().cpu() for n, p in want.named_parameters()}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hf_tp.adapters.wrapper import model_from_pretrained
+from hf_tp.core.model_source import ModelSource
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
 from hf_tp.verify.compare import adam_error, stream_mixer_params, tensor_error
@@ -33,17 +33,16 @@ def verify_rank(cfg: TrainConfig, work: Path, device: torch.device) -> tuple[str
     """(what was checked, in words; the checks of ``cfg``'s layout on this rank). The process
     group is up; ``work`` is a folder every rank can read (the checkpoint is written there)."""
     from hf_tp.adapters.shrink import cut_config
-    from hf_tp.plan.build import resolve_config
 
     fault = requested()
-    config = cut_config(resolve_config(cfg.model)[0], cfg.tp, cfg.seq_len)
+    config = cut_config(ModelSource.for_shapes(cfg.model).config, cfg.tp, cfg.seq_len)
     about = describe(cfg, config, device)
     if dist.get_rank() == 0:  # rank 0 draws the weights; every rank's reference and candidate load them
         save_model(random_model(config, cfg.seed), work / "model")
     dist.barrier()
     cfg = dataclasses.replace(cfg, model=str(work / "model"), dtype="fp32")
     with _LOADING:
-        ref = model_from_pretrained(cfg.model, dtype=torch.float32).train()
+        ref = ModelSource.at(cfg.model).load(dtype=torch.float32).train()
     ref, peft, lora_state = _with_lora(ref, cfg)
     ref.to(device)
     batch = {k: v.to(device) for k, v in make_batch(config.vocab_size, _rows(cfg), cfg.seq_len, cfg.seed + 1).items()}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.train.model_source import check_model_source, looks_local
+from hf_tp.core.model_files import check_model_source, looks_local
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def _message(model: str | Path) -> str:
 def test_names_are_transformers_names() -> None:
     import transformers.utils as tu
 
-    import hf_tp.train.model_source as ms
+    import hf_tp.core.model_files as ms
 
     for name in ("SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "CONFIG_NAME"):
         assert getattr(ms, name) == getattr(tu, name)
@@ -282,11 +282,11 @@ def test_load_model_config_nonexistent_path() -> None:
 
 
 def test_load_model_config_bare_name_hub_unreachable(tmp_path, monkeypatch) -> None:
-    import hf_tp.checkpoint.hub
+    import hf_tp.core.model_source
     from hf_tp.train.validate import load_model_config
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hf_tp.checkpoint.hub, "hub_unreachable", lambda: "ConnectError: Name or service not known")
+    monkeypatch.setattr(hf_tp.core.model_source, "hub_unreachable", lambda: "ConnectError: Name or service not known")
     with pytest.raises(ValueError) as info:
         load_model_config("mymodel_dir")
     assert str(info.value) == (
@@ -301,7 +301,7 @@ def _repo_not_found(monkeypatch) -> None:
     import huggingface_hub.errors as errors
     import transformers.utils.hub
 
-    import hf_tp.checkpoint.hub
+    import hf_tp.core.model_source
 
     def not_found(repo_id, *args, **kwargs):
         url = f"https://huggingface.co/{repo_id}/resolve/main/config.json"
@@ -311,7 +311,7 @@ def _repo_not_found(monkeypatch) -> None:
             f"404 Client Error. Repository Not Found for url: {url}", response=response
         )
 
-    monkeypatch.setattr(hf_tp.checkpoint.hub, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(hf_tp.core.model_source, "hub_unreachable", lambda: None)
     monkeypatch.setattr(transformers.utils.hub, "hf_hub_download", not_found)
 
 

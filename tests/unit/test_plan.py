@@ -229,7 +229,7 @@ def test_a_hub_id_in_the_cache_needs_no_request(tmp_path: Path, monkeypatch: pyt
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr("hf_tp.checkpoint.hub.hub_unreachable", lambda: pytest.fail("asked the Hub"))
+    monkeypatch.setattr("hf_tp.core.model_source.hub_unreachable", lambda: pytest.fail("asked the Hub"))
     plan = plan_for("someone/tiny-qwen2", tp=2, seq_len=S)
     assert (plan.model, plan.model_type, len(plan.kinds[0].layers)) == ("someone/tiny-qwen2", "qwen2", 2)
 

@@ -103,7 +103,7 @@ def argvs(line: str) -> list[list[str]]:
 def hub_names(argv: list[str]) -> list[str]:
     """The Hub ids the command must reach (``--model`` / ``--dataset`` values of owner/name form;
     ``hf-tp estimate`` reads a bundled model's config offline)."""
-    from hf_tp.estimate.spec import bundled_models
+    from hf_tp.core.model_source import bundled_models
 
     pairs = zip(argv, argv[1:], strict=False)
     names = [v for flag, v in pairs if flag in ("--model", "--dataset") and re.fullmatch(r"[\w.-]+/[\w.-]+", v)]

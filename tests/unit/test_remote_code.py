@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.checkpoint_dirs import MARKER
 from hf_tp.checkpoint.hf_folder import export_checkpoint
-from hf_tp.checkpoint.remote_code import RemoteCodeRefused, auto_config, copy_model_code
+from hf_tp.checkpoint.remote_code import copy_model_code
 from hf_tp.cli.main import main
+from hf_tp.core.model_source import RemoteCodeRefused, auto_config
 from hf_tp.train.validate import load_model_config
 
 CONFIGURATION = """

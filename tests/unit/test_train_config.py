@@ -221,10 +221,10 @@ def test_unreachable_hub_fails_at_once_with_one_line(monkeypatch) -> None:
     """No network: one quick request decides, instead of from_pretrained's ~25 s of retries."""
     import time
 
-    import hf_tp.checkpoint.hub
+    import hf_tp.core.model_source
     from hf_tp.train.validate import load_model_config
 
-    monkeypatch.setattr(hf_tp.checkpoint.hub, "hub_unreachable", lambda: "ConnectError: Name or service not known")
+    monkeypatch.setattr(hf_tp.core.model_source, "hub_unreachable", lambda: "ConnectError: Name or service not known")
     t0 = time.perf_counter()
     with pytest.raises(ValueError) as info:
         load_model_config("some-org/some-model-that-is-not-cached")

@@ -51,13 +51,13 @@ def test_injected_fault_fails_naming_the_check(tmp_path, monkeypatch, fault, fai
 
 def test_cut_keeps_one_layer_of_each_kind() -> None:
     from hf_tp.adapters.shrink import cut_config, layer_kinds
-    from hf_tp.plan.build import resolve_config
+    from hf_tp.core.model_source import ModelSource
 
-    deepseek = cut_config(resolve_config("deepseek-v3")[0], tp=2, seq_len=32)
+    deepseek = cut_config(ModelSource.for_shapes("deepseek-v3").config, tp=2, seq_len=32)
     kinds = layer_kinds(deepseek)
     assert deepseek.num_hidden_layers == 4 and len(set(kinds)) == 2  # 3 dense layers, then the first MoE one
     assert deepseek.n_routed_experts == 16 and deepseek.num_attention_heads == 128 and deepseek.hidden_size == 512
-    qwen = cut_config(resolve_config("qwen3-30b-a3b")[0], tp=4, seq_len=32)
+    qwen = cut_config(ModelSource.for_shapes("qwen3-30b-a3b").config, tp=4, seq_len=32)
     assert (qwen.num_hidden_layers, qwen.num_key_value_heads, qwen.num_experts) == (1, 4, 16)
     assert qwen.vocab_size % 4 == 151936 % 4 and qwen.vocab_size < 4096 and qwen.moe_intermediate_size % 4 == 0
 

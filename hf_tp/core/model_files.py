@@ -1,4 +1,5 @@
-"""Before launch: is ``--model`` a complete, readable model folder?
+"""Before launch: is ``--model`` a complete, readable model folder? (The files behind a
+:class:`hf_tp.core.model_source.ModelSource`'s weights.)
 
 ``hf-tp train`` reads a local folder's ``config.json``, its weights and its tokenizer on every rank.
 A folder that lacks one of them (or holds a truncated download) would start all ranks and fail in each
