@@ -5,10 +5,11 @@ unmodified HF model cut by decoder layers (:mod:`hf_tp.parallel.pipeline_split`)
 parallelized (TP+SP, FSDP2, cp, ep) over the rest of the mesh as a whole model would be. A stage
 passes its hidden states to the next as a plain tensor (under cp: this rank's tokens of the
 load-balanced layout, which every stage shares; under tp: its sequence shard of them, rebuilt as
-the same DTensor on the other side). The last stage's loss of a micro-batch is its targets' summed
-cross entropy divided by the global batch's target count (under cp: its tokens' targets, summed
-over the cp ranks), and torch's schedule sums the micro-batches' gradients unscaled, so a step's
-gradient is exactly the single-device one.
+the same DTensor on the other side). The last stage's loss of a micro-batch is the objective's
+(:meth:`Pipeline.step`'s ``loss``), by default its targets' summed cross entropy divided by the
+global batch's target count (under cp: its tokens' targets, summed over the cp ranks), and
+torch's schedule sums the micro-batches' gradients unscaled, so a step's gradient is exactly the
+single-device one.
 """
 
 from __future__ import annotations
