@@ -22,7 +22,7 @@ from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import MicroLoss
 from hf_tp.objectives.reference import model_inputs
 from hf_tp.parallel.aux_loss import router_aux_term
-from hf_tp.parallel.logps import sequence_log_probs
+from hf_tp.parallel.logps import logits_log_probs, sequence_log_probs
 
 Reference = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a pair batch -> its rows' log-probs
 
@@ -32,17 +32,32 @@ def _sigmoid_loss(delta: torch.Tensor, beta: float, label_smoothing: float) -> t
     return -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
 
 
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)  # TRL's logged names
+
+
 def _metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> dict[str, torch.Tensor]:
-    """TRL's logged names, as sums over this micro-batch's pairs."""
+    """TRL's logged names (:data:`METRICS`), as sums over this micro-batch's pairs."""
     c, r = chosen_rewards.detach().float(), rejected_rewards.detach().float()
-    return {
-        "rewards/chosen": c.sum(),
-        "rewards/rejected": r.sum(),
-        "rewards/margins": (c - r).sum(),
-        "rewards/accuracies": (c > r).float().sum(),
-        "logps/chosen": chosen_logps.detach().float().sum(),
-        "logps/rejected": rejected_logps.detach().float().sum(),
-    }
+    logps = (chosen_logps.detach().float().sum(), rejected_logps.detach().float().sum())
+    return dict(zip(METRICS, (c.sum(), r.sum(), (c - r).sum(), (c > r).float().sum(), *logps), strict=True))
+
+
+def pairs_in_chunks(batch: dict[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:
+    """A pair batch's rows reordered so that each of ``chunks`` equal runs of them (a pipeline's
+    micro-batches) is a pair batch itself: its pairs' chosen rows, then their rejected rows."""
+    pairs = batch["input_ids"].shape[0] // 2
+    if pairs % chunks:
+        raise ValueError(f"{pairs} preference pairs do not split into {chunks} pipeline micro-batches of whole pairs")
+    per = pairs // chunks
+    order = torch.arange(2 * pairs, device=batch["input_ids"].device).view(2, chunks, per).transpose(0, 1).reshape(-1)
+    return {k: v[order] for k, v in batch.items()}
 
 
 def _policy(
@@ -77,6 +92,7 @@ class DPO:
     label_smoothing: float = 0.0
     route_group: dist.ProcessGroup | None = None  # a MoE's aux loss: the ranks whose rows differ
     name: str = "dpo"
+    metric_names: tuple[str, ...] = METRICS
 
     def micro_loss(
         self,
@@ -88,12 +104,24 @@ class DPO:
         routing: torch.Tensor | None = None,
     ) -> MicroLoss:
         logps, _, aux_term, aux = _policy(model, batch, self.route_group, aux_weight, routing)
-        ref = self.reference(batch)
+        out = self._loss(logps, self.reference(batch), step)
+        return MicroLoss(out.loss + aux_term, aux, out.sums)
+
+    def staged(self, batch: dict[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:
+        return pairs_in_chunks({**batch, "ref_logps": self.reference(batch)}, chunks)
+
+    def last_stage_loss(
+        self, model: nn.Module, logits: torch.Tensor, batch: dict[str, torch.Tensor], step: StepBatches
+    ) -> MicroLoss:
+        return self._loss(logits_log_probs(model, logits, batch["labels"]).logps, batch["ref_logps"], step)
+
+    def _loss(self, logps: torch.Tensor, ref: torch.Tensor, step: StepBatches) -> MicroLoss:
+        """The pairs' loss share and metric sums from their rows' policy and reference log-probs."""
         n = logps.shape[0] // 2
         chosen_ratio, rejected_ratio = logps[:n] - ref[:n], logps[n:] - ref[n:]
         losses = _sigmoid_loss(chosen_ratio - rejected_ratio, self.beta, self.label_smoothing)
         sums = _metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps[:n], logps[n:])
-        return MicroLoss(losses.sum() / step.num_examples + aux_term, aux, sums)
+        return MicroLoss(losses.sum() / step.num_examples, None, sums)
 
 
 @dataclass
@@ -107,6 +135,7 @@ class SimPO:
     label_smoothing: float = 0.0
     route_group: dist.ProcessGroup | None = None  # a MoE's aux loss: the ranks whose rows differ
     name: str = "simpo"
+    metric_names: tuple[str, ...] = METRICS
 
     def micro_loss(
         self,
@@ -118,9 +147,22 @@ class SimPO:
         routing: torch.Tensor | None = None,
     ) -> MicroLoss:
         logps, counts, aux_term, aux = _policy(model, batch, self.route_group, aux_weight, routing)
+        out = self._loss(logps, counts, step)
+        return MicroLoss(out.loss + aux_term, aux, out.sums)
+
+    def staged(self, batch: dict[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:
+        return pairs_in_chunks(batch, chunks)
+
+    def last_stage_loss(
+        self, model: nn.Module, logits: torch.Tensor, batch: dict[str, torch.Tensor], step: StepBatches
+    ) -> MicroLoss:
+        return self._loss(*logits_log_probs(model, logits, batch["labels"])[:2], step)
+
+    def _loss(self, logps: torch.Tensor, counts: torch.Tensor, step: StepBatches) -> MicroLoss:
+        """The pairs' loss share and metric sums from their rows' summed log-probs and label counts."""
         mean = logps / counts.clamp(min=1)
         n = logps.shape[0] // 2
         delta = mean[:n] - mean[n:] - self.gamma / self.beta
         losses = _sigmoid_loss(delta, self.beta, self.label_smoothing)
         sums = _metrics(self.beta * mean[:n], self.beta * mean[n:], mean[:n], mean[n:])
-        return MicroLoss(losses.sum() / step.num_examples + aux_term, aux, sums)
+        return MicroLoss(losses.sum() / step.num_examples, None, sums)

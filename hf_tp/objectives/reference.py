@@ -3,7 +3,8 @@
 Two kinds, one call: :class:`FrozenCopy`, a second model loaded from the same checkpoint and
 sharded exactly like the policy (same mesh, plan, FSDP2 over dp; no gradients, no optimizer
 state), or :class:`AdaptersOff`, the LoRA policy itself with its adapters switched off for the
-reference forward, which is the frozen base (no second copy).
+reference forward, which is the frozen base (no second copy). Under pipeline parallelism either
+runs through pipeline stages (:class:`StagedReference`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hf_tp.compat.peft_private import adapters_disabled, has_adapter_switch, set_adapters_disabled
-from hf_tp.parallel.logps import sequence_log_probs
+from hf_tp.parallel.logps import logits_log_probs, sequence_log_probs
+from hf_tp.parallel.pipeline import Pipeline
+from hf_tp.parallel.pipeline_aux import stage_outputs
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -44,11 +48,12 @@ class AdaptersOff:
             raise ValueError("the adapter-off reference needs a model with peft LoRA layers (--lora-r)")
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad(), self._off():
+        with torch.no_grad(), self.off():
             return sequence_log_probs(self.policy, model_inputs(batch)).logps
 
     @contextlib.contextmanager
-    def _off(self) -> Iterator[None]:
+    def off(self) -> Iterator[None]:
+        """The policy's adapters switched off inside the block."""
         # The flag peft's forward reads; set directly, since peft's enable_adapters(False) also
         # flips requires_grad on the adapters, which must stay trainable.
         saved = [adapters_disabled(layer) for layer in self.layers]
@@ -59,3 +64,28 @@ class AdaptersOff:
         finally:
             for layer, flag in zip(self.layers, saved, strict=True):
                 set_adapters_disabled(layer, flag)
+
+
+class StagedReference:
+    """A reference run through pipeline stages (``--pp``): a frozen copy pipelined like the policy,
+    or (``adapters_off``) the LoRA policy's own stages with their adapters switched off. The last
+    stage's logits give the rows' log-probs, which every pp rank receives (collective over the
+    pipeline: every rank calls it, before the policy's step runs the stages)."""
+
+    def __init__(self, pipe: Pipeline, adapters_off: bool = False) -> None:
+        self.pipe = pipe
+        self.adapters = AdaptersOff(nn.ModuleList(pipe.models)) if adapters_off else None
+        if not adapters_off:
+            for model in pipe.models:
+                model.requires_grad_(False).eval()
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pipe = self.pipe
+        logps = torch.zeros(batch["input_ids"].shape[0], device=pipe.device)
+        with torch.no_grad(), self.adapters.off() if self.adapters else contextlib.nullcontext():
+            for module, out, _ in stage_outputs(pipe, model_inputs(batch)):
+                if module.last:
+                    logps = logits_log_probs(module.model, out, batch["labels"]).logps
+        last = dist.get_global_rank(pipe.group, pipe.stage_rank(pipe.num_stages - 1))
+        dist.broadcast(logps, src=last, group=pipe.group)
+        return logps

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -169,3 +170,17 @@ def sequence_log_probs(
 
     sums, logits = call_as_forward(model, forward, batch["input_ids"], batch.get("attention_mask"), shifted)
     return SequenceLogProbs(sum_over_cp(model, sums), counts, logits or None)
+
+
+def logits_log_probs(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> SequenceLogProbs:
+    """:func:`sequence_log_probs` from logits a forward already gave (a pipeline's last stage, whose
+    HF forward ends in the lm_head): per row the sum of its label tokens' log-probs, in fp32, and
+    its label count. ``logits`` are this rank's cp tokens of the rows (summed over cp here), and
+    may be sharded over the vocab (a DTensor: gathered whole, the gradient sliced back)."""
+    shifted = shift_labels(labels)
+    counts = (shifted != IGNORE_INDEX).sum(1)
+    targets = local_tokens(model, shifted)
+    whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    flat = whole.reshape(-1, whole.shape[-1]).float()
+    tokens = -F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    return SequenceLogProbs(sum_over_cp(model, tokens.view(targets.shape).sum(-1)), counts)

@@ -5,14 +5,16 @@ unmodified HF model cut by decoder layers (:mod:`hf_tp.parallel.pipeline_split`)
 parallelized (TP+SP, FSDP2, cp, ep) over the rest of the mesh as a whole model would be. A stage
 passes its hidden states to the next as a plain tensor (under cp: this rank's tokens of the
 load-balanced layout, which every stage shares; under tp: its sequence shard of them, rebuilt as
-the same DTensor on the other side). The last stage's loss of a micro-batch is its targets' summed
-cross entropy divided by the global batch's target count (under cp: its tokens' targets, summed
-over the cp ranks), and torch's schedule sums the micro-batches' gradients unscaled, so a step's
-gradient is exactly the single-device one.
+the same DTensor on the other side). The last stage's loss of a micro-batch is the objective's
+(:meth:`Pipeline.step`'s ``loss``), by default its targets' summed cross entropy divided by the
+global batch's target count (under cp: its tokens' targets, summed over the cp ranks), and
+torch's schedule sums the micro-batches' gradients unscaled, so a step's gradient is exactly the
+single-device one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -115,6 +117,17 @@ class StageModule(nn.Module):
         return out, routers
 
 
+def stage_cross_entropy(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    """The last stage's loss of its rows' ``labels``: their targets' summed cross entropy divided by
+    the global batch's ``num_items`` targets (under cp: this rank's tokens', summed over cp, so
+    every cp rank holds the whole rows' loss)."""
+    vocab = model.config.get_text_config().vocab_size
+    # shifted over whole rows, then this rank's cp tokens (the rows themselves without cp)
+    shifted = local_tokens(model, shift_labels(labels)).contiguous()
+    loss = model.loss_function(logits, None, vocab, num_items_in_batch=num_items, shift_labels=shifted)
+    return sum_over_cp(model, loss)
+
+
 @dataclass
 class Pipeline:
     """This rank's stages and how a step runs them (:meth:`step`)."""
@@ -212,6 +225,7 @@ class Pipeline:
         dp: int,
         routing: torch.Tensor | None = None,
         aux_weight: float = 1.0,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch of this dp rank's rows over the pipeline; returns this
         rank's summed micro-batch losses (the loss of these rows divided by ``num_items``, the global
@@ -221,19 +235,24 @@ class Pipeline:
         ``routing`` (a MoE with transformers' aux loss: the ``totals`` of :meth:`route` over the
         rows the aux loss spans): each stage's gradients also get its layers' share of
         ``router_aux_loss_coef * aux_weight`` times the aux loss (whose value :meth:`route` gives:
-        the returned loss is the cross entropy's alone)."""
+        the returned loss is the cross entropy's alone).
+
+        ``loss`` (the last stage's, for an objective other than cross entropy): ``(logits, rows)``
+        -> the loss of ``batch``'s rows ``rows`` (the indices of one pipeline micro-batch's rows,
+        equal runs of them) as a share of the global batch's loss; default: :func:`stage_cross_entropy`
+        over ``num_items`` targets."""
         if routing is not None and (mask := routing_mask(batch)) is not None:
             batch = {**batch, "routing_mask": mask}
         batch = {k: v for k, v in batch.items() if k != "row_lengths"}
         input_ids, labels = batch.pop("input_ids"), batch.pop("labels")
         last_model = self.models[-1]
+        if loss is None:
 
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            vocab = last_model.config.get_text_config().vocab_size
-            # shifted over whole rows, then this rank's cp tokens (the rows themselves without cp)
-            shifted = local_tokens(last_model, shift_labels(target)).contiguous()
-            loss = last_model.loss_function(logits, None, vocab, num_items_in_batch=num_items, shift_labels=shifted)
-            return sum_over_cp(last_model, loss) * dp  # the whole rows' loss on every cp rank
+            def loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                return stage_cross_entropy(last_model, logits, labels[rows], num_items)
+
+        def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            return loss(logits, rows) * dp
 
         coef = float(getattr(last_model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux_weight
         runtime = []
@@ -249,7 +268,8 @@ class Pipeline:
         roots = fsdp_roots(self.models)  # FSDP2 reduces once, after the step (hf_tp.parallel.pipeline_fsdp)
         held = hold_gradients(roots, self.schedule in V_SHAPED)
         with quiet_stage_views():  # FSDP2's warning that a stage returned a view (harmless here)
-            schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False, **batch)
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device) if self.has_last else None
+            schedule.step(*args, target=rows, losses=losses, return_outputs=False, **batch)
         release_gradients(roots, held)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for loss in losses:

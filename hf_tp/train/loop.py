@@ -13,23 +13,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from hf_tp.checkpoint.dcp import crash_point, save_checkpoint
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.streaming import StreamingBatchSource
-from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import shutdown
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
-from hf_tp.train.loss import loss_context, step_routing
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
-from hf_tp.train.pipeline_run import pipeline_clip, pipeline_micro_loss, pipeline_routing
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up
 
@@ -84,8 +78,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             if (step + 1) % run.cfg.log_every == 0 or step + 1 == run.cfg.max_steps:
                 logger.log(_metrics_record(run, step, batches, done, dt))
             if run.eval_set is not None and run.eval_set.due(step + 1, run.cfg.eval_every, run.cfg.max_steps):
-                evaluated = run.pipeline or run.model  # --pp: the stages' forward, hidden states passed on
-                record = run.eval_set.record(step + 1, evaluated, loss_parallel=run.cfg.loss_parallel, fused=run.fused)
+                record = run.eval_set.record(
+                    step + 1, run.evaluated, loss_parallel=run.cfg.loss_parallel, fused=run.fused
+                )
                 result.eval_losses[step + 1] = record["eval_loss"]
                 logger.log_eval(record)
             saved = _checkpoint_due(run.cfg, step + 1)
@@ -118,62 +113,15 @@ class _StepDone:
 
 
 def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
-    """Forward/backward over this rank's micro-batches, then clip and step."""
-    cfg, model = run.cfg, run.model
-    local_loss = torch.zeros((), device=run.device)
-    aux_sum = torch.zeros((), device=run.device)  # the router aux loss (MoE), summed over micro-batches
-    has_aux = False
-    micro = len(batches.micro_batches)
-    # A MoE's aux loss: over the whole step's rows of every dp rank, the router's counts found
-    # first (each micro-step's term is then its share: weight 1); or, --aux-loss-over micro-batch,
-    # over each micro-step's rows, the micro-steps weighing equally (1/grad_accum).
-    over_step = micro == 1 or cfg.aux_loss_over == "step"
-    if run.pipeline is not None:  # --pp: every stage's routers, routed through the pipeline first
-        routing = pipeline_routing(run.pipeline, batches.micro_batches, over_step)
-    else:
-        routing = step_routing(model, batches.micro_batches, run.route_group) if micro > 1 and over_step else None
-    weight = 1.0 if over_step else 1 / micro
-    sums: dict[str, torch.Tensor] = {}  # the objective's metric totals over this rank's examples
-    for m, batch in enumerate(batches.micro_batches):
-        _set_grad_sync(model, m == micro - 1)
-        if run.pipeline is not None:  # --pp: torch's schedule runs forward and backward of every stage
-            _set_grad_sync(run.pipeline.models, m == micro - 1)  # reduced over dp after the last micro-step
-            with loss_context(cfg.loss_parallel):
-                loss, aux = pipeline_micro_loss(run.pipeline, batch, batches.num_targets, cfg.dp, routing, weight, m)
-            local_loss += loss.float()
-            if aux is not None:
-                aux_sum += aux * weight
-                has_aux = True
-            continue
-        with loss_context(cfg.loss_parallel):
-            out = run.objective.micro_loss(model, batch, batches, aux_weight=weight, routing=routing)
-            loss, aux = out.loss, out.aux
-            for name, value in out.sums.items():
-                sums[name] = sums.get(name, 0) + value
-            if aux is not None:
-                aux_sum += aux.float() * weight
-                has_aux = True
-            # The loss is already divided by the global token count, so the dp ranks' gradients
-            # must be summed; FSDP2 averages them, hence the factor dp. (FSDP2's
-            # set_gradient_divide_factor(1) needs PREMUL_SUM, which gloo lacks.)
-            (loss * cfg.dp).backward()
-        local_loss += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
+    """Forward/backward over this rank's micro-batches (the run's stepper), then clip and step."""
+    cfg = run.cfg
+    share = run.stepper.forward_backward(batches, run.objective)
     # The next step's batches are collated while the device still runs this backward (the loss
     # check below waits for it).
     upcoming = run.batches(step + 1) if step + 1 < cfg.max_steps else None
-    dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.dp_group)
-    if run.pipeline is not None:  # the loss is the last stage's
-        dist.all_reduce(local_loss, op=dist.ReduceOp.SUM, group=run.pipeline.group)
-    if has_aux:  # the ranks' terms add up to the global batch's aux loss
-        dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.dp_group)
-        if run.pipeline is not None:  # each stage's layers' share
-            dist.all_reduce(aux_sum, op=dist.ReduceOp.SUM, group=run.pipeline.group)
-    metrics = _global_means(sums, batches.num_examples, run.dp_group)
-    pipe = run.pipeline  # --pp: every stage's gradients in one norm, a tied weight's copies summed first
-    grad_norm = (
-        pipeline_clip(pipe, cfg.max_grad_norm) if pipe else clip_grad_norm(model.parameters(), cfg.max_grad_norm)
-    )
-    loss_value, norm_value = local_loss.item(), grad_norm.item()
+    totals = run.stepper.totals(share, batches.num_examples)
+    grad_norm = run.stepper.clip(cfg.max_grad_norm)
+    loss_value, norm_value = totals.loss.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         bf16 = cfg.compute_dtype_name(run.device.type) == "bf16"
         raise FloatingPointError(
@@ -185,17 +133,7 @@ def _optimizer_step(run: Run, step: int, batches: StepBatches) -> _StepDone:
     run.opt.step()
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
-    return _StepDone(loss_value, norm_value, lr, upcoming, aux_sum.item() if has_aux else None, metrics)
-
-
-def _global_means(sums: dict[str, torch.Tensor], examples: int, dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """The objective's metric totals summed over the dp ranks, per example of the global batch."""
-    if not sums:
-        return {}
-    names = sorted(sums)
-    total = torch.stack([sums[n].detach().float() for n in names])
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
-    return {n: v / examples for n, v in zip(names, total.tolist(), strict=True)}
+    return _StepDone(loss_value, norm_value, lr, upcoming, totals.aux, totals.metrics)
 
 
 def _metrics_record(run: Run, step: int, batches: StepBatches, done: _StepDone, dt: float) -> dict:
@@ -271,10 +209,3 @@ def _finish(run: Run, result: TrainResult) -> None:
         )
     else:
         print(f"hf-tp: nothing to train: the run in {run.out} is already at --max-steps {run.cfg.max_steps}")
-
-
-def _set_grad_sync(model: torch.nn.Module | list[torch.nn.Module], sync: bool) -> None:
-    """Reduce-scatter gradients only on the last micro-step of an accumulation."""
-    for m in model if isinstance(model, list) else [model]:
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(sync)

@@ -17,6 +17,7 @@ from hf_tp.parallel.aux_loss import router_aux_term, routing_totals, standard_au
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.linear_ce import causal_lm_loss
 from hf_tp.parallel.loss_parallel import loss_parallel
+from hf_tp.parallel.pipeline import stage_cross_entropy
 
 
 def loss_context(vocab_sharded_logits: bool) -> contextlib.AbstractContextManager:
@@ -76,6 +77,7 @@ class CrossEntropy:
     fused: bool
     route_group: dist.ProcessGroup | None = None
     name: str = "sft"
+    metric_names: tuple[str, ...] = ()
 
     def micro_loss(
         self,
@@ -90,6 +92,14 @@ class CrossEntropy:
             model, batch, step.num_targets, self.fused, self.route_group, aux_weight=aux_weight, routing=routing
         )
         return MicroLoss(loss, aux)
+
+    def staged(self, batch: dict[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:
+        return batch
+
+    def last_stage_loss(
+        self, model: nn.Module, logits: torch.Tensor, batch: dict[str, torch.Tensor], step: StepBatches
+    ) -> MicroLoss:
+        return MicroLoss(stage_cross_entropy(model, logits, batch["labels"], step.num_targets))
 
 
 def step_routing(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,26 +15,43 @@ from hf_tp.objectives.base import Objective
 from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps
-from hf_tp.objectives.reference import AdaptersOff, FrozenCopy
+from hf_tp.objectives.reference import AdaptersOff, FrozenCopy, StagedReference
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.logps import log_probs_refusal
 from hf_tp.parallel.mesh import dp_mesh_of
+from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first
 from hf_tp.train.loss import CrossEntropy
 
 
+@dataclass
+class Staged:
+    """A ``--pp`` run's pipeline (this rank's stages) and the whole mesh it was cut over."""
+
+    pipeline: Pipeline
+    root: DeviceMesh
+
+
 def build_objective(
-    cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, route_group, batches
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    device: torch.device,
+    route_group,
+    batches,
+    staged: Staged | None = None,
 ) -> Objective:
     """The run's objective; DPO's reference is the LoRA policy with its adapters off (``--lora-r``),
-    else a frozen copy of the checkpoint built and sharded exactly like the policy. With
-    ``--precompute-ref`` the reference scores every pair of ``batches`` (a
-    :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed; or an earlier run's
-    scores of the same pairs are read from the dataset cache (:mod:`hf_tp.objectives.ref_cache`)."""
+    else a frozen copy of the checkpoint built and sharded exactly like the policy (``staged``, a
+    ``--pp`` run: pipelined like it). With ``--precompute-ref`` the reference scores every pair of
+    ``batches`` (a :class:`hf_tp.data.steps.StepBatchSource`) once, here, and is freed; or an
+    earlier run's scores of the same pairs are read from the dataset cache
+    (:mod:`hf_tp.objectives.ref_cache`). Under ``--pp`` the loss is the last stage's, on its
+    logits (the stages' HF forward, no fused lm_head)."""
     if cfg.objective == "sft":
-        return CrossEntropy(fusable(model), route_group)
-    why = log_probs_refusal(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        return CrossEntropy(not staged and fusable(model), route_group)
+    why = None if staged else log_probs_refusal(model.get_base_model() if hasattr(model, "get_base_model") else model)
     if why:
         raise ValueError(
             f"--objective {cfg.objective} needs the lm_head fused with the log-probs: {why}; use --objective sft"
@@ -41,23 +59,30 @@ def build_objective(
     if cfg.objective == "simpo":
         return SimPO(cfg.beta, cfg.simpo_gamma, cfg.label_smoothing, route_group)
     if cfg.precompute_ref:
-        batches.data = _precomputed(cfg, model, mesh, device, batches)
+        batches.data = _precomputed(cfg, model, mesh, device, batches, staged)
         return DPO(Stored(), cfg.beta, cfg.label_smoothing, route_group)
-    return DPO(_reference(cfg, model, mesh, device), cfg.beta, cfg.label_smoothing, route_group)
+    return DPO(_reference(cfg, model, mesh, device, staged), cfg.beta, cfg.label_smoothing, route_group)
 
 
-def _reference(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device):
-    """DPO's reference: the LoRA policy with its adapters off, or a frozen copy sharded like it."""
+def _reference(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, staged: Staged | None):
+    """DPO's reference: the LoRA policy with its adapters off, or a frozen copy sharded like it
+    (``staged``: either through pipeline stages)."""
     if cfg.lora_r:
-        return AdaptersOff(model)
+        return StagedReference(staged.pipeline, adapters_off=True) if staged else AdaptersOff(model)
     from hf_tp.train.model import build_parallel_model
+    from hf_tp.train.pipeline_run import build_pipeline
 
     if dist.get_rank() == 0:
         print("hf-tp: DPO reference: a frozen copy of the model, sharded like it", file=sys.stderr, flush=True)
-    return FrozenCopy(build_parallel_model(dataclasses.replace(cfg, lora_r=0), mesh, device))
+    frozen = dataclasses.replace(cfg, lora_r=0)
+    if staged:
+        return StagedReference(build_pipeline(frozen, staged.root, device))
+    return FrozenCopy(build_parallel_model(frozen, mesh, device))
 
 
-def _precomputed(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, batches):
+def _precomputed(
+    cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, batches, staged: Staged | None
+):
     """The training pairs with the reference's log-probs: from the dataset cache when an earlier
     run (or this one before a --resume) scored the same pairs with the same reference, else scored
     here (the frozen copy built only then, and freed after)."""
@@ -68,7 +93,7 @@ def _precomputed(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, dev
 
     def compute():
         where = dict(dp_rank=batches.dp_rank, dp=batches.dp, group=dp_mesh_of(mesh).get_group(), device=device)
-        reference = _reference(cfg, model, mesh, device)
+        reference = _reference(cfg, model, mesh, device, staged)
         return with_reference_logps(batches.data, reference, batches.collate, batch_size=cfg.batch_size, **where)
 
     data, computed = cached_reference_logps(batches.data, compute, path, device)

@@ -8,10 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.checkpoint.load import materialize_and_load
-from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
 from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.parallel.pipeline_aux import Routing
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.model import compute_dtype, init_lora, parallelize_settings, unparallelized_model, with_lora
@@ -55,36 +53,3 @@ def summed_over_stages(value: int, pipe: Pipeline, device: torch.device) -> int:
     count = torch.tensor(float(value), device=device, dtype=torch.float64)
     dist.all_reduce(count, group=pipe.group)
     return int(count.item())
-
-
-def pipeline_clip(pipe: Pipeline, max_norm: float) -> torch.Tensor:
-    """Clip every stage's gradients to one global norm (0: only measure) and return it (collective):
-    a tied weight's two copies get their summed gradient first and count once, as at pp 1."""
-    pipe.sync_tied_grads()
-    return clip_grad_norm(pipe.counted_parameters(), max_norm, pipe.group, pipe.mirrors)
-
-
-def pipeline_routing(pipe: Pipeline, micro_batches: list[dict[str, torch.Tensor]], over_step: bool) -> Routing | None:
-    """A MoE's routing over the whole step's micro-batches (the aux loss over the step: ``over_step``),
-    found before any of them trains; None without transformers' aux loss or with it per micro-step."""
-    return pipe.route(micro_batches) if pipe.has_aux and over_step else None
-
-
-def pipeline_micro_loss(
-    pipe: Pipeline,
-    batch: dict[str, torch.Tensor],
-    num_targets: int,
-    dp: int,
-    routing: Routing | None,
-    weight: float,
-    index: int,
-) -> tuple[torch.Tensor, float | None]:
-    """(loss, aux) of micro-step ``index`` over the pipeline: this rank's cross entropy plus, for a
-    MoE with transformers' aux loss, ``router_aux_loss_coef * weight`` times this rank's share of
-    it; ``aux`` that unweighted share (None without one, or when the step's ``routing`` was counted
-    at micro-step 0). Without the step's ``routing`` the aux loss is this micro-step's rows'."""
-    own = routing if routing is not None else (pipe.route([batch]) if pipe.has_aux else None)
-    loss = pipe.step(batch, num_targets, dp, own.totals if own is not None else None, weight)
-    if own is None or (routing is not None and index > 0):
-        return loss, None
-    return loss + pipe.models[0].config.router_aux_loss_coef * weight * own.term, own.term

@@ -27,12 +27,16 @@ def check_pipeline_settings(cfg: Any) -> None:
         )
     refused = {
         "--compile": cfg.compile,
-        f"--objective {cfg.objective}": cfg.objective != "sft",
         "--train-vision-tower": cfg.train_vision_tower,
     }
     for flag, on in refused.items():
         if on:
             raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
+    if cfg.objective != "sft" and (cfg.eval_split or cfg.eval_dataset):
+        raise ValueError(
+            f"--pp with --objective {cfg.objective} does not evaluate held-out pairs yet: "
+            "drop --eval-split / --eval-dataset (or train with --pp 1)"
+        )
 
 
 def check_pipeline_layers(cfg: Any, model_config: Any) -> None:

@@ -30,14 +30,15 @@ from hf_tp.train.distributed import init_distributed, rank0_first, resolve_devic
 from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
 from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
-from hf_tp.train.loss import CrossEntropy
 from hf_tp.train.metrics import peak_flops
 from hf_tp.train.model import build_parallel_model, compute_dtype
-from hf_tp.train.objective import build_objective
+from hf_tp.train.objective import Staged, build_objective
 from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
 from hf_tp.train.pair_evaluation import PairEvalSet
 from hf_tp.train.pipeline_run import build_pipeline, parameter_count, summed_over_stages
+from hf_tp.train.pipeline_stepper import PipelineStepper
 from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
+from hf_tp.train.stepper import PlainStepper, Stepper
 from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
 
@@ -59,12 +60,18 @@ class Run:
     fused: bool
     faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
     objective: Objective  # cross entropy or a preference loss (hf_tp.train.objective)
+    stepper: Stepper  # each step's forward and backward: plain or pipelined (hf_tp.train.stepper)
     route_group: dist.ProcessGroup | None = None  # the ranks whose tokens differ: dp, or dp x cp (MoE aux loss)
     start_step: int = 0
     resumed_from: Path | None = None  # the checkpoint this run continues (--resume)
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     pipeline: Pipeline | None = None  # --pp: this rank's stages (model is the first of their HF models)
+
+    @property
+    def evaluated(self) -> torch.nn.Module | Pipeline:
+        """What evaluation runs: the model, or (--pp) this rank's stages (hidden states passed on)."""
+        return self.pipeline or self.model
 
     @property
     def saved_model(self) -> torch.nn.Module:
@@ -103,14 +110,12 @@ def set_up(cfg: TrainConfig) -> Run:
     batches, eval_set = build_batches(cfg, tokenizer, root.get_local_rank("dp"), device)
     # 5. the objective (DPO's reference model built here), optimizer and schedule
     route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
-    # --pp: the last stage's cross entropy (hf_tp.parallel.pipeline), the only objective it runs
-    objective = (
-        CrossEntropy(False, route_group)
-        if pipeline
-        else build_objective(cfg, model, mesh, device, route_group, batches)
-    )
+    # --pp: the objective gives the last stage its loss (DPO's reference pipelined like the policy)
+    staged = Staged(pipeline, root) if pipeline else None
+    objective = build_objective(cfg, model, mesh, device, route_group, batches, staged)
+    dp_group = dp_mesh_of(mesh).get_group()
     if isinstance(eval_set, PairEvalSet):
-        eval_set.bind(objective, dp_mesh_of(mesh).get_group())
+        eval_set.bind(objective, dp_group)
     opt = build_optimizer((pipeline or model).parameters(), cfg.lr, cfg.weight_decay, device)
     params = parameter_count(pipeline, device) if pipeline else sum(p.numel() for p in model.parameters())
     unrouted = unrouted_expert_params(model, model.config)
@@ -126,7 +131,7 @@ def set_up(cfg: TrainConfig) -> Run:
         sched=build_scheduler(opt, cfg),
         batches=batches,
         eval_set=eval_set,
-        dp_group=dp_mesh_of(mesh).get_group(),
+        dp_group=dp_group,
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=not pipeline and fusable(model),
@@ -134,6 +139,7 @@ def set_up(cfg: TrainConfig) -> Run:
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
         objective=objective,
+        stepper=_stepper(cfg, pipeline or model, device, dp_group, route_group),
         pipeline=pipeline,
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint
@@ -143,6 +149,19 @@ def set_up(cfg: TrainConfig) -> Run:
         accept(run)
     apply_collective_timeout(cfg.collective_timeout)  # set-up (downloads, loading) keeps torch's default
     return run
+
+
+def _stepper(
+    cfg: TrainConfig,
+    model: torch.nn.Module | Pipeline,
+    device: torch.device,
+    dp_group: dist.ProcessGroup,
+    route_group: dist.ProcessGroup,
+) -> Stepper:
+    """The run's stepper: the whole model's, or (--pp) the pipeline's."""
+    if isinstance(model, Pipeline):
+        return PipelineStepper(model, device, cfg.dp, dp_group, cfg.loss_parallel, cfg.aux_loss_over)
+    return PlainStepper(model, device, cfg.dp, dp_group, route_group, cfg.loss_parallel, cfg.aux_loss_over)
 
 
 def accept(run: Run) -> None:

@@ -90,6 +90,10 @@ def test_what_a_stage_cut_cannot_keep_exact_is_refused() -> None:
             r"dualpipev needs at least as many micro-batches as stages: --microbatches 2 < 4",
         ),
         (dict(microbatches=4), r"are pipeline settings: add --pp N"),
+        (
+            dict(pp=2, objective="dpo", batch_size=2, eval_split=0.25),
+            r"--pp with --objective dpo does not evaluate held-out pairs yet: drop --eval-split",
+        ),
     ],
 )
 def test_bad_pipeline_settings_are_one_line(settings: dict, message: str) -> None:
@@ -103,6 +107,9 @@ def test_more_stages_than_layers_is_refused() -> None:
     assert TrainConfig(pp=2, tp=1, dp=2).resolve().world_size == 4
     # a split backward (zbv, dualpipev) under FSDP2 with gradient accumulation: exact (the torchrun grid)
     TrainConfig(pp=2, dp=2, pp_schedule="zbv", pp_virtual_stages=2, batch_size=2, grad_accum=2).resolve().validate()
+    # the objective gives the last stage its loss: preference objectives run over a pipeline
+    for objective in ("dpo", "simpo"):
+        TrainConfig(pp=2, objective=objective, batch_size=2).resolve().validate()
     # context and expert parallelism run inside each stage
     both = TrainConfig(pp=2, tp=1, dp=2, cp=2, ep=4, batch_size=2).resolve()
     both.validate()
