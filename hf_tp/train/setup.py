@@ -14,13 +14,12 @@ from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
+from hf_tp.core.mesh import dp_mesh_of, split_mesh, stage_dims
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
-from hf_tp.parallel import build_mesh
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import dp_mesh_of, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
@@ -88,9 +87,7 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    root = build_mesh(
-        tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate, pp=cfg.pp
-    )
+    root = cfg.dims.build_mesh(device.type)
     mesh = root[stage_dims(root)] if cfg.pp > 1 else root  # a pipeline stage's mesh: the rest of the dims
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
