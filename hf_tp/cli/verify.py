@@ -32,6 +32,8 @@ are random and the model small: it checks the layout's arithmetic, not a trained
 # The flags verify shares with hf-tp train: generated from TrainConfig's fields (help, names, choices
 # and defaults in one place: hf_tp/train/settings_run.py), each meaning what it means for a training run.
 TRAIN_FLAGS = (
+    "ep",
+    "cp",
     "lora_r",
     "lora_alpha",
     "lora_target_modules",
@@ -44,8 +46,8 @@ TRAIN_FLAGS = (
     "master_addr",
     "master_port",
 )
-# The layout: ParallelDims' fields (hf_tp.core.dims), with verify's own default for --tp, and why.
-DIMS = ("tp", "dp", "ep", "cp")
+# tp and dp: ParallelDims' fields (hf_tp.core.dims) with verify's own defaults, --tp's explained.
+DIMS = ("tp", "dp")
 DIMS_DEFAULTS = {"tp": (2, "verify checks a split against one rank, and tp 1 splits nothing")}
 # verify's own (their defaults or meaning differ from train's): the model as estimate resolves it,
 # and the short run it compares
