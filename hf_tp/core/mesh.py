@@ -42,7 +42,8 @@ class MeshSlices:
     """The named slices of one mesh (a whole mesh or a pipeline stage's), read once: ``tp``; ``dp``,
     the mesh FSDP2 shards over (dp x cp flattened with context parallelism, both HSDP dims
     flattened), None on a 1-D mesh; ``cp`` (None without context parallelism); ``fsdp``, HSDP's
-    2-D ``("dp_replicate", "dp_shard")`` mesh (else None); ``dp_replicate``, its replicas (1 without)."""
+    2-D ``("dp_replicate", "dp_shard")`` mesh (else None); ``dp_replicate``, its replicas (1 without);
+    ``rows``, the ranks that read their own rows (dp without cp, :func:`dp_mesh_of`; None on a 1-D mesh)."""
 
     mesh: DeviceMesh
     tp: DeviceMesh
@@ -50,6 +51,7 @@ class MeshSlices:
     cp: DeviceMesh | None
     fsdp: DeviceMesh | None
     dp_replicate: int = 1
+    rows: DeviceMesh | None = None
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshSlices:
@@ -57,7 +59,7 @@ class MeshSlices:
         dp, tp = split_mesh(mesh)
         fsdp = fsdp_mesh(mesh)
         replicas = mesh["dp_replicate"].size() if fsdp is not None else 1
-        return cls(mesh, tp, dp, cp_mesh(mesh), fsdp, replicas)
+        return cls(mesh, tp, dp, cp_mesh(mesh), fsdp, replicas, dp_mesh_of(mesh) if dp is not None else None)
 
 
 def stage_dims(mesh: DeviceMesh) -> tuple[str, ...]:

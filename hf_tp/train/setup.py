@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
-from hf_tp.core.mesh import dp_mesh_of, split_mesh, stage_dims
+from hf_tp.core.mesh import MeshSlices, stage_dims
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
@@ -98,7 +98,8 @@ def set_up(cfg: TrainConfig) -> Run:
     cfg = with_document_masking_checked(cfg, model)
     batches, eval_set = build_batches(cfg, tokenizer, root.get_local_rank("dp"), device)
     # 5. the objective (DPO's reference model built here), optimizer and schedule
-    route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
+    slices = MeshSlices.of(mesh)  # the stage's named slices, read once
+    route_group = slices.dp.get_group()  # dp, or dp x cp
     # --pp: the last stage's cross entropy (hf_tp.parallel.pipeline), the only objective it runs
     objective = (
         CrossEntropy(False, route_group)
@@ -106,7 +107,7 @@ def set_up(cfg: TrainConfig) -> Run:
         else build_objective(cfg, model, mesh, device, route_group, batches)
     )
     if isinstance(eval_set, PairEvalSet):
-        eval_set.bind(objective, dp_mesh_of(mesh).get_group())
+        eval_set.bind(objective, slices.rows.get_group())
     opt = build_optimizer((pipeline or model).parameters(), cfg.lr, cfg.weight_decay, device)
     params = parameter_count(pipeline, device) if pipeline else sum(p.numel() for p in model.parameters())
     unrouted = unrouted_expert_params(model, model.config)
@@ -122,7 +123,7 @@ def set_up(cfg: TrainConfig) -> Run:
         sched=build_scheduler(opt, cfg),
         batches=batches,
         eval_set=eval_set,
-        dp_group=dp_mesh_of(mesh).get_group(),
+        dp_group=slices.rows.get_group(),
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=not pipeline and fusable(model),
