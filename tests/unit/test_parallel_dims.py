@@ -147,7 +147,9 @@ def test_the_named_slices_are_read_off_one_mesh() -> None:
     def rank_fn(rank: int) -> None:
         cp = MeshSlices.of(ParallelDims(dp=2, cp=2).build_mesh("cpu"))
         assert (cp.tp.size(), cp.dp.size(), cp.cp.size(), cp.fsdp, cp.dp_replicate) == (1, 4, 2, None, 1)
+        assert cp.rows.mesh_dim_names == ("dp",) and cp.rows.size() == 2  # the rows: dp without cp
         hsdp = MeshSlices.of(ParallelDims(dp=4, dp_replicate=2).build_mesh("cpu"))
+        assert hsdp.rows.size() == 4
         assert (hsdp.dp.size(), hsdp.cp, hsdp.fsdp.mesh_dim_names, hsdp.dp_replicate) == (
             4,
             None,
