@@ -17,6 +17,7 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "get_adapter": "hf_tp.adapters",
     "register_adapter": "hf_tp.adapters",
     "supported_model_types": "hf_tp.adapters",
+    "ParallelDims": "hf_tp.core.dims",
     "build_mesh": "hf_tp.parallel",
     "loss_parallel": "hf_tp.parallel",
     "parallelize": "hf_tp.parallel",

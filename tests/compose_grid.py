@@ -16,7 +16,7 @@ import sys
 import torch
 
 import hf_tp
-from hf_tp.parallel.context import Layout
+from hf_tp.parallel.context import TokenShare
 from tests.cp_grid import SEQ, cp_batch
 from tests.family_grid import grid_config, grid_model, is_moe
 from tests.helpers import batch, run_threaded
@@ -89,7 +89,7 @@ def run_compose(name: str, mode: str) -> str:
         got = train_steps(model, data, steps=2, ctx=hf_tp.loss_parallel)
         logits = want.logits
         if cp > 1:
-            logits = logits[:, Layout(cp, mesh.get_local_rank("cp")).indices(SEQ)]
+            logits = logits[:, TokenShare(cp, mesh.get_local_rank("cp")).indices(SEQ)]
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         assert_parity(_trainable(got, names, got.logits), _trainable(want, names, logits), uncapped=mixers)
         for name, w in want.start.items():

@@ -75,7 +75,7 @@ def run_case(case: CPCase, steps: int = 2) -> str:
     import torch.distributed as dist
 
     import hf_tp
-    from hf_tp.parallel.context import Layout
+    from hf_tp.parallel.context import TokenShare
     from tests.family_grid import grid_config, grid_model, is_moe
     from tests.parity import Trace, assert_parity, train_steps
 
@@ -105,7 +105,7 @@ def run_case(case: CPCase, steps: int = 2) -> str:
     local = {k: v[rows] for k, v in data.items()}
     dp_group = mesh["dp"].get_group() if case.dp > 1 else None
     got = train_steps(model, local, steps=steps, ctx=hf_tp.loss_parallel, dp_group=dp_group)
-    mine = Layout(case.cp, mesh.get_local_rank("cp")).indices(SEQ)
+    mine = TokenShare(case.cp, mesh.get_local_rank("cp")).indices(SEQ)
     assert_parity(got, Trace(want.logits[rows][:, mine], want.grads, want.losses, want.params, want.start))
     dist.barrier()
     return "parity"

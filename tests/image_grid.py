@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import hf_tp
-from hf_tp.parallel.context import Layout
+from hf_tp.parallel.context import TokenShare
 from hf_tp.parallel.passengers import in_tower
 from hf_tp.record import record_of
 from tests.family_grid import GREEDY_TOKENS
@@ -222,7 +222,7 @@ class ImageCase:
         assert set(got.grads) <= trainable, sorted(set(got.grads) - trainable)
         want_rows = self.want.logits[rows]
         if self.cp > 1:  # this rank's tokens
-            want_rows = want_rows[:, Layout(self.cp, mesh.get_local_rank("cp")).indices(want_rows.shape[1])]
+            want_rows = want_rows[:, TokenShare(self.cp, mesh.get_local_rank("cp")).indices(want_rows.shape[1])]
         diffs = {"logits": ((got.logits - want_rows).abs().max() / want_rows.abs().max()).item()}
         diffs["loss"] = abs(got.loss - self.want.loss) / abs(self.want.loss)
         diffs["loss after AdamW"] = abs(got.second_loss - self.want.second_loss) / abs(self.want.second_loss)

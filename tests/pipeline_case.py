@@ -18,10 +18,10 @@ import hf_tp
 from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.core.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.context import state_of
 from hf_tp.parallel.expert_parallel import experts_modules
 from hf_tp.parallel.held_out import evaluate_pipeline
-from hf_tp.parallel.mesh import dp_mesh_of, stage_dims
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.record import record_of

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from hf_tp.cli.formatting import subcommand_parser
+from hf_tp.cli.formatting import add_dims_flags, add_model_flag, subcommand_parser
 
 EPILOG = """examples:
   hf-tp estimate --model qwen2-0.5b --tp 2 --dp 8 --seq-len 2048 --batch-size 1
@@ -40,26 +40,10 @@ sweep's simulations run in --jobs worker processes (default: one per core)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_tp.core.model_source import bundled_models  # json files only: no torch for --help
     from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPUS
 
-    names = ", ".join(bundled_models())
-    p.add_argument("--model", required=True, help=f"bundled short name ({names}), local dir/config.json, or Hub id")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP2) size")
-    p.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel size for MoE models: ranks borrowed from dp (divides dp)"
-    )
-    p.add_argument(
-        "--cp", type=int, default=1, help="context-parallel size: each sequence's tokens split over cp ranks"
-    )
-    p.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=1,
-        help="HSDP: dp = R replicas x an FSDP2 shard group of dp/R ranks (state sharded over dp/R only); divides dp",
-    )
-    add_pipeline_arguments(p)
+    add_model_flag(p)
+    add_dims_flags(p)  # ParallelDims' fields (hf_tp.core.dims), as hf-tp train takes them
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument(
         "--batch-size",
@@ -120,27 +104,6 @@ def _add_depth_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="a sweep: worker processes simulating layouts at once (default: one per CPU core)",
-    )
-
-
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    """One layout's pipeline flags, as ``hf-tp train`` takes them."""
-    p.add_argument(
-        "--pp", type=int, default=1, help="pipeline stages (decoder layers cut as hf-tp train --pp cuts them)"
-    )
-    p.add_argument(
-        "--pp-schedule",
-        default="1f1b",
-        help="with --pp: 1f1b, gpipe, interleaved1f1b, loopedbfs, zbv or dualpipev (as hf-tp train)",
-    )
-    p.add_argument(
-        "--pp-virtual-stages", type=int, default=1, help="with --pp: stages per rank (interleaved schedules)"
-    )
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="with --pp: micro-batches a dp rank's --batch-size splits into (default pp)",
     )
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
+from hf_tp.cli.formatting import add_dims_flags, add_model_flag, subcommand_parser
 
 EPILOG = """examples:
   hf-tp plan --model llama-3.1-8b --tp 8
@@ -24,10 +24,13 @@ hf-tp train pads rows; all-to-all sizes assume even routing over the experts."""
 
 
 DEFAULT_SEQ_LEN = 2048
+# plan's own default for --tp, and why (the flags are ParallelDims' fields: hf_tp.core.dims)
+DIMS_DEFAULTS = {"tp": (2, "a plan shows how tp splits the model, and tp 1 splits nothing")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_and_layout(p)
+    add_model_flag(p)
+    add_dims_flags(p, ("tp", "ep", "cp"), DIMS_DEFAULTS)
     p.add_argument(
         "--seq-len",
         type=int,

@@ -6,10 +6,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.cli.train_flags import add_setting_flags
+from hf_tp.core.setting import help_title
 from hf_tp.train.config import GROUPS, TrainConfig, merge
 from hf_tp.train.settings_data import ModelAndData
 from hf_tp.train.settings_run import Launch
@@ -30,7 +32,8 @@ Settings: defaults < --config YAML < flags. "embedded default" means without --m
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every setting's flags, generated from TrainConfig's fields in their groups
     (:mod:`hf_tp.cli.train_flags`), plus the two flags that are no setting: --config and --verbose."""
-    groups = {group.TITLE: p.add_argument_group(group.TITLE) for group in GROUPS}
+    titles = dict.fromkeys(help_title(group, f.name) for group in GROUPS for f in fields(group))  # in order
+    groups = {title: p.add_argument_group(title) for title in titles}
     groups[ModelAndData.TITLE].add_argument(
         "--config", metavar="FILE", help="YAML file of settings, keys as these flags; flags override it (default: none)"
     )

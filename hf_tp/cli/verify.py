@@ -19,7 +19,7 @@ import tempfile
 import typing
 from pathlib import Path
 
-from hf_tp.cli.formatting import add_model_and_layout, subcommand_parser
+from hf_tp.cli.formatting import add_dims_flags, add_model_flag, subcommand_parser
 
 EPILOG = """examples:
   hf-tp verify --model llama-3.1-8b --tp 2                  # 2 ranks: GPUs if visible, else CPU
@@ -46,17 +46,20 @@ TRAIN_FLAGS = (
     "master_addr",
     "master_port",
 )
+# tp and dp: ParallelDims' fields (hf_tp.core.dims) with verify's own defaults, --tp's explained.
+DIMS = ("tp", "dp")
+DIMS_DEFAULTS = {"tp": (2, "verify checks a split against one rank, and tp 1 splits nothing")}
 # verify's own (their defaults or meaning differ from train's): the model as estimate resolves it,
-# tp 2 and dp 1, and the short run it compares
-OWN = ("model", "tp", "dp", "max_steps", "lr")
+# and the short run it compares
+OWN = ("model", "max_steps", "lr")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from hf_tp.cli.train_flags import add_field_flags
+    from hf_tp.core.setting import value_types
     from hf_tp.train.config import TrainConfig
-    from hf_tp.train.setting import value_types
 
-    add_model_and_layout(p, dp=True, ep_cp=False)
+    add_model_flag(p)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per row (rounded up to what the layout needs)")
     p.add_argument("--max-steps", type=int, default=3, help="AdamW steps compared")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
@@ -67,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verbose", action="store_true", help="the launcher's own output and every rank's error")
     shared = p.add_argument_group("layout, LoRA and launch: as hf-tp train takes them")
+    add_dims_flags(shared, DIMS, DIMS_DEFAULTS)
     hints = typing.get_type_hints(TrainConfig)
     by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for name in TRAIN_FLAGS:
@@ -76,12 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them.
     A shared flag not given takes its TrainConfig default."""
-    from hf_tp.layout import row_multiple
     from hf_tp.train.config import TrainConfig
 
-    fields = {k: getattr(args, k) for k in (*OWN, *TRAIN_FLAGS) if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in (*OWN, *DIMS, *TRAIN_FLAGS) if getattr(args, k) is not None}
     cfg = TrainConfig(**fields, output_dir=args.output_dir or "", dtype="fp32", report_to="none")
-    multiple = row_multiple(cfg.tp, cfg.cp)
+    multiple = cfg.row_multiple
     seq_len = -(-args.seq_len // multiple) * multiple if multiple > 0 else args.seq_len
     return dataclasses.replace(cfg, seq_len=seq_len)
 

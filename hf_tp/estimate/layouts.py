@@ -51,7 +51,7 @@ the config of that rank's layers, and how many micro-batches' activations a rank
 The cut is training's own (:func:`hf_tp.parallel.pipeline_split.balanced_cuts` over each decoder
 layer's parameter count, read from a model built on the meta device: no memory), refused where
 training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: multimodal wrappers,
-forwards that change the hidden states outside the layers; :func:`hf_tp.pipeline_checks.check_tied_schedule`:
+forwards that change the hidden states outside the layers; :func:`hf_tp.core.dims.check_tied_schedule`:
 a tied ``lm_head`` under a V-shaped schedule). A rank runs
 stages ``rank + v * pp`` for v < ``pp_virtual_stages`` (``rank`` and ``2 pp - 1 - rank`` under a
 V-shaped schedule, as training places them); the simulated rank is the one whose layers
@@ -82,6 +82,7 @@ from hf_tp.adapters import get_adapter, wrapper
 from hf_tp.adapters.modules import num_experts
 from hf_tp.adapters.shrink import layer_kinds
 from hf_tp.core.comm import RING_FACTOR, CommStat
+from hf_tp.core.dims import V_SHAPED, check_tied_schedule
 from hf_tp.estimate.api import Estimate, estimate_spec, model_label
 from hf_tp.estimate.counters import Work
 from hf_tp.estimate.memory import MemoryBreakdown
@@ -91,7 +92,6 @@ from hf_tp.parallel.aux_loss import standard_aux_loss
 from hf_tp.parallel.expert_parallel import experts_modules, unrouted_expert_params
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
 from hf_tp.parallel.tp import embeddings_tied
-from hf_tp.pipeline_checks import V_SHAPED, check_tied_schedule
 
 Simulate = Callable[[PretrainedConfig, EstimateSpec, "str | None"], Estimate]
 ONCE_PER_STEP_OPS = ("_fused_adamw_", "_fused_adam_")  # the optimizer's kernels: once per step, not per micro-batch

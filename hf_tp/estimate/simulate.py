@@ -44,13 +44,13 @@ from hf_tp.compat.torch_fake import (
     unset_fake_temporarily,
 )
 from hf_tp.compat.transformers_private import fake_grouped_mm_any_dtype, unmasked_causal_attention
+from hf_tp.core.mesh import HSDP_DIMS
 from hf_tp.estimate.memory import MemoryBreakdown, PeakMemTracker, ep_groups
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.lora import freeze_in_dtype
-from hf_tp.parallel.mesh import HSDP_DIMS
 from hf_tp.train import loss as train_loss
 from hf_tp.train import model as train_model
 from hf_tp.train import optim as train_optim

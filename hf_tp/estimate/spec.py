@@ -39,9 +39,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_tp.compat import UnsupportedRelease, moe_estimate_refusal
+from hf_tp.core.dims import (
+    LAYOUT_DIMS,
+    ParallelDims,
+    check_cp_rows,
+    check_layout,
+    check_pipeline_dims,
+    check_pipeline_rows,
+    check_positive,
+)
 from hf_tp.core.model_source import ModelSource
-from hf_tp.layout import LAYOUT_DIMS, check_cp_rows, check_layout, check_positive
-from hf_tp.pipeline_checks import check_pipeline
 from hf_tp.train.validate import check_mixed_precision, validate_model_config
 
 if TYPE_CHECKING:
@@ -82,6 +89,11 @@ class EstimateSpec:
     microbatches: int = 1
 
     @property
+    def dims(self) -> ParallelDims:
+        """The layout of this step (:class:`hf_tp.core.dims.ParallelDims`)."""
+        return ParallelDims.of(self)
+
+    @property
     def world_size(self) -> int:
         return self.pp * self.tp * self.cp * self.dp
 
@@ -111,25 +123,19 @@ def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
 
 
 def check_pipeline_spec(config: PretrainedConfig, spec: EstimateSpec) -> None:
-    """The pipeline settings as ``hf-tp train --pp`` checks them (:func:`hf_tp.pipeline_checks.check_pipeline`,
+    """The pipeline settings as ``hf-tp train --pp`` checks them (:func:`hf_tp.core.dims.check_pipeline_dims`,
     the rows split evenly into micro-batches); cp and ep inside the stages are checked as at pp 1
     (:func:`validate`: ep divides a stage's dp x cp, rows a multiple of 2 x cp x tp), the model's own
     cut (wrappers, a tied lm_head under a V-shaped schedule) where the stages are cut
     (:mod:`hf_tp.estimate.layouts`)."""
-    check_positive("pp", spec.pp)
-    if spec.pp == 1:
-        if (spec.microbatches, spec.pp_virtual_stages, spec.pp_schedule) != (1, 1, "1f1b"):
-            raise ValueError("microbatches, pp_schedule and pp_virtual_stages are pipeline settings: set pp > 1")
-        return
-    from hf_tp.adapters import wrapper  # torch: imported on use
+    layers = None
+    if isinstance(spec.pp, int) and spec.pp > 1:
+        from hf_tp.adapters import wrapper  # torch: imported on use
 
-    layers = (wrapper.text_config_of(config) or config).num_hidden_layers
-    check_pipeline(spec.pp, spec.pp_schedule, spec.microbatches, spec.pp_virtual_stages, layers)
-    if spec.batch_size % spec.microbatches:
-        raise ValueError(
-            f"batch_size ({spec.batch_size}) must be a multiple of microbatches ({spec.microbatches}): each "
-            "pipeline micro-batch takes an equal share of a dp rank's rows"
-        )
+        layers = (wrapper.text_config_of(config) or config).num_hidden_layers
+    check_pipeline_dims(spec.pp, spec.pp_schedule, spec.microbatches, spec.pp_virtual_stages, layers=layers)
+    if spec.pp > 1:
+        check_pipeline_rows(spec.batch_size, spec.microbatches, flags=False)
 
 
 _UNITS = {

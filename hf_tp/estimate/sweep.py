@@ -60,12 +60,12 @@ from dataclasses import dataclass, field
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
+from hf_tp.core.dims import check_cp_rows, check_expert_ranks, row_multiple
 from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.depth import Simulations, Simulator, estimate_fast
 from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout, stage_config, stage_plan
 from hf_tp.estimate.spec import EstimateSpec, GiB, validate
 from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu
-from hf_tp.layout import check_cp_rows, check_expert_ranks, row_multiple
 
 BATCH_TRIES = 2
 
@@ -74,7 +74,7 @@ Progress = Callable[[str], None] | None
 
 def speed_sweep(
     result: Sweep,
-    splits: list[Layout] | list[tuple[int, int]],
+    splits: list[SweepCandidate] | list[tuple[int, int]],
     run: Callable[..., Estimate],
     ac: bool,
     progress: Progress,
@@ -82,7 +82,9 @@ def speed_sweep(
 ) -> None:
     """Simulate ``splits`` (largest tp first), grow the batch of those that fit (unless ``grow`` is
     False; a pipeline layout's micro-batch count is its growth), recommend the fastest."""
-    simulate_splits(result, [s if isinstance(s, Layout) else Layout(*s) for s in splits], run, ac, progress)
+    simulate_splits(
+        result, [s if isinstance(s, SweepCandidate) else SweepCandidate(*s) for s in splits], run, ac, progress
+    )
     for est, speed in list(result.ranking()) if grow else []:  # fastest first: the bound below prunes the most
         if est.pp > 1:
             continue
@@ -99,7 +101,7 @@ def speed_sweep(
 
 
 def simulate_splits(
-    result: Sweep, splits: list[Layout], run: Callable[..., Estimate], ac: bool, progress: Progress
+    result: Sweep, splits: list[SweepCandidate], run: Callable[..., Estimate], ac: bool, progress: Progress
 ) -> None:
     """Each layout at the given batch, again with activation checkpointing where it does not fit
     (unless its speed without recompute already loses); tp wider than a node left out. The plain
@@ -140,7 +142,7 @@ def simulate_splits(
         result.estimates.append(run(**lay.changes(), activation_checkpointing=True))
 
 
-def hsdp_pruned(result: Sweep, lay: Layout) -> str | None:
+def hsdp_pruned(result: Sweep, lay: SweepCandidate) -> str | None:
     """Why HSDP layout ``lay`` need not be simulated, or None: a rank of it holds more than one of
     its plain FSDP2 counterpart (the state sharded over a node, not over every dp rank), so it
     cannot fit where that one does not even with checkpointing, and it can at most remove that
@@ -167,7 +169,7 @@ def hsdp_pruned(result: Sweep, lay: Layout) -> str | None:
     return None
 
 
-def _plain_name(lay: Layout, cp: str) -> str:
+def _plain_name(lay: SweepCandidate, cp: str) -> str:
     pp = f"pp={lay.pp} ({lay.pp_schedule}, {lay.microbatches} micro-batches) x " if lay.pp > 1 else ""
     hsdp = f" (HSDP {lay.dp_replicate} x {lay.dp // lay.dp_replicate})" if lay.dp_replicate > 1 else ""
     return f"{pp}tp={lay.tp}{cp} x dp={lay.dp}{hsdp}"
@@ -221,7 +223,7 @@ SCHEDULES = ("1f1b", "interleaved1f1b")  # what a sweep tries (interleaved with 
 
 
 @dataclass(frozen=True)
-class Layout:
+class SweepCandidate:
     """One layout a sweep simulates (the spec's other fields stay)."""
 
     tp: int
@@ -235,13 +237,13 @@ class Layout:
 
     def changes(self) -> dict:
         """tp, dp and the fields that differ from a plain (tp, dp) split's."""
-        plain = Layout(self.tp, self.dp)
+        plain = SweepCandidate(self.tp, self.dp)
         return {k: v for k, v in dataclasses.asdict(self).items() if k in ("tp", "dp") or v != getattr(plain, k)}
 
 
-def layout_of(est: Estimate) -> Layout:
+def layout_of(est: Estimate) -> SweepCandidate:
     """The layout ``est`` was estimated at."""
-    return Layout(
+    return SweepCandidate(
         est.tp, est.dp, est.pp, est.dp_replicate, est.microbatches, est.pp_schedule, est.pp_virtual_stages,
         est.batch_size,
     )  # fmt: skip
@@ -258,7 +260,7 @@ def describe_layout(est: Estimate) -> str:
     return f"{pp}tp={est.tp}{cp} x {dp}"
 
 
-def hsdp_layouts(layouts: list[Layout], gpus_per_node: int) -> list[Layout]:
+def hsdp_layouts(layouts: list[SweepCandidate], gpus_per_node: int) -> list[SweepCandidate]:
     """Each layout whose stage's tp x dp ranks span nodes, again as HSDP with a node-sized shard group."""
     out = []
     for lay in layouts:
@@ -277,7 +279,7 @@ def pipeline_layouts(
     splits_of,
     skipped: list[str],
     schedules: tuple[str, ...] = SCHEDULES,
-) -> list[Layout]:
+) -> list[SweepCandidate]:
     """The pipeline layouts of ``world`` ranks (see the module docstring); ``splits_of(ranks)``
     gives the (tp, dp) splits of a stage's ranks. Why none are tried goes to ``skipped``."""
     cp = spec.cp
@@ -303,7 +305,7 @@ def pipeline_layouts(
         tried = [(s, v) for s, v in tried if _cuttable(config, pp, v, skipped)]
         for tp, dp in _stage_splits(spec, splits_of(world // (pp * cp)), pp, skipped):
             for schedule, v in tried:
-                out.append(Layout(tp, dp, pp, 1, m, schedule, v, batch))
+                out.append(SweepCandidate(tp, dp, pp, 1, m, schedule, v, batch))
     return out
 
 
@@ -493,7 +495,7 @@ def sweep(
         run = Runner(config, spec, model_name, SimulationCache(simulate or Simulator(sims, fast)))
         if cluster is not None:
             node = cluster.gpu.gpus_per_node
-            plain = [Layout(tp, dp) for tp, dp in splits]
+            plain = [SweepCandidate(tp, dp) for tp, dp in splits]
             layouts = plain + hsdp_layouts(plain, node) if spec.cp == 1 and spec.ep == 1 else plain
             stages = pipeline_layouts(
                 config, world_size, spec, node, grow, lambda n: candidate_splits(config, n), result.skipped,

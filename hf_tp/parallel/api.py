@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases, warn_newer_releases
-from hf_tp.layout import check_compile, check_dp_replicate
+from hf_tp.core.dims import ParallelDims, check_compile, check_dp_replicate
+from hf_tp.core.mesh import MeshSlices
 from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
 from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
@@ -27,7 +28,6 @@ from hf_tp.parallel.lora import (
 )
 from hf_tp.parallel.loss_parallel import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
-from hf_tp.parallel.mesh import cp_mesh, fsdp_mesh, split_mesh
 from hf_tp.parallel.packed_positions import pass_packed_positions
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
 from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
@@ -45,7 +45,7 @@ from hf_tp.record import (
 
 def parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | ParallelDims,
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
@@ -72,12 +72,13 @@ def parallelize(
     replicated over tp (:mod:`hf_tp.parallel.partial_grads`). ``ep`` > 1 (MoE): whole experts on ranks borrowed from
     dp (dp x cp), tokens moved by all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the
     experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a cp x tp group
-    passes the same full rows (a multiple of 2 x cp x tp long); the logits are this rank's tokens (``Layout.indices``
+    passes the same full rows (a multiple of 2 x cp x tp long); the logits are this rank's tokens (``TokenShare.indices``
     says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
-    """
+    ``mesh`` may be a :class:`hf_tp.ParallelDims` (pp 1): its mesh is built here, its ``ep`` taken."""
     outer, vision = model, train_vision_tower
-    model, adapter, opts, dp_mesh, tp_mesh, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
-    check_compile(compile, activation_checkpointing, tp_mesh.size())  # (hf_tp.layout)
+    model, adapter, opts, slices, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
+    dp_mesh, tp_mesh = slices.dp, slices.tp
+    check_compile(compile, activation_checkpointing, tp_mesh.size())  # (hf_tp.core.dims)
     record = record_of(model)  # attached by _check, once every check passed
     if activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -95,15 +96,15 @@ def parallelize(
     if compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
-    if cp_mesh(mesh) is not None:
-        install_context_parallel(model, adapter.layers_path, cp_mesh(mesh), tp_mesh.size())
+    if slices.cp is not None:
+        install_context_parallel(model, adapter.layers_path, slices.cp, tp_mesh.size())
     expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
     if fsdp:
         apply_fsdp(
             model,
             adapter,
             dp_mesh,
-            shard_mesh=fsdp_mesh(mesh),
+            shard_mesh=slices.fsdp,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
             ignored_params=(set(expert_params) | whole) or None,
@@ -158,14 +159,20 @@ def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
 
 
 def _check(
-    outer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool, ep: int, train_vision: bool
+    outer: nn.Module,
+    mesh: DeviceMesh | ParallelDims,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    ep: int,
+    train_vision: bool,
 ) -> tuple:
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
-    dp mesh, tp mesh, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
+    the mesh's named slices, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
     and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`); a multimodal
     wrapper's passengers are frozen (:mod:`hf_tp.parallel.passengers`) and its 3-D mrope language model
     takes packed position ids in its 4-row form (:mod:`hf_tp.parallel.packed_positions`)."""
     check_releases()  # a release below the tested floors: one line naming it, before anything else
+    mesh, ep = _mesh_and_ep(mesh, ep)
     model, peft = unwrap_peft(outer)
     if peft:
         warn_newer_releases(("peft",))  # (the lora extra's ceiling, checked where LoRA is used)
@@ -173,7 +180,8 @@ def _check(
     if config is None:
         raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")
     adapter = get_adapter(config)
-    dp_mesh, tp_mesh = split_mesh(mesh)
+    slices = MeshSlices.of(mesh)  # the named slices, read once
+    dp_mesh, tp_mesh, cp = slices.dp, slices.tp, slices.cp
     adapter.validate(config, tp_mesh.size())
     opts = PlanOptions(
         sequence_parallel=sequence_parallel,
@@ -181,9 +189,8 @@ def _check(
         kv_replicas=adapter.kv_replicas(config, tp_mesh.size()),
     )
     check_plan_paths(model, adapter, opts)
-    cp = cp_mesh(mesh)
-    if fsdp_mesh(mesh) is not None:
-        check_dp_replicate(dp_mesh.size(), mesh["dp_replicate"].size(), ep=ep)  # (hf_tp.layout)
+    if slices.fsdp is not None:
+        check_dp_replicate(dp_mesh.size(), slices.dp_replicate, ep=ep)  # (hf_tp.core.dims)
     check_wrapper(model, adapter, cp=cp is not None)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
@@ -214,7 +221,21 @@ def _check(
     if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
         mark_packed_experts(model, adapter, opts)
     _record(model, adapter, opts, mesh, dp_mesh, tp_mesh, ep_mesh, lora=lora)
-    return model, adapter, opts, dp_mesh, tp_mesh, ep_mesh
+    return model, adapter, opts, slices, ep_mesh
+
+
+def _mesh_and_ep(mesh: DeviceMesh | ParallelDims, ep: int) -> tuple[DeviceMesh, int]:
+    """``parallelize``'s mesh and ep: a :class:`ParallelDims` builds its mesh (one stage: pp 1) and gives ep."""
+    if not isinstance(mesh, ParallelDims):
+        return mesh, ep
+    if mesh.pp > 1:
+        raise ValueError(
+            f"parallelize takes one pipeline stage's mesh, got ParallelDims(pp={mesh.pp}): pipeline stages are "
+            "built by hf-tp train --pp (hf_tp.fit); pass pp=1"
+        )
+    if ep not in (1, mesh.ep):
+        raise ValueError(f"ep={ep} and ParallelDims(ep={mesh.ep}) disagree: give ep once, in the ParallelDims")
+    return mesh.build_mesh(), mesh.ep
 
 
 def _generate(model: nn.Module, inputs=None, **kwargs):

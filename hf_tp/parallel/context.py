@@ -1,7 +1,7 @@
 """Context parallelism: each row's sequence split over a ``cp`` mesh dim, attention exact across it.
 
 Every rank of a cp x tp group is given the same full rows; the model's forward keeps this rank's
-share of the tokens (:class:`Layout`) and the rest of the model never sees the others. Attention
+share of the tokens (:class:`TokenShare`) and the rest of the model never sees the others. Attention
 is the one place tokens meet: each rank all-gathers the keys and values of its cp group (an
 autograd all-gather whose backward reduce-scatters dK and dV) and attends its own queries to
 them under a mask built from *global* token indices: causal, padding, packed documents
@@ -43,7 +43,7 @@ _all_gather = autograd_all_gather()  # the autograd all-gather (backward: reduce
 
 
 @dataclass(frozen=True)
-class Layout:
+class TokenShare:
     """Which tokens of a row rank ``rank`` of ``cp`` keeps: chunks ``rank`` and ``2cp-1-rank`` of
     ``2cp`` equal chunks (the head of the row and its tail, so every rank has the same causal work)."""
 
@@ -68,6 +68,9 @@ class Layout:
         return t.index_select(dim, self.indices(t.shape[dim], device=t.device))
 
 
+Layout = TokenShare  # its name before the core package (code written against the older docs/long-context.md)
+
+
 @dataclass
 class ContextState:
     """The cp group of a model and what the current forward told its attention (set per call)."""
@@ -75,7 +78,7 @@ class ContextState:
     mesh: DeviceMesh
     base: str  # the model's own attention implementation ("sdpa", "eager", ...)
     multiple: int  # a row's length must divide by this (2 x cp x tp)
-    layout: Layout = field(init=False)
+    layout: TokenShare = field(init=False)
     seq: int = 0
     q_index: torch.Tensor | None = None
     k_index: torch.Tensor | None = None
@@ -92,7 +95,7 @@ class ContextState:
     padding: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.layout = Layout(self.mesh.size(), self.mesh.get_local_rank())
+        self.layout = TokenShare(self.mesh.size(), self.mesh.get_local_rank())
 
     def start(self, seq: int, attention_mask: torch.Tensor | None, docs: torch.Tensor | None, device) -> None:
         """Record a forward's rows: their length, padding and documents."""

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.source import source_tree
+from hf_tp.core.dims import row_multiple
 from hf_tp.labels import IGNORE_INDEX
-from hf_tp.layout import row_multiple
 from hf_tp.parallel.context import (
     ATTENTION_NAME,
     ContextState,

@@ -11,7 +11,7 @@ whole-sequence tensor (zero elsewhere, the same on every tp rank), laid out as t
 mergers see the whole one, as the projector does) and added: at the visual positions the same
 ``h + v`` as transformers', elsewhere ``h + 0``, exactly ``h``. Under context parallelism the
 mask covers the whole rows and the hidden states this rank's tokens: the whole-sequence tensor is
-cut to them first (:class:`hf_tp.parallel.context.Layout`).
+cut to them first (:class:`hf_tp.parallel.context.TokenShare`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hf_tp.compat.torch_fake import unset_fake_temporarily
 from hf_tp.compat.transformers_private import DEEPSTACK, deepstack_merge, set_deepstack_merge
-from hf_tp.parallel.context import Layout, state_of
+from hf_tp.parallel.context import TokenShare, state_of
 
 ARGUMENTS = ("hidden_states", "visual_pos_masks", "visual_embeds")
 
@@ -68,7 +68,7 @@ def _adds_at_positions(language_model: nn.Module, own) -> bool:
 
 
 def sequence_addend(
-    hidden_states: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, layout: Layout | None = None
+    hidden_states: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, layout: TokenShare | None = None
 ) -> torch.Tensor:
     """``values`` (one row per True of ``positions``, row-major) at ``positions`` of a zero tensor of
     the whole rows, laid out as ``hidden_states``: this cp rank's tokens (``layout``, context

@@ -45,8 +45,8 @@ from hf_tp.adapters import get_adapter
 from hf_tp.adapters.modules import experts_per_token, num_experts
 from hf_tp.compat.torch_distributed import all_to_all_autograd, default_group, wait_tensor
 from hf_tp.compat.torch_internals import own_attribute, parameter_slots, pop_own_attribute, set_own_attribute
-from hf_tp.layout import check_expert_ranks
-from hf_tp.parallel.mesh import pp_size
+from hf_tp.core.dims import check_expert_ranks
+from hf_tp.core.mesh import pp_size
 from hf_tp.parallel.routing import MEASURED
 from hf_tp.record import ExpertShard, facts, facts_of, record_of
 from hf_tp.styles.experts import region_view

@@ -32,13 +32,13 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from hf_tp.core.dims import MULTI_STAGE, V_SHAPED
 from hf_tp.parallel.aux_loss import router_aux_term, standard_aux_loss
 from hf_tp.parallel.context import local_tokens, shift_labels, state_of, sum_over_cp
 from hf_tp.parallel.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
 from hf_tp.parallel.pipeline_fsdp import fsdp_roots, hold_gradients, quiet_stage_views, release_gradients
 from hf_tp.parallel.pipeline_split import merged_stages
 from hf_tp.parallel.tp import embeddings_tied
-from hf_tp.pipeline_checks import MULTI_STAGE, V_SHAPED
 from hf_tp.record import record_of
 
 SCHEDULES = {

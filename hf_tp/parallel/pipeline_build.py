@@ -11,16 +11,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.adapters import PlanOptions, get_adapter
+from hf_tp.core.dims import V_SHAPED, check_pipeline, check_tied_schedule
+from hf_tp.core.mesh import MeshSlices, stage_dims
 from hf_tp.parallel.api import parallelize
 from hf_tp.parallel.context_install import check_context_parallel
 from hf_tp.parallel.expert_parallel import build_ep_mesh, check_experts, experts_modules
 from hf_tp.parallel.lora import unwrap_peft
-from hf_tp.parallel.mesh import cp_mesh, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline, StageModule
 from hf_tp.parallel.pipeline_fsdp import fsdp_roots, keep_gathered
 from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, cut_stage, layer_costs
 from hf_tp.parallel.tp import check_plan_paths, embeddings_tied
-from hf_tp.pipeline_checks import V_SHAPED, check_pipeline, check_tied_schedule
 
 
 def pipeline_parallelize(
@@ -58,24 +58,23 @@ def pipeline_parallelize(
     tied = embeddings_tied(model)  # before the cut: every rank alike
     check_tied_schedule(tied, schedule)
     stage_mesh = mesh[stage_dims(mesh)]
-    _check_whole_model(model, adapter, stage_mesh, parallelize_kwargs)
+    slices = MeshSlices.of(stage_mesh)  # the stage's named slices, read once
+    _check_whole_model(model, adapter, slices, parallelize_kwargs)
     cuts = balanced_cuts(costs, pp * virtual_stages)
     ids = [rank, 2 * pp - 1 - rank] if schedule in V_SHAPED else [rank + v * pp for v in range(virtual_stages)]
     tops = [copy.deepcopy(outer) if k < len(ids) - 1 else outer for k in range(len(ids))]
     models = [
         cut_stage(unwrap_peft(top)[0], adapter, cuts[i], copy_model=False) for top, i in zip(tops, ids, strict=True)
     ]
-    tp_mesh = split_mesh(stage_mesh)[1]
     stages = []
     for top, stage_model in zip(tops, models, strict=True):
-        parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, stage_mesh, schedule, parallelize_kwargs))
-        stages.append(StageModule(stage_model, tp_mesh))
+        parallelize(top, stage_mesh, **_stage_settings(stage_model, adapter, slices, schedule, parallelize_kwargs))
+        stages.append(StageModule(stage_model, slices.tp))
     roots = fsdp_roots(models)  # (torch's FSDP2 internals checked before any step)
     if schedule in V_SHAPED:  # the weight gradients come after FSDP2's hooks (hf_tp.parallel.pipeline_fsdp)
         keep_gathered(roots)
     device = device or next(iter(models[0].parameters())).device
-    dp_mesh = split_mesh(stage_mesh)[0]
-    route_group = dp_mesh.get_group() if dp_mesh is not None else None
+    route_group = slices.dp.get_group() if slices.dp is not None else None
     tied_group = _first_and_last_stage_group(mesh) if tied else None
     return Pipeline(
         stages,
@@ -106,12 +105,12 @@ def _first_and_last_stage_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     return mine
 
 
-def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settings: dict) -> None:
+def _check_whole_model(model: nn.Module, adapter, slices: MeshSlices, settings: dict) -> None:
     """The checks that read the decoder layers, on the whole model before the cut, so every rank
     refuses alike (a stage's own checks see only its layers: a rank whose stage holds no Mamba
     layer would go on while another stops): the plan's module paths, context and expert
     parallelism."""
-    tp = split_mesh(stage_mesh)[1].size()
+    tp = slices.tp.size()
     adapter.validate(model.config, tp)
     opts = PlanOptions(
         sequence_parallel=settings.get("sequence_parallel", True),
@@ -119,7 +118,7 @@ def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settin
         kv_replicas=adapter.kv_replicas(model.config, tp),
     )
     check_plan_paths(model, adapter, opts)
-    cp, ep = cp_mesh(stage_mesh), settings.get("ep", 1)
+    cp, ep = slices.cp, settings.get("ep", 1)
     if cp is not None:
         check_context_parallel(model, adapter.layers_path, cp.size())
     if ep > 1:
@@ -128,18 +127,18 @@ def _check_whole_model(model: nn.Module, adapter, stage_mesh: DeviceMesh, settin
         check_experts(model, adapter.layers_path, adapter.experts, ep)
 
 
-def _stage_settings(stage_model: nn.Module, adapter, stage_mesh: DeviceMesh, schedule: str, settings: dict) -> dict:
+def _stage_settings(stage_model: nn.Module, adapter, slices: MeshSlices, schedule: str, settings: dict) -> dict:
     """:func:`hf_tp.parallelize`'s settings for one stage: ``ep`` 1 for a stage without MoE
     layers (a model's first dense layers), its ep groups built all the same (every rank of the
     world creates every process group); under a V-shaped schedule with FSDP2 no fused reduction
     of tp-``Partial`` gradients (:mod:`hf_tp.parallel.partial_grads` adds them to FSDP2's sharded
     gradients at each backward's end, but the split backward keeps the units gathered through the
     step, :mod:`hf_tp.parallel.pipeline_fsdp`: FSDP2 reduces each of those gradients itself)."""
-    dp_mesh = split_mesh(stage_mesh)[0]
+    dp_mesh = slices.dp
     if schedule in V_SHAPED and dp_mesh is not None and (dp_mesh.size() > 1 or settings.get("mp_policy") is not None):
         settings = {**settings, "fuse_partial_grads": False}
     ep = settings.get("ep", 1)
     if ep > 1 and not experts_modules(stage_model, adapter.layers_path, adapter.experts):
-        build_ep_mesh(stage_mesh, ep)
+        build_ep_mesh(slices.mesh, ep)
         return {**settings, "ep": 1}
     return settings

@@ -21,6 +21,7 @@ from hf_tp.adapters.modules import experts_per_token
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
+from hf_tp.core.dims import ParallelDims, check_positive, row_multiple
 from hf_tp.core.model_source import ModelSource
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
@@ -31,7 +32,7 @@ from hf_tp.record import record_of
 
 def plan_for(
     model_or_config: nn.Module | PretrainedConfig | str,
-    tp: int = 2,
+    tp: int | ParallelDims = 2,
     *,
     ep: int = 1,
     cp: int = 1,
@@ -44,10 +45,14 @@ def plan_for(
     share of weights tp splits, why parts run whole, and the collectives of one forward and
     backward of ``batch_size`` rows of ``seq_len`` tokens. Takes a model (not yet parallelized),
     a config, or what ``hf-tp plan --model`` takes (bundled name, local folder, cached Hub id).
+    ``tp`` may be a :class:`hf_tp.ParallelDims` (its tp, ep and cp; then ``ep``/``cp`` stay 1).
     Raises ``ValueError`` (one line) for a model or layout hf_tp refuses."""
-    from hf_tp.layout import check_positive
     from hf_tp.train.validate import validate_model_config
 
+    if isinstance(tp, ParallelDims):
+        if (ep, cp) != (1, 1):
+            raise ValueError("plan_for takes ep and cp once: in the ParallelDims, or as ep=/cp= with an int tp")
+        tp, ep, cp = tp.tp, tp.ep, tp.cp
     for dim, value in (("tp", tp), ("ep", ep), ("cp", cp), ("seq_len", seq_len), ("batch_size", batch_size)):
         check_positive(dim, value, flags=True)
     model, config, label = _resolve(model_or_config)
@@ -59,7 +64,7 @@ def plan_for(
         with torch.device("meta"):  # shapes only, as parallelize would get it
             model = ModelSource(config).build()
     _check(model, adapter, opts, ep, cp)
-    multiple = tp * (2 * cp if cp > 1 else 1)  # training pads rows to this multiple
+    multiple = row_multiple(tp, cp)  # training pads rows to this multiple
     padded = -(-seq_len // multiple) * multiple
     dtype = _dtype(text, config)
     sizes = Sizes(batch_size * padded // cp, text.hidden_size, dtype.itemsize, tp, cp, ep, _top_k(text))

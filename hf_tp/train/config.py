@@ -14,11 +14,11 @@ from typing import Any
 
 import yaml
 
+from hf_tp.core.dims import ParallelDims, row_multiple
+from hf_tp.core.setting import coerce_setting, value_types
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.data.columns import column_renames
-from hf_tp.layout import row_multiple
 from hf_tp.train.config_checks import ConfigChecks, parse_profile_steps
-from hf_tp.train.setting import coerce_setting, value_types
 from hf_tp.train.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, Objective
 from hf_tp.train.settings_run import (
     AUX_LOSS_OVER,
@@ -27,7 +27,7 @@ from hf_tp.train.settings_run import (
     REPORTERS,
     Launch,
     OutputAndCheckpoints,
-    Pipeline,
+    Parallelism,
     SizesAndOptimizer,
     SpeedAndParallelism,
 )
@@ -37,8 +37,8 @@ GROUPS = (
     ModelAndData,
     HeldOutEval,
     Objective,
+    Parallelism,
     SizesAndOptimizer,
-    Pipeline,
     OutputAndCheckpoints,
     SpeedAndParallelism,
     Launch,
@@ -52,8 +52,8 @@ class TrainConfig(
     Launch,
     SpeedAndParallelism,
     OutputAndCheckpoints,
-    Pipeline,
     SizesAndOptimizer,
+    Parallelism,
     Objective,
     HeldOutEval,
     ModelAndData,
@@ -139,6 +139,11 @@ class TrainConfig(
         return "bf16" if self.dtype == "bf16" or (self.dtype == "auto" and device_type == "cuda") else "fp32"
 
     @property
+    def dims(self) -> ParallelDims:
+        """The run's parallel layout (tp or dp unset: 1), checked as :class:`ParallelDims` checks it."""
+        return ParallelDims.of(self)
+
+    @property
     def world_size(self) -> int:
         return self.pp * (self.tp or 1) * self.cp * (self.dp or 1)
 
@@ -160,8 +165,7 @@ class TrainConfig(
 
     @property
     def row_multiple(self) -> int:
-        """Rows are padded to a multiple of this: tp (sequence parallelism), 2 x cp x tp with
-        context parallelism (each cp rank keeps two equal chunks, each split over tp)."""
+        """Rows are padded to a multiple of this (:attr:`ParallelDims.row_multiple`)."""
         return row_multiple(self.tp or 1, self.cp)
 
     @property

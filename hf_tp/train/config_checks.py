@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 
+from hf_tp.core.dims import check_compile, check_layout, check_pipeline_dims, check_pipeline_rows, check_positive
+from hf_tp.core.setting import is_a, type_words
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.gpus import get_gpu
-from hf_tp.layout import check_compile, check_layout, check_positive
-from hf_tp.train.pipeline_settings import check_pipeline_settings
-from hf_tp.train.setting import is_a, type_words
 from hf_tp.train.settings_data import OBJECTIVES
 from hf_tp.train.settings_run import AUX_LOSS_OVER, DEVICES, DTYPES, LAYOUTS, REPORTERS
 
@@ -60,7 +59,7 @@ class ConfigChecks:
                 "--seq-len must be at least 2: the loss predicts each token from the ones before it, and a "
                 "1-token sequence has none to predict; got 1"
             )
-        check_pipeline_settings(self)
+        self._validate_pipeline()
         self._validate_objective()
         if self.aux_loss_over not in AUX_LOSS_OVER:
             raise ValueError(f"--aux-loss-over must be one of {', '.join(AUX_LOSS_OVER)}, got {self.aux_loss_over!r}")
@@ -95,6 +94,26 @@ class ConfigChecks:
         if self.tp is not None and self.dp is not None and self.world_size % self.nnodes:
             raise ValueError(
                 f"{self.layout_name} ({self.world_size}) processes cannot be split evenly over --nnodes {self.nnodes}"
+            )
+
+    def _validate_pipeline(self) -> None:
+        """The pipeline settings (:func:`hf_tp.core.dims.check_pipeline_dims`), the rows split evenly
+        into micro-batches, and the combinations not exact with pipeline stages yet."""
+        check_pipeline_dims(self.pp, self.pp_schedule, self.microbatches, self.pp_virtual_stages, flags=True)
+        if self.pp == 1:
+            return
+        check_pipeline_rows(self.batch_size, self.pipeline_microbatches)
+        refused = {
+            "--compile": self.compile,
+            "--train-vision-tower": self.train_vision_tower,
+        }
+        for flag, on in refused.items():
+            if on:
+                raise ValueError(f"--pp does not combine with {flag} yet: drop one (or train with --pp 1)")
+        if self.objective != "sft" and (self.eval_split or self.eval_dataset):
+            raise ValueError(
+                f"--pp with --objective {self.objective} does not evaluate held-out pairs yet: "
+                "drop --eval-split / --eval-dataset (or train with --pp 1)"
             )
 
     def _validate_auto_layout(self) -> None:

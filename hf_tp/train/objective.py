@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.core.mesh import dp_mesh_of
 from hf_tp.objectives.base import Objective
 from hf_tp.objectives.precompute import Stored, with_reference_logps
 from hf_tp.objectives.preference import DPO, SimPO
@@ -18,7 +19,6 @@ from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_l
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy, StagedReference
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.logps import log_probs_refusal
-from hf_tp.parallel.mesh import dp_mesh_of
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.distributed import rank0_first

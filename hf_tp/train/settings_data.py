@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hf_tp.train.setting import setting
+from hf_tp.core.setting import setting
 
 OBJECTIVES = ("sft", "dpo", "simpo")  # cross entropy; preference losses on pairs (hf_tp.objectives)
 

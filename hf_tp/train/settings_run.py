@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hf_tp.pipeline_checks import SCHEDULE_NAMES
-from hf_tp.train.setting import setting
+from hf_tp.core.dims import ParallelDims
+from hf_tp.core.setting import setting, settings_group
 
 DTYPES = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard", "wandb", "none")
@@ -21,26 +21,6 @@ MIN_LR_RATIO = 0.1
 class SizesAndOptimizer:
     TITLE: ClassVar[str] = "sizes and optimizer"
 
-    tp: int | None = setting(None, "tensor-parallel size; must fit the model's heads", metavar="N")
-    dp: int | None = setting(None, "data-parallel (FSDP2) size; tp*dp processes run", metavar="N")
-    ep: int = setting(
-        1,
-        "expert parallelism for MoE models: each group of N dp ranks splits the experts; must divide "
-        "--dp and the expert count",
-        metavar="N",
-    )
-    cp: int = setting(
-        1,
-        "context parallelism for long sequences: each row's tokens split over N ranks; tp*cp*dp "
-        "processes run; rows padded to a multiple of 2*cp*tp",
-        metavar="N",
-    )
-    dp_replicate: int = setting(
-        1,
-        "HSDP: dp = R replicas x an FSDP2 group of dp/R ranks sharding the weights; gradients are "
-        "all-reduced across replicas once per step (put replicas across nodes); must divide --dp",
-        metavar="R",
-    )
     layout: str = setting(
         "manual",
         "auto: choose --tp, --dp and activation checkpointing for --world ranks before launch: with --gpu "
@@ -94,28 +74,20 @@ class SizesAndOptimizer:
     )
 
 
-@dataclass
-class Pipeline:
-    TITLE: ClassVar[str] = "pipeline parallelism (docs/training.md)"
-
-    pp: int = setting(
-        1,
-        "pipeline parallelism: the decoder layers cut into N stages (outermost, may cross nodes); "
-        "pp*tp*dp processes run",
-        metavar="N",
-    )
-    pp_schedule: str = setting("1f1b", "torch's pipeline schedule", choices=SCHEDULE_NAMES)
-    microbatches: int | None = setting(
-        None,
-        "pipeline micro-batches each micro-step's --batch-size rows are split into; at least --pp for 1f1b "
-        "(default: pp)",
-        metavar="M",
-    )
-    pp_virtual_stages: int = setting(
-        1,
-        "stages per rank for --pp-schedule interleaved1f1b or loopedbfs (2 or more), zbv or dualpipev (2)",
-        metavar="V",
-    )
+# tp, dp, ep, cp, dp_replicate, pp and the schedule: one group, declared once on
+# hf_tp.core.dims.ParallelDims; in --help the sizes open "sizes and optimizer", the pipeline's
+# flags have their own group. Unset tp and dp here: a profile fills them (hf_tp.train.config),
+# or --layout auto chooses them.
+Parallelism = settings_group(
+    ParallelDims,
+    "sizes and optimizer",
+    __name__,
+    dict.fromkeys(
+        ("pp", "pp_schedule", "microbatches", "pp_virtual_stages"), "pipeline parallelism (docs/training.md)"
+    ),
+    tp=None,
+    dp=None,
+)
 
 
 @dataclass

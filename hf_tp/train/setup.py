@@ -14,15 +14,14 @@ from transformers import AutoTokenizer
 
 from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
+from hf_tp.core.mesh import MeshSlices, stage_dims
 from hf_tp.core.model_files import check_model_source
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
-from hf_tp.parallel import build_mesh
 from hf_tp.parallel.expert_parallel import unrouted_expert_params
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import dp_mesh_of, split_mesh, stage_dims
 from hf_tp.parallel.pipeline import Pipeline
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
@@ -96,9 +95,7 @@ def set_up(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg)
     init_distributed(device)
     register_rank(os.environ.get(ERROR_DIR_ENV))
-    root = build_mesh(
-        tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate, pp=cfg.pp
-    )
+    root = cfg.dims.build_mesh(device.type)
     mesh = root[stage_dims(root)] if cfg.pp > 1 else root  # a pipeline stage's mesh: the rest of the dims
     torch.manual_seed(cfg.seed)
     # 3. model: its config checked against tp/ep, built on meta, parallelized, each rank's shards read
@@ -109,13 +106,13 @@ def set_up(cfg: TrainConfig) -> Run:
     cfg = with_document_masking_checked(cfg, model)
     batches, eval_set = build_batches(cfg, tokenizer, root.get_local_rank("dp"), device)
     # 5. the objective (DPO's reference model built here), optimizer and schedule
-    route_group = split_mesh(mesh)[0].get_group()  # dp, or dp x cp
+    slices = MeshSlices.of(mesh)  # the stage's named slices, read once
+    route_group = slices.dp.get_group()  # dp, or dp x cp
     # --pp: the objective gives the last stage its loss (DPO's reference pipelined like the policy)
     staged = Staged(pipeline, root) if pipeline else None
     objective = build_objective(cfg, model, mesh, device, route_group, batches, staged)
-    dp_group = dp_mesh_of(mesh).get_group()
     if isinstance(eval_set, PairEvalSet):
-        eval_set.bind(objective, dp_group)
+        eval_set.bind(objective, slices.rows.get_group())
     opt = build_optimizer((pipeline or model).parameters(), cfg.lr, cfg.weight_decay, device)
     params = parameter_count(pipeline, device) if pipeline else sum(p.numel() for p in model.parameters())
     unrouted = unrouted_expert_params(model, model.config)
@@ -131,7 +128,7 @@ def set_up(cfg: TrainConfig) -> Run:
         sched=build_scheduler(opt, cfg),
         batches=batches,
         eval_set=eval_set,
-        dp_group=dp_group,
+        dp_group=slices.rows.get_group(),
         route_group=route_group,
         fingerprint=run_fingerprint(cfg, model.config),
         fused=not pipeline and fusable(model),
@@ -139,7 +136,7 @@ def set_up(cfg: TrainConfig) -> Run:
         peak_flops=peak_flops(device, compute_dtype(cfg, device)),
         faults=faults,
         objective=objective,
-        stepper=_stepper(cfg, pipeline or model, device, dp_group, route_group),
+        stepper=_stepper(cfg, pipeline or model, device, slices.rows.get_group(), route_group),
         pipeline=pipeline,
     )
     # 6. resume: weights, optimizer, schedule and data position from the newest checkpoint

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hf_tp.core.dims import check_pipeline_layers
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.fits import check_batch_fits, check_step_memory
-from hf_tp.train.pipeline_settings import check_pipeline_layers
 from hf_tp.train.run_dir import check_output_dir
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.core.mesh import dp_mesh_of, split_mesh
 from hf_tp.parallel.context import state_of
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.mesh import dp_mesh_of, split_mesh
 from hf_tp.train.config import TrainConfig
 from hf_tp.train.loss import loss_context, training_loss
 from hf_tp.train.model import build_parallel_model

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_tp.checkpoint.dcp import load_checkpoint, save_checkpoint
-from hf_tp.parallel.mesh import build_mesh
+from hf_tp.core.mesh import build_mesh
 from hf_tp.train.config import TrainConfig
 from hf_tp.verify.compare import Error, tensor_error
 

@@ -159,7 +159,7 @@ def _rows(cfg: TrainConfig) -> int:
 
 
 def _mesh(cfg: TrainConfig, device: torch.device):
-    from hf_tp.parallel.mesh import build_mesh
+    from hf_tp.core.mesh import build_mesh
 
     return build_mesh(tp=cfg.tp, dp=cfg.dp, cp=cfg.cp, device_type=device.type, dp_replicate=cfg.dp_replicate)
 

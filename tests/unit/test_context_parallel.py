@@ -24,7 +24,7 @@ from transformers.masking_utils import (
 
 import hf_tp
 from hf_tp.estimate.spec import EstimateSpec, validate
-from hf_tp.parallel.context import ContextState, Layout
+from hf_tp.parallel.context import ContextState, TokenShare
 from hf_tp.parallel.context_install import masks_documents, packed_documents
 from hf_tp.train.config import TrainConfig
 from tests.family_grid import grid_config
@@ -34,13 +34,13 @@ from tests.helpers import run_threaded, tiny_config, tiny_model
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_layout_covers_the_row_once_with_equal_causal_work(cp: int) -> None:
     seq = 2 * cp * 5
-    parts = [Layout(cp, r).indices(seq) for r in range(cp)]
+    parts = [TokenShare(cp, r).indices(seq) for r in range(cp)]
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq))
-    assert torch.equal(Layout(cp, 0).gathered(seq), torch.cat(parts))
+    assert torch.equal(TokenShare(cp, 0).gathered(seq), torch.cat(parts))
     work = {int(p.sum()) for p in parts}  # keys a causal query attends to: its index + 1, summed
     assert len(work) == 1, f"unbalanced causal work over cp ranks: {work}"
     row = torch.arange(seq)[None] * 10
-    assert torch.equal(Layout(cp, cp - 1).take(row), row[:, parts[-1]])
+    assert torch.equal(TokenShare(cp, cp - 1).take(row), row[:, parts[-1]])
 
 
 def _state(cp: int, rank: int, tp: int = 1) -> ContextState:
@@ -200,7 +200,7 @@ def test_moe_aux_loss_on_padded_rows_is_plain_hf() -> None:
     # HF's forward computes its own aux loss from the attention_mask it is given; under cp that mask
     # is the whole rows' and the router logits this rank's tokens (a shape error before): the mask
     # now reaches the decoder through cp's state, and hf_tp's aux loss over the whole rows is HF's.
-    from hf_tp.parallel.mesh import split_mesh
+    from hf_tp.core.mesh import split_mesh
     from hf_tp.train.loss import training_loss
     from hf_tp.verify.compare import full_grads
     from tests.family_grid import grid_model

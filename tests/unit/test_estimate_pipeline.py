@@ -27,7 +27,7 @@ from hf_tp.estimate.layouts import (
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import EstimateSpec
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, comm_seconds, predict
-from hf_tp.estimate.sweep import Layout, Sweep, hsdp_pruned, sweep
+from hf_tp.estimate.sweep import Sweep, SweepCandidate, hsdp_pruned, sweep
 from hf_tp.gpus import get_gpu
 from tests.helpers import tiny_config
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 (tiny_dir is a fixture)
@@ -181,7 +181,7 @@ def test_hsdp_is_not_simulated_where_its_fsdp2_counterpart_rules_it_out() -> Non
         mem = MemoryBreakdown(parameters=int(peak_gib * GiB))
         return Estimate("m", "llama", 10**9, 1, 4, 1, 4096, 1, "bf16", ac, mem, mem, [], work=Work(matmul_flops=10**14))
 
-    hsdp = Layout(1, 4, dp_replicate=2)
+    hsdp = SweepCandidate(1, 4, dp_replicate=2)
     result = Sweep(world_size=4, gpu_memory=80 * GiB, cluster=Cluster(gpu))
     assert hsdp_pruned(result, hsdp) is None  # nothing to compare with yet
     result.estimates += [plain(90.0, False), plain(85.0, True)]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_tp.core.dims import check_cp_rows, check_layout, check_world, row_multiple
 from hf_tp.gpus import GPUS, gpu_of_device, model_flops_per_token
-from hf_tp.layout import check_cp_rows, check_layout, check_world, row_multiple
 from hf_tp.train import metrics
 from hf_tp.train.config import TrainConfig
 from tests.unit.test_estimate_moe import tiny_moe

@@ -11,9 +11,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hf_tp
 from hf_tp.adapters import get_adapter
+from hf_tp.core.dims import check_pipeline
 from hf_tp.parallel.pipeline_build import pipeline_parallelize
 from hf_tp.parallel.pipeline_split import LayerGap, balanced_cuts, check_splittable, cut_stage
-from hf_tp.pipeline_checks import check_pipeline
 from hf_tp.record import record_of
 from hf_tp.train.config import TrainConfig
 from tests.helpers import tiny_config, tiny_model

@@ -386,7 +386,7 @@ def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, cp: int, aux
     each rank routes its own tokens of the rows (padded to a multiple of 2 cp tp, as the collator
     pads them) and the aux loss is summed over dp x cp."""
     import hf_tp
-    from hf_tp.parallel.mesh import split_mesh
+    from hf_tp.core.mesh import split_mesh
     from hf_tp.train.loss import step_routing
 
     policy, ref, batch = _moe_case(aux)

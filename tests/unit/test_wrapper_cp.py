@@ -15,7 +15,7 @@ from transformers import CONFIG_MAPPING
 
 import hf_tp
 from hf_tp.compat import family_refusal
-from hf_tp.parallel.context import Layout
+from hf_tp.parallel.context import TokenShare
 from tests.cp_grid import cp_batch
 from tests.helpers import run_threaded
 from tests.image_grid import ImageCase, run_image_cases
@@ -70,7 +70,7 @@ def _text_parity(model_type: str, layouts: list[tuple[int, int, bool]], rows: st
             mesh = hf_tp.build_mesh(tp=tp, cp=cp, device_type="cpu")
             hf_tp.parallelize(model, mesh)
             got = train_steps(model, data, steps=2, ctx=hf_tp.loss_parallel)
-            mine = Layout(cp, mesh.get_local_rank("cp")).indices(SEQ)
+            mine = TokenShare(cp, mesh.get_local_rank("cp")).indices(SEQ)
             names = {n for n, p in model.named_parameters() if p.requires_grad}
             assert_parity(_trainable(got, names), _trainable(want, names, want.logits[:, mine]))
 

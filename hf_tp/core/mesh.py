@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.compat.torch_distributed import flatten_mesh, root_mesh
-from hf_tp.layout import check_layout, check_world
-
-HSDP_DIMS = ("dp_replicate", "dp_shard", "tp")
+from hf_tp.core.dims import HSDP_DIMS, ParallelDims
 
 
 def default_device_type() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"`` (gloo)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"  # (ParallelDims.build_mesh's default too)
 
 
 def build_mesh(
@@ -31,55 +31,35 @@ def build_mesh(
     With ``cp`` > 1 every rank of a cp x tp group is given the same full rows (a dp rank's
     rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.parallel.context`).
     ``pp`` > 1 adds an outermost ``"pp"`` dim (pipeline stages; :mod:`hf_tp.parallel.pipeline`):
-    the rest of the mesh, ``mesh[stage_dims(mesh)]``, is each stage's as above.
+    the rest of the mesh, ``mesh[stage_dims(mesh)]``, is each stage's as above. The same as
+    ``ParallelDims(tp=..., dp=..., ...).build_mesh(device_type)``.
     """
-    if pp > 1:
-        return _pipeline_mesh(tp, dp, device_type, cp, dp_replicate, pp)
-    check_layout(tp, dp, cp, dp_replicate=dp_replicate)
-    if not dist.is_initialized():
-        raise ValueError(
-            "build_mesh needs an initialised process group: start the ranks with `hf-tp train`, "
-            "`torchrun`, `accelerate launch` or accelerate.notebook_launcher"
-        )
-    check_world(dist.get_world_size(), tp, dp, cp)
-    device_type = device_type or default_device_type()
-    if dp_replicate > 1:
-        mesh = init_device_mesh(device_type, (dp_replicate, dp // dp_replicate, tp), mesh_dim_names=HSDP_DIMS)
-        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")  # every dp rank's own rows, as on a ("dp", "tp") mesh
-        return mesh
-    if cp == 1:
-        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-    flatten_mesh(mesh["dp", "cp"], "dp_cp")  # FSDP2's mesh: weights sharded over dp x cp (torchtitan's layout)
-    return mesh
+    return ParallelDims(tp=tp, dp=dp, cp=cp, dp_replicate=dp_replicate, pp=pp).build_mesh(device_type)
 
 
-def _pipeline_mesh(tp: int, dp: int, device_type: str | None, cp: int, dp_replicate: int, pp: int) -> DeviceMesh:
-    """The ``("pp", "dp", "tp")`` mesh (``("pp", "dp", "cp", "tp")`` with context parallelism,
-    ``("pp", "dp_replicate", "dp_shard", "tp")`` with HSDP): pp outermost, so a stage's dp x cp x tp
-    ranks are adjacent and only the stage boundaries cross nodes."""
-    check_layout(tp, dp, cp, dp_replicate=dp_replicate)
-    world = dist.get_world_size() if dist.is_initialized() else None
-    if world is None:
-        raise ValueError(
-            "build_mesh needs an initialised process group: start the ranks with `hf-tp train` or `torchrun`"
-        )
-    if pp * dp * cp * tp != world:
-        sizes = f"({pp}*{dp}*{cp}*{tp}={pp * dp * cp * tp})"
-        raise ValueError(f"world size ({world}) must equal pp*dp*cp*tp {sizes}")
-    device_type = device_type or default_device_type()
-    if dp_replicate > 1:
-        shape, names = (pp, dp_replicate, dp // dp_replicate, tp), ("pp", *HSDP_DIMS)
-    elif cp > 1:
-        shape, names = (pp, dp, cp, tp), ("pp", "dp", "cp", "tp")
-    else:
-        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if dp_replicate > 1:
-        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-    if cp > 1:
-        flatten_mesh(mesh["dp", "cp"], "dp_cp")  # each stage's FSDP2 mesh, as without pp
-    return mesh
+@dataclass(frozen=True)
+class MeshSlices:
+    """The named slices of one mesh (a whole mesh or a pipeline stage's), read once: ``tp``; ``dp``,
+    the mesh FSDP2 shards over (dp x cp flattened with context parallelism, both HSDP dims
+    flattened), None on a 1-D mesh; ``cp`` (None without context parallelism); ``fsdp``, HSDP's
+    2-D ``("dp_replicate", "dp_shard")`` mesh (else None); ``dp_replicate``, its replicas (1 without);
+    ``rows``, the ranks that read their own rows (dp without cp, :func:`dp_mesh_of`; None on a 1-D mesh)."""
+
+    mesh: DeviceMesh
+    tp: DeviceMesh
+    dp: DeviceMesh | None
+    cp: DeviceMesh | None
+    fsdp: DeviceMesh | None
+    dp_replicate: int = 1
+    rows: DeviceMesh | None = None
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> MeshSlices:
+        """The slices of ``mesh``, checked as :func:`split_mesh` checks it."""
+        dp, tp = split_mesh(mesh)
+        fsdp = fsdp_mesh(mesh)
+        replicas = mesh["dp_replicate"].size() if fsdp is not None else 1
+        return cls(mesh, tp, dp, cp_mesh(mesh), fsdp, replicas, dp_mesh_of(mesh) if dp is not None else None)
 
 
 def stage_dims(mesh: DeviceMesh) -> tuple[str, ...]:

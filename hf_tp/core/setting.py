@@ -52,7 +52,7 @@ def flags_of(f: dataclasses.Field) -> Flags:
     try:
         return f.metadata["flags"]
     except KeyError:
-        raise TypeError(f"setting {f.name} is declared without hf_tp.train.setting.setting(...)") from None
+        raise TypeError(f"setting {f.name} is declared without hf_tp.core.setting.setting(...)") from None
 
 
 def value_types(hint: Any) -> tuple[type, ...]:
@@ -102,3 +102,30 @@ def coerce_setting(name: str, value: Any, allowed: tuple[type, ...], where: str)
         if number is not None and float in allowed:
             return number
     raise ValueError(f"{where}: {name} must be {type_words(allowed)}, got {value!r}")
+
+
+def settings_group(
+    source: type, title: str, module: str, titles: dict[str, str] | None = None, **defaults: Any
+) -> type:
+    """A settings group (a plain dataclass, for a config that mixes groups in) with the fields of
+    the dataclass ``source``: the same names, types, help and flags, declared once there. ``title``:
+    its flags' group in ``--help``, ``titles`` another for some fields (:func:`help_title`).
+    ``defaults`` overrides a field's default for this group (None: unset, a profile fills it;
+    the field's type then takes None too)."""
+    made = []
+    for f in dataclasses.fields(source):
+        hint, default = f.type, defaults.get(f.name, f.default)
+        if f.name in defaults and default is None and "None" not in str(hint):
+            hint = f"{hint} | None"
+        made.append((f.name, hint, dataclasses.field(default=default, metadata=f.metadata)))
+    namespace = {"TITLE": title, "FIELD_TITLES": dict(titles or {})}
+    group = dataclasses.make_dataclass(source.__name__ + "Settings", made, namespace=namespace)
+    group.__module__ = module  # where its annotations are read (typing.get_type_hints)
+    group.__doc__ = f"The settings of :class:`{source.__module__}.{source.__name__}`, as a group of flags."
+    return group
+
+
+def help_title(group: type, name: str) -> str:
+    """The ``--help`` group of a settings group's field ``name``: the group's ``TITLE``, unless its
+    ``FIELD_TITLES`` names another."""
+    return getattr(group, "FIELD_TITLES", {}).get(name, group.TITLE)
