@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_tp.core.dims import check_cp_rows, check_layout, check_world, row_multiple
 from hf_tp.gpus import GPUS, gpu_of_device, model_flops_per_token
+from hf_tp.parallel.expert_parallel import unrouted_expert_params
 from hf_tp.train import metrics
 from hf_tp.train.config import TrainConfig
 from tests.unit.test_estimate_moe import tiny_moe
@@ -58,10 +59,10 @@ def test_mfu_counts_the_experts_a_token_is_routed_to() -> None:
     config = tiny_moe()  # 8 experts, top-2
     model = AutoModelForCausalLM.from_config(config)
     experts = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
-    assert metrics.unrouted_expert_params(model, config) == experts * 6 // 8
+    assert unrouted_expert_params(model, config) == experts * 6 // 8
     n = sum(p.numel() for p in model.parameters())
     dense = model_flops_per_token(config, n, 32)
-    routed = model_flops_per_token(config, n, 32, metrics.unrouted_expert_params(model, config))
+    routed = model_flops_per_token(config, n, 32, unrouted_expert_params(model, config))
     assert dense - routed == 6 * experts * 6 // 8
     embed = config.vocab_size * config.hidden_size
     assert dense == 6 * (n - embed) + 12 * config.num_hidden_layers * config.hidden_size * 32
