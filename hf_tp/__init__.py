@@ -22,9 +22,9 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "loss_parallel": "hf_tp.parallel",
     "parallelize": "hf_tp.parallel",
     "causal_lm_loss": "hf_tp.parallel.linear_ce",
-    "TrainConfig": "hf_tp.train.config",
+    "TrainConfig": "hf_tp.run.config",
     "fit": ("hf_tp.train.loop", "train"),
-    "shutdown": "hf_tp.train.distributed",
+    "shutdown": "hf_tp.run.distributed",
     "save_checkpoint": ("hf_tp.checkpoint.dcp", "save"),
     "export": ("hf_tp.checkpoint.hf_folder", "export_checkpoint"),
     "push_to_hub": "hf_tp.checkpoint.hub",
@@ -33,8 +33,8 @@ _PUBLIC: dict[str, str | tuple[str, str]] = {
     "embedded_default": ("hf_tp.demo.assets", "ensure_default_assets"),
     "plan_for": "hf_tp.plan",
     "describe": "hf_tp.plan.describe",
-    "ParallelRecord": "hf_tp.record",
-    "record_of": "hf_tp.record",
+    "ParallelRecord": "hf_tp.core.record",
+    "record_of": "hf_tp.core.record",
 }
 
 

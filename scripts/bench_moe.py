@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
-from hf_tp.record import record_of
+from hf_tp.core.record import record_of
 
 
 def layouts(world: int) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from hf_tp.estimate.api import GiB
+from hf_tp.estimate.estimate_run import GiB
 from hf_tp.estimate.layouts import estimate_layout
 from hf_tp.estimate.spec import EstimateSpec, resolve_model_config
 from hf_tp.estimate.speed import Cluster, predict

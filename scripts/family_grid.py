@@ -148,7 +148,7 @@ gradient shows; 4 experts, 2 per token: with one per token and renormalised weig
 gradient is zero in exact arithmetic, and AdamW's first step turns its round-off, which transformers'
 fp32 routers put near 1e-10, into an update of about lr that no two summation orders share; the
 gradients themselves still match). Every MoE block runs as one expert-tensor-parallel region
-(`hf_tp/styles/experts.py`): each rank keeps its slice of every expert's intermediate dim (gate and
+(`hf_tp/moe/expert_styles.py`): each rank keeps its slice of every expert's intermediate dim (gate and
 up halves alike), routers and gates are replicated with their gradients summed over tp, shared
 experts are split like a dense MLP, and the block's input and output cost one all-gather and one
 reduce-scatter, as a dense MLP's. DeepSeek-style latent attention runs whole on every rank. Expert

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, PretrainedConfig
 
 import hf_tp
 from hf_tp.estimate import estimate
-from hf_tp.estimate.api import MemoryBreakdown, MiB
+from hf_tp.estimate.estimate_run import MemoryBreakdown, MiB
 from hf_tp.estimate.simulate import measure
 from hf_tp.estimate.spec import resolve_model_config
 

@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_tp  # noqa: E402
 from hf_tp.core.mesh import split_mesh, stage_dims  # noqa: E402
-from hf_tp.estimate.api import MiB  # noqa: E402
 from hf_tp.estimate.counters import CommCounter  # noqa: E402
+from hf_tp.estimate.estimate_run import MiB  # noqa: E402
 from hf_tp.estimate.layouts import estimate_layout  # noqa: E402
 from hf_tp.estimate.memory import find_experts  # noqa: E402
 from hf_tp.estimate.simulate import expert_groups  # noqa: E402
 from hf_tp.estimate.spec import EstimateSpec  # noqa: E402
-from hf_tp.parallel.pipeline_build import pipeline_parallelize  # noqa: E402
+from hf_tp.pipeline.pipeline_build import pipeline_parallelize  # noqa: E402
 from hf_tp.train.pipeline_run import pipeline_clip  # noqa: E402
 from scripts.measure_memory import small_llama  # noqa: E402
 

@@ -66,8 +66,8 @@ def worker(model_dir: str, mode: str, tp: int, dp: int, ep: int = 1) -> None:
     from transformers import AutoModelForCausalLM
 
     import hf_tp
-    from hf_tp.train.config import TrainConfig
-    from hf_tp.train.model import build_parallel_model
+    from hf_tp.run.config import TrainConfig
+    from hf_tp.run.model import build_parallel_model
 
     dist.init_process_group("gloo")
     base, anon_base = rss_mib(), anon_mib()

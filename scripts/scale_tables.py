@@ -20,7 +20,7 @@ deeper: its extension must predict that run exactly); ``--verified N`` simulates
 N at every layer instead (hours for 405B and DeepSeek-V3 on 2 cores); the simulations run in
 ``--jobs`` worker processes (one per core by default); ``--simulate module:function``
 runs each stage's simulation with another function of :data:`hf_tp.estimate.layouts.Simulate`'s
-signature (``hf_tp.estimate.api:estimate_spec``: every layer of every layout).
+signature (``hf_tp.estimate.estimate_run:estimate_spec``: every layer of every layout).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 set -uo pipefail
 CONFIG=${1:?usage: sbatch scripts/slurm_train.sh CONFIG.yaml [more hf-tp train flags]}
 shift
-EXIT_PREEMPTED=75  # hf_tp.train.faults.EXIT_PREEMPTED
+EXIT_PREEMPTED=75  # hf_tp.run.faults.EXIT_PREEMPTED
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
 srun --kill-on-bad-exit=1 bash -c "exec hf-tp train --config '$CONFIG' --resume --nnodes $SLURM_NNODES \

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import hf_tp
-from hf_tp.parallel.context import TokenShare
+from hf_tp.context.token_share import TokenShare
 from tests.cp_grid import SEQ, cp_batch
 from tests.family_grid import grid_config, grid_model, is_moe
 from tests.helpers import batch, run_threaded

@@ -75,7 +75,7 @@ def run_case(case: CPCase, steps: int = 2) -> str:
     import torch.distributed as dist
 
     import hf_tp
-    from hf_tp.parallel.context import TokenShare
+    from hf_tp.context.token_share import TokenShare
     from tests.family_grid import grid_config, grid_model, is_moe
     from tests.parity import Trace, assert_parity, train_steps
 

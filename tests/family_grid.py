@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import hf_tp
 from hf_tp.adapters.census import is_mixture
-from hf_tp.adapters.modules import num_experts
 from hf_tp.compat import UnsupportedRelease, family_refusal
+from hf_tp.core.module_queries import num_experts
 from hf_tp.verify.compare import stream_mixer_params
 from hf_tp.verify.random_model import draw_index_tables
 from tests.helpers import batch, clone, run_threaded

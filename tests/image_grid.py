@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import hf_tp
-from hf_tp.parallel.context import TokenShare
-from hf_tp.parallel.passengers import in_tower
-from hf_tp.record import record_of
+from hf_tp.context.token_share import TokenShare
+from hf_tp.core.record import record_of
+from hf_tp.multimodal.passengers import in_tower
 from tests.family_grid import GREEDY_TOKENS
 from tests.helpers import full, full_grads, run_threaded
 from tests.mrope_images import IMAGE_PROCESSORS, processed_images, tokens

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import hf_tp
 from hf_tp.core.mesh import dp_mesh_of
-from hf_tp.record import record_of
+from hf_tp.core.record import record_of
 from hf_tp.verify.compare import KEY_BIASES, adam_error  # noqa: F401 - KEY_BIASES: for tests.image_grid
 from tests.helpers import (
     assert_close_dict,

@@ -18,14 +18,14 @@ import hf_tp
 from hf_tp.adapters import get_adapter
 from hf_tp.checkpoint.dcp import load_checkpoint
 from hf_tp.checkpoint.dcp import save as save_checkpoint
+from hf_tp.context.token_share import state_of
 from hf_tp.core.mesh import dp_mesh_of, stage_dims
-from hf_tp.parallel.context import state_of
-from hf_tp.parallel.expert_parallel import experts_modules
+from hf_tp.core.record import record_of
+from hf_tp.moe.expert_parallel import experts_modules
 from hf_tp.parallel.held_out import evaluate_pipeline
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.parallel.pipeline_build import pipeline_parallelize
-from hf_tp.record import record_of
-from hf_tp.train.loss import loss_context
+from hf_tp.pipeline.pipeline_build import pipeline_parallelize
+from hf_tp.pipeline.schedules import Pipeline
+from hf_tp.run.loss import loss_context
 from hf_tp.verify.compare import adam_error, full_grads
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import FAMILY_SETTINGS, assert_close_dict, batch, full_params, tiny_config, tiny_model
@@ -190,7 +190,7 @@ class PipelineCase:
 
 
 class Whole:
-    """A model parallelized without pp, driven as a :class:`hf_tp.parallel.pipeline.Pipeline` is."""
+    """A model parallelized without pp, driven as a :class:`hf_tp.pipeline.schedules.Pipeline` is."""
 
     has_aux = False
 

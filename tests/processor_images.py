@@ -19,8 +19,8 @@ from hf_tp.data.formats.images import ImageBatchCollator
 from hf_tp.data.image_data import encode_image_dataset
 from hf_tp.data.image_steps import ImageStepBatchSource
 from hf_tp.data.sampler import split_global_batch
-from hf_tp.parallel.passengers import in_tower
-from hf_tp.train.loss import training_loss
+from hf_tp.multimodal.passengers import in_tower
+from hf_tp.run.loss import training_loss
 from tests.chat_data import chat_tokenizer
 from tests.helpers import full, full_grads, run_threaded
 from tests.image_data import TEMPLATE, image_rows, write_images, write_jsonl

@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import hf_tp.train.model as train_model
+import hf_tp.run.model as train_model
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.cli.verify import add_arguments, config_from_args
 from hf_tp.core.model_source import ModelSource

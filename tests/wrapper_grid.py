@@ -19,10 +19,10 @@ from transformers import AutoConfig, PretrainedConfig
 import hf_tp
 from hf_tp.adapters.census import multimodal_wrapper_types
 from hf_tp.adapters.support import TEXT_TOWERS
-from hf_tp.adapters.wrapper import model_from_config, text_config_of
+from hf_tp.core.model_source import model_from_config, text_config_of
+from hf_tp.core.record import record_of
+from hf_tp.multimodal.passengers import in_tower
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.passengers import in_tower
-from hf_tp.record import record_of
 from tests.family_grid import GREEDY_TOKENS, _prompt, grid_config, is_moe
 from tests.helpers import batch, full, run_threaded
 from tests.parity import Trace, assert_parity, train_steps

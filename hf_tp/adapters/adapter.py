@@ -59,7 +59,7 @@ class Adapter:
     split_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     check: Callable[[PretrainedConfig, int], None] | None = field(default=None)
     plain_lm_head: bool = False
-    moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.styles.experts)
+    moe: bool = False  # some layers run mixture-of-experts blocks (hf_tp.moe.expert_styles)
     experts: tuple[str, ...] = ()  # the experts modules, relative to a decoder layer (for expert parallelism)
     # the layers flatten batch and sequence themselves for modules they call (Gemma 4's own experts):
     # their one-token steps need a gather first (hf_tp.parallel.one_token)

@@ -3,8 +3,10 @@ family grid (tests, ``scripts/family_grid.py``) runs and ``docs/architectures.md
 
 from __future__ import annotations
 
-import hf_tp.adapters  # noqa: F401  (the family files register their plan overrides)
+from hf_tp.adapters import get_adapter
 from hf_tp.adapters.overrides import PLAN_OVERRIDES
+from hf_tp.core.module_queries import experts_per_token, num_experts
+from hf_tp.moe.expert_parallel import experts_modules
 
 
 def tensor_parallel_causal_lm_types() -> dict[str, bool]:
@@ -44,7 +46,7 @@ def multimodal_wrapper_types() -> dict[str, str]:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto import modeling_auto as auto
 
-    from hf_tp.adapters.wrapper import text_config_of
+    from hf_tp.core.model_source import text_config_of
 
     names = set(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) | set(auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES)
     out = {}
@@ -56,3 +58,18 @@ def multimodal_wrapper_types() -> dict[str, str]:
         if text is not None:
             out[model_type] = text.model_type
     return out
+
+
+def unrouted_expert_params(model, config) -> int:
+    """Parameters of the routed experts one token does not use, (1 - top_k / experts) of every
+    experts module's weights (0 for a dense model): what :func:`hf_tp.gpus.model_flops_per_token`
+    leaves out of N. Counted from the model (DTensors count their global size)."""
+    adapter = get_adapter(config)
+    text = adapter.layers_config(config)
+    total, top_k = num_experts(text), experts_per_token(text)
+    if not adapter.moe or not total or not top_k or top_k >= total:
+        return 0
+    weights = sum(
+        p.numel() for _, m in experts_modules(model, adapter.layers_path, adapter.experts) for p in m.parameters()
+    )
+    return int(weights * (1 - top_k / total))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_tp.styles.experts import Role
+from hf_tp.moe.expert_styles import Role
 
 HOW_TO_ADD = (
     "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "
@@ -43,7 +43,7 @@ class Mixer:
 
 @dataclass(frozen=True)
 class Region:
-    """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.styles.MoERegion`)."""
+    """A mixture-of-experts block run as one tensor-parallel region (:class:`hf_tp.moe.expert_styles.MoERegion`)."""
 
     roles: dict[str, Role] = field(hash=False)  # parameter (relative to the block) -> its placement
     positional: int  # how the layer passes the hidden states, as Block.positional

@@ -48,20 +48,19 @@ from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.facts import Block, Derivation, Mixer, refuse
 from hf_tp.adapters.inspect_model import inspect_model
 from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
-from hf_tp.adapters.source import AS_CALLED
 from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.compat.torch_fake import unset_fake_temporarily
+from hf_tp.core.forward_source import AS_CALLED
+from hf_tp.moe.expert_styles import DenseOrMoE, MoERegion
 from hf_tp.styles import (
     ByKind,
     ColwiseOwnOutput,
     Compose,
-    DenseOrMoE,
     GatherAsCalled,
     HyperConnectionLayer,
     HyperConnectionOnShards,
     LocalHeadParams,
     LocalParamViews,
-    MoERegion,
     PerTokenOnShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,

@@ -11,9 +11,9 @@ from torch import nn
 
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import derived_expert_styles, layer_experts_region, moe_blocks, moe_region
-from hf_tp.adapters.modules import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
-from hf_tp.adapters.source import edits_in_place, hidden_states_passing
 from hf_tp.compat.torch_internals import own_attribute
+from hf_tp.core.forward_source import edits_in_place, hidden_states_passing
+from hf_tp.core.module_queries import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}

@@ -18,8 +18,8 @@ from hf_tp.adapters.facts import Derivation, Region, refuse
 from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
 from hf_tp.adapters.mixers import per_kind_blocks
-from hf_tp.adapters.modules import has_submodule, is_linear, is_norm, stream_mixers
-from hf_tp.adapters.source import plain_logits, returned_self_call
+from hf_tp.core.forward_source import plain_logits, returned_self_call
+from hf_tp.core.module_queries import has_submodule, is_linear, is_norm, stream_mixers
 
 
 def inspect_model(model: nn.Module, tp_plan: dict[str, str]) -> Derivation:

@@ -1,7 +1,7 @@
 """Reading a decoder layer's mixture-of-experts blocks for the generic plan.
 
 A layer-level child holding a module that transformers' plan marks ``moe_tp_experts`` is a MoE
-block. hf_tp runs it as one region (:class:`hf_tp.styles.experts.MoERegion`) and gives every
+block. hf_tp runs it as one region (:class:`hf_tp.moe.expert_styles.MoERegion`) and gives every
 parameter under it a role:
 
 - the experts' 3-D weights: sharded on the intermediate dim their plan style names
@@ -30,9 +30,9 @@ from __future__ import annotations
 from torch import nn
 
 from hf_tp.adapters.facts import Region, refuse
-from hf_tp.adapters.modules import has_submodule, is_linear, num_experts
-from hf_tp.adapters.source import chunks_in_two, hidden_states_passing, returned_self_call, returns_tuple
-from hf_tp.styles.experts import Role
+from hf_tp.core.forward_source import chunks_in_two, hidden_states_passing, returned_self_call, returns_tuple
+from hf_tp.core.module_queries import has_submodule, is_linear, num_experts
+from hf_tp.moe.expert_styles import Role
 
 EXPERT_DIMS = {
     "packed_colwise": (-2, True),
@@ -188,7 +188,7 @@ def _shared_style(path: str, dense_leaf: dict[str, str], experts: list[str]) -> 
 def router_classes(model: nn.Module) -> tuple[type, ...]:
     """The module classes whose output HF records as ``router_logits``: the causal LM's, or where
     it declares none, those of the first module that does (its base model: Qwen4-Exp's, Gemma 4's
-    router) whose first output it records, the logits :class:`hf_tp.styles.MoERegion` scales
+    router) whose first output it records, the logits :class:`hf_tp.moe.expert_styles.MoERegion` scales
     (Llama 4's base model records its routers' second output, and its causal LM has no aux loss)."""
     recorders = getattr(model, "_can_record_outputs", None) or {}
     first_output = not recorders.get("router_logits")

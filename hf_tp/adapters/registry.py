@@ -20,8 +20,9 @@ from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED, WRAPPER_REFUSED
 from hf_tp.adapters.text_tower import is_text_tower
-from hf_tp.adapters.wrapper import refuse, text_config_of, wrapper_adapter
+from hf_tp.adapters.wrapper import refuse, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
+from hf_tp.core.model_source import text_config_of
 
 _REGISTRY: dict[str, Adapter] = {}
 _CHANGE: contextvars.ContextVar[Callable[[Adapter], Adapter] | None] = contextvars.ContextVar("change", default=None)

@@ -47,7 +47,7 @@ def layer_kinds(config: PretrainedConfig) -> list[str]:
     """One label per decoder layer: its ``layer_types`` entry and the classes of its modules, so
     two layers share a label exactly when they are built alike (a meta model: no memory)."""
     from hf_tp.adapters import get_adapter
-    from hf_tp.adapters.wrapper import model_from_config
+    from hf_tp.core.model_source import model_from_config
 
     with torch.device("meta"):
         model = model_from_config(config)

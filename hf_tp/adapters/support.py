@@ -62,7 +62,7 @@ GENERIC: dict[str, str] = {
 }
 
 # Mixture-of-experts families: model_type -> what the generic plan handles in it. Every MoE block
-# runs as one expert-tensor-parallel region (hf_tp/styles/experts.py): experts split on their
+# runs as one expert-tensor-parallel region (hf_tp/moe/expert_styles.py): experts split on their
 # intermediate dim, routers replicated, aux-loss gradient exact; the notes say what else.
 MOE: dict[str, str] = {
     "afmoe": "shared experts; dense first layer (its MLP runs whole on every rank)",

@@ -18,13 +18,13 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
 from hf_tp.adapters.inspect_model import base_model_path
-from hf_tp.adapters.source import plain_logits, source_tree
 from hf_tp.adapters.text_tower import causal_lm_from_config
-from hf_tp.compat.transformers_private import model_of_class
+from hf_tp.core.forward_source import plain_logits, source_tree
+from hf_tp.core.model_source import model_from_config, text_config_of
 
 
 def refuse(model_type: str, what: str) -> ValueError:
@@ -36,44 +36,6 @@ _WRAPPERS: dict[str, tuple] = {}  # config JSON -> (lm path, head path, passenge
 _BUILDING = threading.Lock()  # building a model sets torch's process-wide default dtype for a while
 
 
-def text_config_of(config: PretrainedConfig) -> PretrainedConfig | None:
-    """A multimodal wrapper's text config (its language model's), else None."""
-    text = getattr(config, "text_config", None)
-    return text if isinstance(text, PretrainedConfig) and text is not config else None
-
-
-def wrapper_class(config: PretrainedConfig) -> type[nn.Module] | None:
-    """The class that holds a wrapper checkpoint whole: the one ``config.architectures`` names when
-    transformers has it for this config class, else the image-text-to-text (or multimodal, or
-    causal-LM) auto mapping's; None for a plain causal-LM config (``AutoModelForCausalLM``)."""
-    if text_config_of(config) is None:
-        return None
-    import transformers
-    from transformers.models.auto import modeling_auto as auto
-
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and cls.config_class is not None and isinstance(config, cls.config_class):
-            return cls
-    for mapping in (
-        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
-        auto.MODEL_FOR_MULTIMODAL_LM_MAPPING,
-        auto.MODEL_FOR_CAUSAL_LM_MAPPING,
-    ):
-        if type(config) in mapping:
-            return mapping[type(config)]
-    raise ValueError(
-        f"transformers has no model class for this {config.model_type} checkpoint (its config names "
-        f"{getattr(config, 'architectures', None)}); hf_tp trains causal LMs and multimodal wrappers with a text_config"
-    )
-
-
-def model_from_config(config: PretrainedConfig, **kwargs) -> nn.Module:
-    """The whole model of ``config``: its wrapper class for a multimodal wrapper, else its causal LM."""
-    cls = wrapper_class(config)
-    return AutoModelForCausalLM.from_config(config, **kwargs) if cls is None else model_of_class(cls, config, **kwargs)
-
-
 def wrapper_adapter(config: PretrainedConfig, text: Adapter) -> Adapter:
     """The wrapper's adapter: ``text`` (its language model's) with every plan path re-rooted in the
     wrapper, and the passengers recorded (cached per config)."""
@@ -83,7 +45,7 @@ def wrapper_adapter(config: PretrainedConfig, text: Adapter) -> Adapter:
             _WRAPPERS[key] = _read(config)
     lm, head, passengers, plain, remap = _WRAPPERS[key]
 
-    def top_plan(opts: PlanOptions):  # the embedding's too: made whole for images by hf_tp.parallel.passengers
+    def top_plan(opts: PlanOptions):  # the embedding's too: made whole for images by hf_tp.multimodal.passengers
         return {remap(path): style for path, style in text.top_plan(opts).items()}
 
     return replace(

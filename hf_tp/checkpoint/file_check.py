@@ -31,9 +31,9 @@ def weight_mismatch(model_dir: Path, config) -> str | None:
     model, in words; None when they match (or the folder has no safetensors)."""
     import torch
 
-    from hf_tp.adapters.wrapper import model_from_config
-    from hf_tp.checkpoint.expert_files import conversion_transforms, fused_sources
     from hf_tp.checkpoint.load import file_index, file_keys
+    from hf_tp.core.model_source import model_from_config
+    from hf_tp.moe.expert_files import conversion_transforms, fused_sources
 
     index = file_index(model_dir)
     if not index:
@@ -86,7 +86,7 @@ def _parameter_names(model) -> list[list[str]]:
 
 def _converted(transforms: list, keys: set[str]) -> tuple[set[str], set[str]]:
     """(model names transformers' converters build from the files, the file keys they read)."""
-    from hf_tp.checkpoint.expert_files import converted_keys
+    from hf_tp.moe.expert_files import converted_keys
 
     found = [(key, target) for key, _, _, target, _ in converted_keys(transforms, keys)]
     return {target for _, target in found}, {key for key, _ in found}

@@ -14,11 +14,11 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import PretrainedConfig
 
-from hf_tp.adapters.wrapper import model_from_config, text_config_of
-from hf_tp.checkpoint.expert_files import FusedSource, conversion_transforms, fused_sources, load_fused
+from hf_tp.core.model_source import model_from_config, text_config_of
+from hf_tp.moe.expert_files import FusedSource, conversion_transforms, fused_sources, load_fused
+from hf_tp.moe.expert_styles import hf_shapes
 from hf_tp.parallel.materialize import to_empty_keeping_parameters
 from hf_tp.parallel.tp import embeddings_tied
-from hf_tp.styles.experts import hf_shapes
 
 
 def safetensors_keys(model_dir: Path) -> set[str] | None:
@@ -94,7 +94,7 @@ def materialize_and_load(
 ) -> None:
     """Allocate the (already parallelized) meta parameters on ``device`` and fill each rank's
     shards straight from the safetensors files: DCP's HF reader for the tensors the files hold
-    by name, :mod:`hf_tp.checkpoint.expert_files` for the ``fused`` experts (:func:`sliced_sources`)."""
+    by name, :mod:`hf_tp.moe.expert_files` for the ``fused`` experts (:func:`sliced_sources`)."""
     index = file_index(model_dir)
     if index is None:
         raise ValueError(f"no safetensors files in {model_dir}; sharded loading needs safetensors weights")

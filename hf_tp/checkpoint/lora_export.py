@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_tp.checkpoint.safe_load import SafeReader, safe_load
-from hf_tp.styles.lora_params import is_param_wrapper, update_factors
+from hf_tp.moe.expert_lora import is_param_wrapper, update_factors
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # the adapter name hf-tp train gives peft
@@ -68,9 +68,9 @@ def merged_reader(ckpt: Path, model: torch.nn.Module, run: dict[str, Any]):
     ``alpha / r * lora_B @ lora_A`` where the run trained an adapter on it (peft's merge)."""
     from safetensors import safe_open
 
-    from hf_tp.checkpoint.expert_files import read_whole
     from hf_tp.checkpoint.load import file_index, file_keys, sliced_sources
     from hf_tp.core.model_source import local_model_dir
+    from hf_tp.moe.expert_files import read_whole
 
     base_dir = local_model_dir(run["model"])
     fused = sliced_sources(model, base_dir)

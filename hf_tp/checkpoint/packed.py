@@ -2,7 +2,7 @@
 
 A fused weight that holds two halves along one dim (the experts' ``gate_up_proj``, HF's
 ``[experts, 2I, hidden]``) is stored under tp > 1 as ``[experts, 2, I, hidden]``, sharded on ``I``
-(:func:`hf_tp.styles.experts.stored_shape`): a rank's slice of both halves is two boxes of HF's
+(:func:`hf_tp.moe.expert_styles.stored_shape`): a rank's slice of both halves is two boxes of HF's
 layout, which one DTensor placement cannot describe. At tp = 1 the parameter keeps HF's shape. A
 checkpoint in the mesh's own layout therefore loaded only on meshes that store it alike (``Size
 mismatch between saved torch.Size([16, 2, 32, 512]) and current torch.Size([16, 64, 512])``).
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Replicate
 
-from hf_tp.styles.experts import Role, packed_params, stored_shape
+from hf_tp.moe.expert_styles import Role, packed_params, stored_shape
 
 Copies = list[tuple[DTensor, DTensor, int]]  # (packed copy, live tensor, the packed dim)
 

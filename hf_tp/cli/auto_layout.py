@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def choose(cfg: TrainConfig, model_config, world: int, say) -> tuple[Choice, Cho
 
 def _schedules(cfg: TrainConfig) -> tuple[str, ...]:
     """The pipeline schedules the sweep tries for ``cfg``'s run: none where ``--pp`` does not combine
-    with it yet (:meth:`hf_tp.train.config.TrainConfig.validate`), nor for a preference objective (the
+    with it yet (:meth:`hf_tp.run.config.TrainConfig.validate`), nor for a preference objective (the
     estimate does not price a pipelined reference); its ``--cp`` and ``--ep`` apply inside each
     stage (:mod:`hf_tp.estimate.sweep`)."""
     if cfg.compile or cfg.objective != "sft" or cfg.train_vision_tower:

@@ -211,17 +211,17 @@ def make_cluster(args: argparse.Namespace):
 
 
 def _reference(args: argparse.Namespace, est, config):
-    """What a preference objective's reference adds (:mod:`hf_tp.estimate.api`), or None."""
+    """What a preference objective's reference adds (:mod:`hf_tp.estimate.estimate_run`), or None."""
     if args.objective == "sft":
         return None
-    from hf_tp.estimate.api import reference_cost
+    from hf_tp.estimate.estimate_run import reference_cost
 
     return reference_cost(est, config, args.objective, args.precompute_ref)
 
 
 def print_single(result, cluster, as_json: bool, reference=None) -> int:
     """One layout's memory and comms, its predicted speed where a GPU is named, and a preference
-    objective's reference model (``reference``, a :class:`hf_tp.estimate.api.ReferenceCost`)."""
+    objective's reference model (``reference``, a :class:`hf_tp.estimate.estimate_run.ReferenceCost`)."""
     from hf_tp.cli.estimate_report import format_estimate, format_speed
     from hf_tp.estimate.speed import predict
 

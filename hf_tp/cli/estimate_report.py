@@ -5,7 +5,7 @@ tokens/s per GPU (pipeline and HSDP columns where the sweep has such layouts).
 
 from __future__ import annotations
 
-from hf_tp.estimate.api import Estimate
+from hf_tp.estimate.estimate_run import Estimate
 from hf_tp.estimate.memory import BALANCED_NOTE_LINES
 from hf_tp.estimate.spec import GiB, MiB
 from hf_tp.estimate.speed import BUBBLE, Cluster, Speed

@@ -12,9 +12,9 @@ from pathlib import Path
 from hf_tp.cli.formatting import subcommand_parser
 from hf_tp.cli.train_flags import add_setting_flags
 from hf_tp.core.setting import help_title
-from hf_tp.train.config import GROUPS, TrainConfig, merge
-from hf_tp.train.settings_data import ModelAndData
-from hf_tp.train.settings_run import Launch
+from hf_tp.run.config import GROUPS, TrainConfig, merge
+from hf_tp.run.settings_data import ModelAndData
+from hf_tp.run.settings_run import Launch
 
 DESCRIPTION = """Train a Hugging Face causal LM with tensor + sequence parallel x FSDP2: starts tp*dp processes on
 this node (gloo on CPU, nccl on GPUs), or runs in place under torchrun / accelerate launch. Bad input
@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         check_request(cfg)
         cfg.resolve().validate()  # the numbers alone, before torch is imported
-        from hf_tp.train.validate import device_type as find_device_type
-        from hf_tp.train.validate import load_model_config, prelaunch_checks
+        from hf_tp.run.validate import device_type as find_device_type
+        from hf_tp.run.validate import load_model_config, prelaunch_checks
 
         cfg = with_embedded_default(cfg)
         if cfg.layout == "auto":
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _started(cfg: TrainConfig, args: argparse.Namespace, device_type: str, in_rank: bool) -> int:
     """The run, accepted: launch the ranks, or train in this process."""
-    from hf_tp.train.launch import launch, start_line
+    from hf_tp.run.launch import launch, start_line
 
     if os.environ.get("RANK", "0") == "0" and not os.environ.get("HF_TP_LAUNCHED"):
         print(start_line(cfg, device_type, launching=not in_rank and cfg.world_size > 1), flush=True)
@@ -91,10 +91,10 @@ def _started(cfg: TrainConfig, args: argparse.Namespace, device_type: str, in_ra
         if warning := oversubscribed(cfg, device_type):
             print(f"hf-tp train: warning: {warning}", file=sys.stderr, flush=True)
         # The ranks read their settings from a file of the launch's own; the run's config.yaml is
-        # written by rank 0 once the run is accepted (hf_tp.train.run_dir).
+        # written by rank 0 once the run is accepted (hf_tp.run.run_dir).
         return launch(cfg, verbose=args.verbose)
-    from hf_tp.train.distributed import shutdown
-    from hf_tp.train.errors import report_rank_error
+    from hf_tp.run.distributed import shutdown
+    from hf_tp.run.errors import report_rank_error
     from hf_tp.train.loop import train
 
     try:
@@ -118,7 +118,7 @@ def _started(cfg: TrainConfig, args: argparse.Namespace, device_type: str, in_ra
         return code
     shutdown()
     if result.preempted_at is not None:
-        from hf_tp.train.faults import EXIT_PREEMPTED
+        from hf_tp.run.faults import EXIT_PREEMPTED
 
         return EXIT_PREEMPTED  # a requeue script's cue (scripts/slurm_train.sh)
     return 0

@@ -26,7 +26,7 @@ from hf_tp.compat.argparse_private import (
     parser_actions,
 )
 from hf_tp.core.setting import flags_of, help_title, value_types
-from hf_tp.train.config import EMBEDDED_PROFILE, GENERAL_PROFILE, GROUPS, TrainConfig
+from hf_tp.run.config import EMBEDDED_PROFILE, GENERAL_PROFILE, GROUPS, TrainConfig
 
 
 def default_text(f: Field) -> str:

@@ -30,7 +30,7 @@ Exit code: 0 every check passed, 1 a check failed, 2 the model or layout was ref
 are random and the model small: it checks the layout's arithmetic, not a trained model's quality."""
 
 # The flags verify shares with hf-tp train: generated from TrainConfig's fields (help, names, choices
-# and defaults in one place: hf_tp/train/settings_run.py), each meaning what it means for a training run.
+# and defaults in one place: hf_tp/run/settings_run.py), each meaning what it means for a training run.
 TRAIN_FLAGS = (
     "ep",
     "cp",
@@ -57,7 +57,7 @@ OWN = ("model", "max_steps", "lr")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from hf_tp.cli.train_flags import add_field_flags
     from hf_tp.core.setting import value_types
-    from hf_tp.train.config import TrainConfig
+    from hf_tp.run.config import TrainConfig
 
     add_model_flag(p)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per row (rounded up to what the layout needs)")
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     """The run as a TrainConfig (verify launches and builds as train does); rows padded as train pads them.
     A shared flag not given takes its TrainConfig default."""
-    from hf_tp.train.config import TrainConfig
+    from hf_tp.run.config import TrainConfig
 
     fields = {k: getattr(args, k) for k in (*OWN, *DIMS, *TRAIN_FLAGS) if getattr(args, k) is not None}
     cfg = TrainConfig(**fields, output_dir=args.output_dir or "", dtype="fp32", report_to="none")
@@ -95,7 +95,7 @@ def checked(cfg) -> str:
     from hf_tp.adapters.shrink import cut_config
     from hf_tp.core.model_source import ModelSource
     from hf_tp.plan import plan_for
-    from hf_tp.train.validate import check_devices, check_packages, device_type
+    from hf_tp.run.validate import check_devices, check_packages, device_type
 
     cfg.resolve().validate()
     if cfg.nnodes > 1 and not cfg.output_dir:
@@ -116,7 +116,7 @@ def checked(cfg) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_tp.train.launch import launch
+    from hf_tp.run.launch import launch
     from hf_tp.verify.folder import check_work_dir
     from hf_tp.verify.injected_faults import requested
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _in_place(cfg) -> int:
-    from hf_tp.train.distributed import shutdown
+    from hf_tp.run.distributed import shutdown
     from hf_tp.verify.rank import rank_main
 
     code = rank_main(cfg)
@@ -154,7 +154,7 @@ def _in_place(cfg) -> int:
 def _launched(cfg) -> int:
     """A launched rank: the verdict goes to the launching process through the result file, so a
     rank whose checks failed still ends as a success (the launcher would report it as a crash)."""
-    from hf_tp.train.distributed import shutdown
+    from hf_tp.run.distributed import shutdown
     from hf_tp.verify.rank import rank_main
 
     rank_main(cfg)
@@ -164,8 +164,8 @@ def _launched(cfg) -> int:
 
 def rank_entry(argv: list[str]) -> int:
     """``python -m hf_tp.verify --config FILE`` on a launched rank (the file: the launch's TrainConfig)."""
-    from hf_tp.train.config import TrainConfig, merge
-    from hf_tp.train.errors import run_reporting_crashes
+    from hf_tp.run.config import TrainConfig, merge
+    from hf_tp.run.errors import run_reporting_crashes
 
     p = argparse.ArgumentParser(prog="python -m hf_tp.verify")
     p.add_argument("--config", required=True)

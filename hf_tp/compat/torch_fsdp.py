@@ -1,5 +1,5 @@
 """FSDP2's private state hf_tp drives: its lazy init (generate) and, in pipeline stages, its parameter
-groups, gathered parameters and end-of-backward callback (:mod:`hf_tp.parallel.pipeline_fsdp`)."""
+groups, gathered parameters and end-of-backward callback (:mod:`hf_tp.pipeline.pipeline_fsdp`)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def unsharded_params(fsdp_params: list[Any]) -> list[Any]:
 @reaches(f"{STATE}._root_post_backward_final_callback", f"{STATE}()._fsdp_param_groups")
 def internals_present(root: Any, units: list[Any]) -> bool:
     """Whether a root's FSDP2 state and its units' states expose what
-    :mod:`hf_tp.parallel.pipeline_fsdp` drives (torch 2.13's names: a torch that renamed them is
+    :mod:`hf_tp.pipeline.pipeline_fsdp` drives (torch 2.13's names: a torch that renamed them is
     refused there, on every rank alike)."""
     return (
         hasattr(root, "_root_post_backward_final_callback")

@@ -3,7 +3,7 @@ pipeline schedule), declared once, with the rules every layout obeys, its world 
 length it needs and the device mesh it builds.
 
 The fields carry their help, metavar and choices (:func:`hf_tp.core.setting.setting`): ``hf-tp
-train``'s settings group (``hf_tp.train.settings_run``) and the flags of ``hf-tp estimate``,
+train``'s settings group (``hf_tp.run.settings_run``) and the flags of ``hf-tp estimate``,
 ``plan`` and ``verify`` are generated from them, so each flag has one definition.
 
 Each rule raises one ``ValueError`` before any collective (the numbers alone: every rank raises
@@ -338,13 +338,10 @@ def check_pipeline_rows(rows: int | None, microbatches: int, flags: bool = True)
         )
 
 
-def check_pipeline_layers(dims: Any, model_config: Any) -> None:
+def check_pipeline_layers(dims: Any, layers: int) -> None:
     """Before launch, once the model's config is read: no more pipeline stages (``--pp`` x
-    virtual stages) than the model has decoder layers (the ranks check again where they cut)."""
+    virtual stages) than the model's ``layers`` decoder layers (the ranks check again where they cut)."""
     if dims.pp == 1:
         return
-    from hf_tp.adapters import get_adapter
-
-    config = get_adapter(model_config).layers_config(model_config)  # a wrapper's language model
     microbatches = dims.microbatches or dims.pp
-    check_pipeline(dims.pp, dims.pp_schedule, microbatches, dims.pp_virtual_stages, config.num_hidden_layers)
+    check_pipeline(dims.pp, dims.pp_schedule, microbatches, dims.pp_virtual_stages, layers)

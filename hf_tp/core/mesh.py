@@ -29,8 +29,8 @@ def build_mesh(
     The process group must already be initialised (torchrun, accelerate launch, or
     ``dist.init_process_group``). Raises ``ValueError`` if ``dp * cp * tp`` is not the world size.
     With ``cp`` > 1 every rank of a cp x tp group is given the same full rows (a dp rank's
-    rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.parallel.context`).
-    ``pp`` > 1 adds an outermost ``"pp"`` dim (pipeline stages; :mod:`hf_tp.parallel.pipeline`):
+    rows); the model keeps each rank's share of their tokens (:mod:`hf_tp.context.token_share`).
+    ``pp`` > 1 adds an outermost ``"pp"`` dim (pipeline stages; :mod:`hf_tp.pipeline.schedules`):
     the rest of the mesh, ``mesh[stage_dims(mesh)]``, is each stage's as above. The same as
     ``ParallelDims(tp=..., dp=..., ...).build_mesh(device_type)``.
     """

@@ -199,8 +199,6 @@ class ModelSource:
         """The class that holds the model whole: a multimodal wrapper's own, else ``AutoModelForCausalLM``."""
         from transformers import AutoModelForCausalLM
 
-        from hf_tp.adapters.wrapper import wrapper_class
-
         return wrapper_class(self.config) or AutoModelForCausalLM
 
     @property
@@ -288,8 +286,6 @@ class ModelSource:
 
     def build(self, **kwargs: Any) -> nn.Module:
         """The model of :attr:`config` (``from_config``, its :attr:`model_class`; no weights read)."""
-        from hf_tp.adapters.wrapper import model_from_config
-
         return model_from_config(self.config, **kwargs)
 
     def load(self, **kwargs: Any) -> nn.Module:
@@ -361,3 +357,47 @@ def _cached_config(model: str, trust_remote_code: bool, unreachable: str) -> Pre
             "to train from the cache"
         )
     return config
+
+
+def text_config_of(config: PretrainedConfig) -> PretrainedConfig | None:
+    """A multimodal wrapper's text config (its language model's), else None."""
+    from transformers import PretrainedConfig
+
+    text = getattr(config, "text_config", None)
+    return text if isinstance(text, PretrainedConfig) and text is not config else None
+
+
+def wrapper_class(config: PretrainedConfig) -> type[nn.Module] | None:
+    """The class that holds a wrapper checkpoint whole: the one ``config.architectures`` names when
+    transformers has it for this config class, else the image-text-to-text (or multimodal, or
+    causal-LM) auto mapping's; None for a plain causal-LM config (``AutoModelForCausalLM``)."""
+    if text_config_of(config) is None:
+        return None
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and cls.config_class is not None and isinstance(config, cls.config_class):
+            return cls
+    for mapping in (
+        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        auto.MODEL_FOR_MULTIMODAL_LM_MAPPING,
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING,
+    ):
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise ValueError(
+        f"transformers has no model class for this {config.model_type} checkpoint (its config names "
+        f"{getattr(config, 'architectures', None)}); hf_tp trains causal LMs and multimodal wrappers with a text_config"
+    )
+
+
+def model_from_config(config: PretrainedConfig, **kwargs) -> nn.Module:
+    """The whole model of ``config``: its wrapper class for a multimodal wrapper, else its causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tp.compat.transformers_private import model_of_class
+
+    cls = wrapper_class(config)
+    return AutoModelForCausalLM.from_config(config, **kwargs) if cls is None else model_of_class(cls, config, **kwargs)

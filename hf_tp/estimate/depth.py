@@ -39,8 +39,8 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.shrink import layer_kinds
-from hf_tp.estimate.api import Estimate, model_label, simulate_spec
 from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.estimate_run import Estimate, model_label, simulate_spec
 from hf_tp.estimate.layouts import config_key
 from hf_tp.estimate.memory import MemoryBreakdown, SegmentKey
 from hf_tp.estimate.spec import EstimateSpec
@@ -115,7 +115,7 @@ def cut_config(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 
 
 class Simulations:
-    """The simulations of one sweep (:func:`hf_tp.estimate.api.simulate_spec`), each run once, by
+    """The simulations of one sweep (:func:`hf_tp.estimate.estimate_run.simulate_spec`), each run once, by
     (config, spec). With ``jobs`` > 1 they run in that many worker processes, forked from this one
     when the first is submitted: a simulation is single-threaded Python (fake tensors), so processes
     are what spreads a sweep over cores, and a forked worker starts without importing torch and
@@ -186,7 +186,7 @@ def _context(jobs: int) -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("fork")
     if "forkserver" in methods:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["hf_tp.estimate.api"])
+        context.set_forkserver_preload(["hf_tp.estimate.estimate_run"])
         return context
     raise ValueError(
         f"--jobs {jobs}: a sweep's worker processes are forked, and this platform cannot fork (Windows); use --jobs 1"

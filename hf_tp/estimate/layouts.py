@@ -1,7 +1,7 @@
 """Every layout ``hf-tp train`` runs, from one simulated stage: pipeline parallelism (``pp``) and HSDP
 (``dp_replicate``) by arithmetic on the simulation of what one rank runs.
 
-What is simulated (:data:`Simulate`, :func:`hf_tp.estimate.api.estimate_spec` by default) is one
+What is simulated (:data:`Simulate`, :func:`hf_tp.estimate.estimate_run.estimate_spec` by default) is one
 rank of one stage: the busiest rank's decoder layers (:mod:`hf_tp.estimate.layouts`) with the
 embedding, final norm and lm_head all kept (a bound: a real stage holds the embedding only on the
 first stage, the head and logits only on the last), one micro-batch's rows (``batch_size /
@@ -24,7 +24,7 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
   logit of the tp shard kept to the backward, :data:`BACKWARD_LOGIT_BYTES` more for one
   micro-batch's backward);
   the stage's FSDP2 units accumulate unsharded gradients through the schedule's step and
-  reduce-scatter once after it (:mod:`hf_tp.parallel.pipeline_fsdp`), so from the first backward
+  reduce-scatter once after it (:mod:`hf_tp.pipeline.pipeline_fsdp`), so from the first backward
   to the step's end the rank holds the stage's unsharded fp32 gradients (FSDP2's reduce dtype; a
   MoE's routed experts 1/ep of them, the rank's own) with the micro-batches then in flight, which
   the peak takes where it is larger; FSDP2's reduce-scatter (and HSDP's all-reduce of it; the
@@ -48,9 +48,9 @@ schedule nor the micro-batch count nor the replicas, so one simulation serves ev
 Pipeline stages in the estimate: how ``hf-tp train --pp`` cuts a model, which rank is the busiest,
 the config of that rank's layers, and how many micro-batches' activations a rank holds at once.
 
-The cut is training's own (:func:`hf_tp.parallel.pipeline_split.balanced_cuts` over each decoder
+The cut is training's own (:func:`hf_tp.pipeline.pipeline_split.balanced_cuts` over each decoder
 layer's parameter count, read from a model built on the meta device: no memory), refused where
-training refuses it (:func:`hf_tp.parallel.pipeline_split.check_splittable`: multimodal wrappers,
+training refuses it (:func:`hf_tp.pipeline.pipeline_split.check_splittable`: multimodal wrappers,
 forwards that change the hidden states outside the layers; :func:`hf_tp.core.dims.check_tied_schedule`:
 a tied ``lm_head`` under a V-shaped schedule). A rank runs
 stages ``rank + v * pp`` for v < ``pp_virtual_stages`` (``rank`` and ``2 pp - 1 - rank`` under a
@@ -79,19 +79,20 @@ import torch
 from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter, wrapper
-from hf_tp.adapters.modules import num_experts
+from hf_tp.adapters.census import unrouted_expert_params
 from hf_tp.adapters.shrink import layer_kinds
 from hf_tp.core.comm import RING_FACTOR, CommStat
 from hf_tp.core.dims import V_SHAPED, check_tied_schedule
-from hf_tp.estimate.api import Estimate, estimate_spec, model_label
+from hf_tp.core.module_queries import num_experts
 from hf_tp.estimate.counters import Work
+from hf_tp.estimate.estimate_run import Estimate, estimate_spec, model_label
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import BYTES, EstimateSpec, validate
 from hf_tp.gpus import model_flops_per_token
-from hf_tp.parallel.aux_loss import standard_aux_loss
-from hf_tp.parallel.expert_parallel import experts_modules, unrouted_expert_params
-from hf_tp.parallel.pipeline_split import balanced_cuts, check_splittable, layer_costs
+from hf_tp.moe.aux_loss import standard_aux_loss
+from hf_tp.moe.expert_parallel import experts_modules
 from hf_tp.parallel.tp import embeddings_tied
+from hf_tp.pipeline.pipeline_split import balanced_cuts, check_splittable, layer_costs
 
 Simulate = Callable[[PretrainedConfig, EstimateSpec, "str | None"], Estimate]
 ONCE_PER_STEP_OPS = ("_fused_adamw_", "_fused_adam_")  # the optimizer's kernels: once per step, not per micro-batch
@@ -133,7 +134,7 @@ def estimate_layout(
     simulate: Simulate | None = None,
 ) -> Estimate:
     """One rank's memory, collectives and work for one step of ``spec`` (pp and HSDP included):
-    the simulated stage (``simulate``: :func:`hf_tp.estimate.api.estimate_spec`, or a
+    the simulated stage (``simulate``: :func:`hf_tp.estimate.estimate_run.estimate_spec`, or a
     :class:`SimulationCache`) with the arithmetic of the module docstring."""
     validate(config, spec)
     simulate = simulate or estimate_spec
@@ -249,7 +250,7 @@ FSDP2_COLLECTIVES = (
 
 def tied_sync(spec: EstimateSpec, plan: StagePlan) -> list[CommStat]:
     """A tied ``lm_head``'s gradient summed over the first and last stage's ranks, once per step
-    (:meth:`hf_tp.parallel.pipeline.Pipeline.sync_tied_grads`: an all-reduce of this rank's fp32
+    (:meth:`hf_tp.pipeline.schedules.Pipeline.sync_tied_grads`: an all-reduce of this rank's fp32
     shard of the weight, over tp and FSDP2's dp x cp shard group); none when it is frozen (LoRA)."""
     if not plan.tied or spec.lora_r:
         return []
@@ -262,7 +263,7 @@ def tied_sync(spec: EstimateSpec, plan: StagePlan) -> list[CommStat]:
 def _stage_all_reduces(spec: EstimateSpec, plan: StagePlan, config: PretrainedConfig) -> CommStat:
     """The step's all-reduces over the pp ranks, as one stat: the gradient norm's squares summed over
     the stages (one fp64 scalar, :func:`hf_tp.parallel.grad.clip_grad_norm`), a MoE's routing counts
-    for its aux loss (:func:`hf_tp.parallel.pipeline_aux.route`: experts + 1 floats) and a tied
+    for its aux loss (:func:`hf_tp.moe.pipeline_aux.route`: experts + 1 floats) and a tied
     weight's gradient (:func:`tied_sync`: between the first and last stage only)."""
     parts = [_stat("pp", "all_reduce", spec.pp, 1, 8)]
     if plan.aux_loss:
@@ -275,7 +276,7 @@ def _stage_all_reduces(spec: EstimateSpec, plan: StagePlan, config: PretrainedCo
 
 def _per_step(c: CommStat, spec: EstimateSpec) -> CommStat:
     """One micro-batch's collective ``c`` over a pipeline step: FSDP2's reduce-scatter (and HSDP's
-    all-reduce of it) once, at the step's end (:mod:`hf_tp.parallel.pipeline_fsdp`); its all-gathers
+    all-reduce of it) once, at the step's end (:mod:`hf_tp.pipeline.pipeline_fsdp`); its all-gathers
     once per micro-batch's forward and backward, plus the schedule's shape pass (one micro-batch
     more), or once per step where a V-shaped schedule keeps the gathered weights; the rest (tp's,
     cp's, ep's all-to-alls) once per micro-batch and once more for the shape pass (its backward

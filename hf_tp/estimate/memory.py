@@ -28,9 +28,9 @@ from transformers import PretrainedConfig
 from hf_tp.adapters import get_adapter
 from hf_tp.adapters.inspect_moe import num_experts
 from hf_tp.compat.mem_tracker import PeakMemTracker, forward_snapshots
+from hf_tp.core.record import facts_of
 from hf_tp.estimate.spec import GiB, MiB
-from hf_tp.parallel.expert_parallel import experts_modules
-from hf_tp.record import facts_of
+from hf_tp.moe.expert_parallel import experts_modules
 
 __all__ = ["GiB", "MemoryBreakdown", "MiB", "MoEStats", "PeakMemTracker", "RoutedRows", "find_experts", "moe_stats"]
 
@@ -71,7 +71,7 @@ class MemoryBreakdown:
         return {**asdict(self), "total": self.total}
 
 
-EP_DIMS = ("dp_out", "ep", "tp")  # hf_tp.parallel.expert_parallel.build_ep_mesh's names
+EP_DIMS = ("dp_out", "ep", "tp")  # hf_tp.moe.expert_parallel.build_ep_mesh's names
 
 BALANCED_NOTE_LINES = (
     "The ep all-to-alls assume balanced routing: every expert gets the same number of (token, choice)",

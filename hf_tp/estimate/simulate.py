@@ -47,14 +47,14 @@ from hf_tp.compat.transformers_private import fake_grouped_mm_any_dtype, unmaske
 from hf_tp.core.mesh import HSDP_DIMS
 from hf_tp.estimate.memory import MemoryBreakdown, PeakMemTracker, ep_groups
 from hf_tp.estimate.spec import EstimateSpec
+from hf_tp.lora.peft_models import freeze_in_dtype
 from hf_tp.parallel import parallelize
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.lora import freeze_in_dtype
-from hf_tp.train import loss as train_loss
-from hf_tp.train import model as train_model
-from hf_tp.train import optim as train_optim
-from hf_tp.train.config import TrainConfig
+from hf_tp.run import loss as train_loss
+from hf_tp.run import model as train_model
+from hf_tp.run import optim as train_optim
+from hf_tp.run.config import TrainConfig
 
 
 @contextlib.contextmanager

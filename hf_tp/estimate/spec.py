@@ -49,7 +49,7 @@ from hf_tp.core.dims import (
     check_positive,
 )
 from hf_tp.core.model_source import ModelSource
-from hf_tp.train.validate import check_mixed_precision, validate_model_config
+from hf_tp.run.validate import check_mixed_precision, validate_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -105,8 +105,8 @@ class EstimateSpec:
 def validate(config: PretrainedConfig, spec: EstimateSpec) -> None:
     """One-line ``ValueError``s for sizes that cannot be trained, before anything is built. A
     quantized checkpoint's config is sized as its dequantized copy (what hf_tp trains)."""
-    from hf_tp.adapters.modules import num_experts  # torch: imported on use (see the module's docstring)
     from hf_tp.adapters.quantized import full_precision
+    from hf_tp.core.module_queries import num_experts  # torch: imported on use (see the module's docstring)
 
     config = full_precision(config)
     for name in (*LAYOUT_DIMS, "seq_len", "batch_size"):

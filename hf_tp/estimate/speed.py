@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from hf_tp.estimate.api import Estimate
 from hf_tp.estimate.counters import CommStat
+from hf_tp.estimate.estimate_run import Estimate
 from hf_tp.estimate.layouts import bubble_fraction
 from hf_tp.gpus import DEFAULT_INTER_NODE_GBPS, GPU, NET_EFFICIENCY, mfu
 

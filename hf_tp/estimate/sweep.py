@@ -61,8 +61,8 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import get_adapter
 from hf_tp.core.dims import check_cp_rows, check_expert_ranks, row_multiple
-from hf_tp.estimate.api import Estimate, estimate_spec
 from hf_tp.estimate.depth import Simulations, Simulator, estimate_fast
+from hf_tp.estimate.estimate_run import Estimate, estimate_spec
 from hf_tp.estimate.layouts import Simulate, SimulationCache, estimate_layout, stage_config, stage_plan
 from hf_tp.estimate.spec import EstimateSpec, GiB, validate
 from hf_tp.estimate.speed import Cluster, Speed, predict, tokens_per_gpu

@@ -50,7 +50,7 @@ class Objective(Protocol):
         routing: torch.Tensor | None = None,
     ) -> MicroLoss:
         """``batch``'s share of the step's loss; ``aux_weight`` / ``routing``: a MoE's aux loss
-        (:func:`hf_tp.train.loss.training_loss`), for the objectives that train MoE routers."""
+        (:func:`hf_tp.run.loss.training_loss`), for the objectives that train MoE routers."""
         ...
 
     def staged(self, batch: dict[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_tp.compat.peft_private import adapters_disabled, has_adapter_switch, set_adapters_disabled
+from hf_tp.moe.pipeline_aux import stage_outputs
 from hf_tp.parallel.logps import logits_log_probs, sequence_log_probs
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.parallel.pipeline_aux import stage_outputs
+from hf_tp.pipeline.schedules import Pipeline
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

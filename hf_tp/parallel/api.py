@@ -12,27 +12,10 @@ from torch.distributed.tensor import DTensor
 from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.compat import check_releases, warn_newer_releases
+from hf_tp.context.context_install import check_context_parallel, install_context_parallel
 from hf_tp.core.dims import ParallelDims, check_compile, check_dp_replicate
 from hf_tp.core.mesh import MeshSlices
-from hf_tp.parallel.context_install import check_context_parallel, install_context_parallel
-from hf_tp.parallel.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
-from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
-from hf_tp.parallel.generate import generate as parallel_generate
-from hf_tp.parallel.lora import (
-    check_dropout_recompute,
-    check_lora,
-    install_dropouts,
-    keep_frozen,
-    lora_adapter,
-    unwrap_peft,
-)
-from hf_tp.parallel.loss_parallel import local_loss_function
-from hf_tp.parallel.materialize import keep_parameters_on_to_empty
-from hf_tp.parallel.packed_positions import pass_packed_positions
-from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
-from hf_tp.parallel.passengers import check_wrapper, freeze_passengers
-from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
-from hf_tp.record import (
+from hf_tp.core.record import (
     LoraRecord,
     ParallelRecord,
     attach,
@@ -41,6 +24,24 @@ from hf_tp.record import (
     record_of,
     replaced_classes,
 )
+from hf_tp.lora.peft_models import (
+    check_dropout_recompute,
+    check_lora,
+    install_dropouts,
+    keep_frozen,
+    lora_adapter,
+    unwrap_peft,
+)
+from hf_tp.moe.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
+from hf_tp.multimodal.deepstack import shard_deepstack
+from hf_tp.multimodal.packed_positions import pass_packed_positions
+from hf_tp.multimodal.passengers import check_wrapper, freeze_passengers
+from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
+from hf_tp.parallel.generate import generate as parallel_generate
+from hf_tp.parallel.loss_parallel import local_loss_function
+from hf_tp.parallel.materialize import keep_parameters_on_to_empty
+from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
+from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
 
 
 def parallelize(
@@ -63,15 +64,15 @@ def parallelize(
     "dp_shard", "tp")`` (HSDP: FSDP2 over dp_shard, replicated over dp_replicate); a dp or cp dim > 1 adds FSDP2 over
     dp x cp (at dp=1 too when ``mp_policy`` asks for it). Takes a model from ``from_pretrained``, one built on meta (its ``to_empty(device=...)`` then keeps
     each parameter object and the gradient hooks parallelize attached: :mod:`hf_tp.parallel.materialize`),
-    or a peft LoRA model (:mod:`hf_tp.parallel.lora`). ``loss_parallel``: vocab-sharded logits, so compute the loss
+    or a peft LoRA model (:mod:`hf_tp.lora.peft_models`). ``loss_parallel``: vocab-sharded logits, so compute the loss
     and backward inside :func:`hf_tp.loss_parallel`. Every check runs before any collective and depends only on
     the config and the mesh shape: a bad input raises the same ``ValueError`` on every rank (tp must divide the heads and the MLP width; fewer KV heads than tp replicate each,
     :mod:`hf_tp.styles.kv_heads`). A tp dim of size 1 applies no tensor parallelism. ``activation_checkpointing``: HF's
     per-layer recompute; ``compile``: ``torch.compile`` on each decoder layer after TP, before FSDP2 (not both under
     tp: :func:`check_compile`); ``fuse_partial_grads``: one all-reduce per backward for the ``Partial`` gradients of weights
     replicated over tp (:mod:`hf_tp.parallel.partial_grads`). ``ep`` > 1 (MoE): whole experts on ranks borrowed from
-    dp (dp x cp), tokens moved by all-to-all (:mod:`hf_tp.parallel.expert_parallel`); ep must divide them and the
-    experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.parallel.context`): every rank of a cp x tp group
+    dp (dp x cp), tokens moved by all-to-all (:mod:`hf_tp.moe.expert_parallel`); ep must divide them and the
+    experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.context.token_share`): every rank of a cp x tp group
     passes the same full rows (a multiple of 2 x cp x tp long); the logits are this rank's tokens (``TokenShare.indices``
     says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
     ``mesh`` may be a :class:`hf_tp.ParallelDims` (pp 1): its mesh is built here, its ``ep`` taken."""
@@ -97,7 +98,7 @@ def parallelize(
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
     if slices.cp is not None:
-        install_context_parallel(model, adapter.layers_path, slices.cp, tp_mesh.size())
+        _install_context_parallel(model, adapter, slices.cp, tp_mesh.size())
     expert_params = apply_expert_parallel(model, adapter.layers_path, adapter.experts, ep_mesh) if ep_mesh else []
     if fsdp:
         apply_fsdp(
@@ -115,10 +116,17 @@ def parallelize(
     return outer
 
 
+def _install_context_parallel(model: nn.Module, adapter: Adapter, cp: DeviceMesh, tp: int) -> None:
+    """cp's attention, input split and checks (:mod:`hf_tp.context`), and a wrapper's DeepStack
+    features added to this rank's tokens (:mod:`hf_tp.multimodal.deepstack`)."""
+    install_context_parallel(model, adapter.layers_path, cp, tp)
+    shard_deepstack(model.get_decoder())
+
+
 def _record(
     model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, *given: DeviceMesh | None, **fields
 ) -> ParallelRecord:
-    """The record of this call (:mod:`hf_tp.record`): meshes (``given``: dp or None, tp, ep or None), plans,
+    """The record of this call (:mod:`hf_tp.core.record`): meshes (``given``: dp or None, tp, ep or None), plans,
     options; filled in as parallelize goes."""
     dp_mesh, tp_mesh, ep_mesh = given
     names, meshes = mesh.mesh_dim_names or (), {"tp": tp_mesh}
@@ -139,7 +147,7 @@ def _record(
         layer_plan=dict(adapter.layer_plan(opts)),
         top_plan=dict(adapter.top_plan(opts)),
         passengers=tuple(adapter.passengers),
-        stage=getattr(facts_of(model), "stage", None),  # a pipeline stage's cut (hf_tp.parallel.pipeline_split)
+        stage=getattr(facts_of(model), "stage", None),  # a pipeline stage's cut (hf_tp.pipeline.pipeline_split)
         **fields,
     )
     attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns
@@ -168,9 +176,9 @@ def _check(
 ) -> tuple:
     """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
     the mesh's named slices, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
-    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.parallel.lora`); a multimodal
-    wrapper's passengers are frozen (:mod:`hf_tp.parallel.passengers`) and its 3-D mrope language model
-    takes packed position ids in its 4-row form (:mod:`hf_tp.parallel.packed_positions`)."""
+    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.lora.peft_models`); a multimodal
+    wrapper's passengers are frozen (:mod:`hf_tp.multimodal.passengers`) and its 3-D mrope language model
+    takes packed position ids in its 4-row form (:mod:`hf_tp.multimodal.packed_positions`)."""
     check_releases()  # a release below the tested floors: one line naming it, before anything else
     mesh, ep = _mesh_and_ep(mesh, ep)
     model, peft = unwrap_peft(outer)

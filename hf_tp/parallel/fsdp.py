@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters.registry import Adapter
 from hf_tp.compat.transformers_private import keep_output_capture
-from hf_tp.record import facts_of
+from hf_tp.core.record import facts_of
 
 
 def apply_fsdp(
@@ -68,7 +68,7 @@ def shard_experts_over_dp(
     model: nn.Module, *, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool = True
 ) -> list[nn.Module]:
     """FSDP2 on each experts module expert parallelism placed on a ``(dp_out, ep, tp)`` mesh with
-    ``dp_out`` > 1 (:mod:`hf_tp.parallel.expert_parallel`): its weights, gradients and optimizer
+    ``dp_out`` > 1 (:mod:`hf_tp.moe.expert_parallel`): its weights, gradients and optimizer
     state are sharded over ``dp_out`` too (``Shard(0)`` of each rank's experts, strided under the
     ep split), so per-rank expert state falls as 1/dp whatever ep is, and the all-gathers and
     reduce-scatters stay inside the dp_out group. A gradient is the sum over all dp ranks' tokens

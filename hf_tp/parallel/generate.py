@@ -24,16 +24,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.generation.utils import GenerateOutput
 
-from hf_tp.adapters.wrapper import text_config_of
 from hf_tp.compat.torch_distributed import flatten_mesh, root_mesh
 from hf_tp.compat.torch_fsdp import fsdp_lazy_init
-from hf_tp.record import record_of
+from hf_tp.core.model_source import text_config_of
+from hf_tp.core.record import record_of
 
 __all__ = ["eval_mode", "generate", "generation_mode", "replicated_logits"]
 
 
 def model_meshes(model: nn.Module) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """``(dp_mesh, tp_mesh)`` of a parallelized model: its record's (:mod:`hf_tp.record`), else read from
+    """``(dp_mesh, tp_mesh)`` of a parallelized model: its record's (:mod:`hf_tp.core.record`), else read from
     its embedding (None: not sharded).
 
     The embedding weight lives on the tp mesh, or on the 2-D (dp, tp) mesh while FSDP2 holds it

@@ -14,12 +14,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hf_tp.context.token_share import local_tokens, shift_labels, state_of
 from hf_tp.labels import count_targets
-from hf_tp.parallel.context import local_tokens, shift_labels, state_of
+from hf_tp.moe.pipeline_aux import stage_outputs
 from hf_tp.parallel.generate import check_same_on_tp, comm_device, eval_mode, model_meshes, replicated_logits
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable
 from hf_tp.parallel.loss_parallel import loss_parallel as _loss_parallel
-from hf_tp.parallel.pipeline_aux import stage_outputs
 
 __all__ = ["EvalResult", "count_targets", "evaluate", "evaluate_pipeline"]
 
@@ -107,9 +107,9 @@ def evaluate(
 
 
 def evaluate_pipeline(pipe, batches: Iterable[Mapping[str, Any]]) -> EvalResult:
-    """:func:`evaluate` of a pipeline-parallel model (a :class:`hf_tp.parallel.pipeline.Pipeline`;
+    """:func:`evaluate` of a pipeline-parallel model (a :class:`hf_tp.pipeline.schedules.Pipeline`;
     call on every rank, each dp rank with its own rows): each batch's hidden states pass through
-    the stages without autograd (:func:`hf_tp.parallel.pipeline_aux.stage_outputs`), the last
+    the stages without autograd (:func:`hf_tp.moe.pipeline_aux.stage_outputs`), the last
     stage takes HF's cross entropy of its logits over the whole evaluation's target count (under
     tp on the vocab shards), and the sum over the pp and dp ranks is the token-mean loss, as at
     pp 1. A MoE's router aux loss is left out, as :func:`evaluate` leaves it."""

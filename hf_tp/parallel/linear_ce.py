@@ -29,9 +29,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hf_tp.adapters import get_adapter
+from hf_tp.context.token_share import local_tokens, shift_labels, sum_over_cp
 from hf_tp.labels import IGNORE_INDEX
 from hf_tp.parallel.as_forward import call_as_forward
-from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 
 CHUNK_BYTES = 2**29  # fp32 logits of one chunk: 512 MiB
 
@@ -305,7 +305,7 @@ def causal_lm_loss(
     The decoder and the loss run as the model's own forward (so FSDP2's hooks on the root module
     gather and free its parameters as in a normal call); the model's ``forward`` is restored after.
     With context parallelism (full rows on every cp rank) each rank scores its own tokens and the
-    result is the whole rows' loss (:mod:`hf_tp.parallel.context`). ``images``: a multimodal
+    result is the whole rows' loss (:mod:`hf_tp.context.token_share`). ``images``: a multimodal
     wrapper's image inputs (``pixel_values``, ``image_grid_thw``, ...), passed to its base model.
     """
     if not fusable(model):

@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_tp.adapters import get_adapter
+from hf_tp.context.token_share import local_tokens, shift_labels, sum_over_cp
 from hf_tp.labels import IGNORE_INDEX
+from hf_tp.moe.aux_loss import standard_aux_loss
 from hf_tp.parallel.as_forward import call_as_forward
-from hf_tp.parallel.aux_loss import standard_aux_loss
-from hf_tp.parallel.context import local_tokens, shift_labels, sum_over_cp
 from hf_tp.parallel.linear_ce import (
     CHUNK_BYTES,
     VocabShard,
@@ -148,7 +148,7 @@ def sequence_log_probs(
     (:func:`hf_tp.parallel.linear_ce.fusable`). The decoder runs as the model's own forward (FSDP2's
     hooks gather its parameters as in a normal call). ``router_logits``: also return the router
     logits of a MoE that computes transformers' aux loss (``output_router_logits``), which the
-    caller adds (:func:`hf_tp.parallel.aux_loss.router_aux_term`); otherwise none are recorded."""
+    caller adds (:func:`hf_tp.moe.aux_loss.router_aux_term`); otherwise none are recorded."""
     if hasattr(model, "get_base_model"):  # a peft wrapper: the model inside is what parallelize sharded
         model = model.get_base_model()
     why = log_probs_refusal(model, router_logits)

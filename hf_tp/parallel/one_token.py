@@ -8,7 +8,7 @@ DTensor drops a size-1 dim when it plans a view and cannot drop a sharded one ("
 reshape sharded dimension 1"). For such steps only, a torch-function mode active during the layer
 all-gathers a tensor with a sharded size-1 dim right before it is reshaped (one token per row: a
 few KiB), so the flattened tokens are whole on every rank; the router, norms and experts around
-them accept that layout (:class:`hf_tp.styles.PerTokenOnShards`, :class:`hf_tp.styles.MoERegion`).
+them accept that layout (:class:`hf_tp.styles.PerTokenOnShards`, :class:`hf_tp.moe.expert_styles.MoERegion`).
 Longer sequences never enter the mode and pay nothing.
 """
 

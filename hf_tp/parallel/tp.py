@@ -11,14 +11,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_tp.adapters.adapter import Adapter, PlanOptions
-from hf_tp.adapters.modules import has_submodule
-from hf_tp.parallel.deepstack import shard_deepstack
-from hf_tp.parallel.dropout import install_model_dropout
+from hf_tp.core.module_queries import has_submodule
+from hf_tp.core.record import facts_of
+from hf_tp.dropout.dropout_install import install_model_dropout
+from hf_tp.moe.expert_styles import mark_packed
+from hf_tp.multimodal.deepstack import shard_deepstack
+from hf_tp.multimodal.passengers import split_at_language_model
 from hf_tp.parallel.one_token import gather_one_token_steps
-from hf_tp.parallel.passengers import split_at_language_model
-from hf_tp.record import facts_of
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
-from hf_tp.styles.experts import mark_packed
 
 
 def embeddings_tied(model: nn.Module) -> bool:
@@ -27,7 +27,7 @@ def embeddings_tied(model: nn.Module) -> bool:
     get_out = getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None or get_out() is None:
         return False
-    weight = getattr(get_in(), "weight", None)  # a pipeline stage's gap has none (hf_tp.parallel.pipeline_split)
+    weight = getattr(get_in(), "weight", None)  # a pipeline stage's gap has none (hf_tp.pipeline.pipeline_split)
     return weight is not None and weight is getattr(get_out(), "weight", None)
 
 
@@ -45,7 +45,7 @@ def check_plan_paths(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> N
     missing = [p for p in adapter.top_plan(opts) if not has_submodule(model, p)]
     # Hybrid models mix layer kinds: a layer-plan entry must exist in some layer (each gets its own).
     # A pipeline stage's layers are some of them, the others gaps: its kinds are checked on the whole
-    # model before the cut (hf_tp.parallel.pipeline_build), a MoE's first dense layers on one stage only.
+    # model before the cut (hf_tp.pipeline.pipeline_build), a MoE's first dense layers on one stage only.
     if getattr(facts_of(model), "stage", None) is None:
         missing += [
             f"{adapter.layers_path}.*.{p}"
@@ -108,7 +108,7 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
 def _top_plan_of(model: nn.Module, adapter: Adapter, opts: PlanOptions) -> dict:
     """The adapter's plan for the modules outside the layers, less those a pipeline stage leaves
     to other stages (parameter-less gaps: the embedding after the first stage, the final norm and
-    lm_head before the last; :mod:`hf_tp.parallel.pipeline_split`)."""
+    lm_head before the last; :mod:`hf_tp.pipeline.pipeline_split`)."""
     stage = getattr(facts_of(model), "stage", None)
     gaps = stage.gaps if stage is not None else ()
     return {path: style for path, style in adapter.top_plan(opts).items() if path not in gaps}

@@ -2,7 +2,7 @@
 described without applying it (no mesh, no process group, no weights: a meta-device model).
 
 The same adapter (:func:`hf_tp.get_adapter`), plan options and checks as parallelize and
-``hf-tp train`` (:func:`hf_tp.train.validate.validate_model_config`, the plan paths, the
+``hf-tp train`` (:func:`hf_tp.run.validate.validate_model_config`, the plan paths, the
 wrapper, context- and expert-parallel checks), so a model and layout they refuse is refused
 here with the same one-line message.
 """
@@ -17,17 +17,17 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.adapters.adapter import Adapter
-from hf_tp.adapters.modules import experts_per_token
 from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
 from hf_tp.core.dims import ParallelDims, check_positive, row_multiple
 from hf_tp.core.model_source import ModelSource
+from hf_tp.core.module_queries import experts_per_token
+from hf_tp.core.record import record_of
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.model_plan import ModelPlan
 from hf_tp.plan.top import describe_top
-from hf_tp.record import record_of
 
 
 def plan_for(
@@ -47,7 +47,7 @@ def plan_for(
     a config, or what ``hf-tp plan --model`` takes (bundled name, local folder, cached Hub id).
     ``tp`` may be a :class:`hf_tp.ParallelDims` (its tp, ep and cp; then ``ep``/``cp`` stay 1).
     Raises ``ValueError`` (one line) for a model or layout hf_tp refuses."""
-    from hf_tp.train.validate import validate_model_config
+    from hf_tp.run.validate import validate_model_config
 
     if isinstance(tp, ParallelDims):
         if (ep, cp) != (1, 1):
@@ -121,9 +121,9 @@ def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
 
 def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: int) -> None:
     """parallelize's own checks that need the model (its plan paths, wrapper, cp and ep)."""
-    from hf_tp.parallel.context_install import check_context_parallel
-    from hf_tp.parallel.expert_parallel import check_experts
-    from hf_tp.parallel.passengers import check_wrapper
+    from hf_tp.context.context_install import check_context_parallel
+    from hf_tp.moe.expert_parallel import check_experts
+    from hf_tp.multimodal.passengers import check_wrapper
     from hf_tp.parallel.tp import check_plan_paths
 
     check_plan_paths(model, adapter, opts)

@@ -1,5 +1,5 @@
 """``hf_tp.describe(model)``: what ``parallelize`` did to a model, in words, from its record
-(:mod:`hf_tp.record`): meshes, options, each decoder-layer kind's styles, the top level,
+(:mod:`hf_tp.core.record`): meshes, options, each decoder-layer kind's styles, the top level,
 experts, context parallelism, LoRA, dropout, the fused partial gradients."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import re
 
 from torch import nn
 
-from hf_tp.adapters.modules import has_submodule
 from hf_tp.compat.torch_internals import own_attribute
+from hf_tp.core.module_queries import has_submodule
+from hf_tp.core.record import ATTRIBUTE, ParallelRecord, record_of
 from hf_tp.plan.styles import parts
-from hf_tp.record import ATTRIBUTE, ParallelRecord, record_of
 from hf_tp.styles import resolve
 
 

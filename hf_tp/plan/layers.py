@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hf_tp.adapters.modules import has_submodule
-from hf_tp.adapters.source import self_calls
 from hf_tp.compat.torch_internals import own_attribute
+from hf_tp.core.forward_source import self_calls
+from hf_tp.core.module_queries import has_submodule
 from hf_tp.plan.collectives import Sizes, block_collectives, in_order
 from hf_tp.plan.model_plan import Collective, LayerKind, ModuleRow, ParamShard
 from hf_tp.plan.styles import Part, Placed, parts, placements

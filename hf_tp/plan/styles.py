@@ -21,14 +21,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hf_tp.adapters.modules import has_parameter
+from hf_tp.core.module_queries import has_parameter
+from hf_tp.moe.expert_styles import MoERegion
 from hf_tp.styles import (
     ColwiseOwnOutput,
     Compose,
     HyperConnectionLayer,
     HyperConnectionOnShards,
     LocalParamViews,
-    MoERegion,
     PerLayerChoice,
     PerTokenOnShards,
     ReplicatedKVProjection,

@@ -1,12 +1,12 @@
 """Custom ``ParallelStyle``s: what torch's Colwise/Rowwise/SequenceParallel do not cover.
 
-This package sits below :mod:`hf_tp.adapters` (adapters import styles; styles import only torch),
-so every family file and the generic plan build from the same pieces.
+This package sits below :mod:`hf_tp.adapters` (adapters import styles; styles import only torch and
+the core), so every family file and the generic plan build from the same pieces. The expert styles
+are in :mod:`hf_tp.moe.expert_styles`.
 """
 
 from hf_tp.styles.choice import ByKind, GatherAsCalled, PerLayerChoice, resolve
 from hf_tp.styles.embedding import ScaledEmbeddingRowwise
-from hf_tp.styles.experts import DenseOrMoE, MoERegion, Role
 from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
 from hf_tp.styles.linear import ColwiseOwnOutput, PerTokenOnShards
@@ -20,9 +20,6 @@ __all__ = [
     "resolve",
     "ColwiseOwnOutput",
     "Compose",
-    "DenseOrMoE",
-    "MoERegion",
-    "Role",
     "LocalHeadParams",
     "LocalParamViews",
     "PerTokenOnShards",

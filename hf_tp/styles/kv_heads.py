@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hf_tp.record import reclass
+from hf_tp.core.record import reclass
 
 
 class ReplicatedKVProjection(ParallelStyle):

@@ -4,7 +4,7 @@ Only the config is imported eagerly: ``hf-tp export --help`` and friends must no
 training stack (torch, transformers, datasets).
 """
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 
 __all__ = ["TrainConfig", "TrainResult", "train"]
 

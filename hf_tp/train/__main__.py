@@ -8,7 +8,7 @@ import os
 import sys
 
 from hf_tp.cli.train import main
-from hf_tp.train.errors import run_reporting_crashes
+from hf_tp.run.errors import run_reporting_crashes
 
 code = run_reporting_crashes(main)
 sys.stdout.flush()

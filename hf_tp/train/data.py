@@ -25,11 +25,11 @@ from hf_tp.data.image_steps import ImageStepBatchSource
 from hf_tp.data.pairs import PairCollator, is_pair_example
 from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import PackedStream, StreamingBatchSource
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.distributed import rank0_first
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.distributed import rank0_first
+from hf_tp.run.first_rows import NO_IMAGE_EVAL, image_rows_refusal
+from hf_tp.run.fits import training_rows
 from hf_tp.train.evaluation import EvalSet
-from hf_tp.train.first_rows import NO_IMAGE_EVAL, image_rows_refusal
-from hf_tp.train.fits import training_rows
 from hf_tp.train.pair_evaluation import PairEvalSet
 
 

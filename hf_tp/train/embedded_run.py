@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 
 
 def with_embedded_default(cfg: TrainConfig) -> TrainConfig:

@@ -19,7 +19,7 @@ from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.steps import to_device
 from hf_tp.labels import IGNORE_INDEX
 from hf_tp.parallel.held_out import EvalResult, evaluate, evaluate_pipeline
-from hf_tp.parallel.pipeline import Pipeline
+from hf_tp.pipeline.schedules import Pipeline
 
 
 @dataclass

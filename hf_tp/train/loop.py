@@ -19,10 +19,10 @@ from hf_tp.checkpoint.dcp import crash_point, save_checkpoint
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.streaming import StreamingBatchSource
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.distributed import shutdown
-from hf_tp.train.errors import ERROR_DIR_ENV
-from hf_tp.train.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.distributed import shutdown
+from hf_tp.run.errors import ERROR_DIR_ENV
+from hf_tp.run.faults import apply_collective_timeout, heartbeat, is_timeout, record_preempted, timeout_error
 from hf_tp.train.metrics import MetricsLogger, peak_memory_mib
 from hf_tp.train.profile import StepProfiler, parse_profile_steps
 from hf_tp.train.setup import Run, set_up

@@ -56,7 +56,7 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         # Appended, never truncated: a run that reaches here owns the file (an earlier run was moved
-        # aside with --overwrite, a resumed run's stale records set aside; hf_tp.train.run_dir).
+        # aside with --overwrite, a resumed run's stale records set aside; hf_tp.run.run_dir).
         self.file = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if "tensorboard" in report_to:

@@ -13,16 +13,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.core.mesh import dp_mesh_of
 from hf_tp.objectives.base import Objective
+from hf_tp.objectives.pair_losses import DPO, SimPO
 from hf_tp.objectives.precompute import Stored, with_reference_logps
-from hf_tp.objectives.preference import DPO, SimPO
 from hf_tp.objectives.ref_cache import cache_key, cache_path, cached_reference_logps
 from hf_tp.objectives.reference import AdaptersOff, FrozenCopy, StagedReference
 from hf_tp.parallel.linear_ce import fusable
 from hf_tp.parallel.logps import log_probs_refusal
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.distributed import rank0_first
-from hf_tp.train.loss import CrossEntropy
+from hf_tp.pipeline.schedules import Pipeline
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.distributed import rank0_first
+from hf_tp.run.loss import CrossEntropy
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _reference(cfg: TrainConfig, model: torch.nn.Module, mesh: DeviceMesh, devic
     (``staged``: either through pipeline stages)."""
     if cfg.lora_r:
         return StagedReference(staged.pipeline, adapters_off=True) if staged else AdaptersOff(model)
-    from hf_tp.train.model import build_parallel_model
+    from hf_tp.run.model import build_parallel_model
     from hf_tp.train.pipeline_run import build_pipeline
 
     if dist.get_rank() == 0:

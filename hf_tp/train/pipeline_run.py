@@ -1,5 +1,5 @@
 """A ``--pp`` run's model: this rank's pipeline stages of the checkpoint, each parallelized over the
-rest of the mesh and filled with its own shards (:mod:`hf_tp.parallel.pipeline`)."""
+rest of the mesh and filled with its own shards (:mod:`hf_tp.pipeline.schedules`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hf_tp.checkpoint.load import materialize_and_load
-from hf_tp.parallel.lora import freeze_in_dtype, lora_init_state
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.parallel.pipeline_build import pipeline_parallelize
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.model import compute_dtype, init_lora, parallelize_settings, unparallelized_model, with_lora
+from hf_tp.lora.peft_models import freeze_in_dtype, lora_init_state
+from hf_tp.pipeline.pipeline_build import pipeline_parallelize
+from hf_tp.pipeline.schedules import Pipeline
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.model import compute_dtype, init_lora, parallelize_settings, unparallelized_model, with_lora
 
 
 def build_pipeline(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> Pipeline:

@@ -12,17 +12,17 @@ import torch
 import torch.distributed as dist
 
 from hf_tp.data.steps import StepBatches
+from hf_tp.moe.pipeline_aux import Routing
 from hf_tp.objectives.base import LOSS_ONLY, Objective
 from hf_tp.parallel.grad import clip_grad_norm
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.parallel.pipeline_aux import Routing
-from hf_tp.train.loss import loss_context
+from hf_tp.pipeline.schedules import Pipeline
+from hf_tp.run.loss import loss_context
 from hf_tp.train.stepper import StepShare, StepTotals, aux_split, global_means, set_grad_sync
 
 
 @dataclass
 class PipelineStepper:
-    """This rank's pipeline stages (:class:`hf_tp.parallel.pipeline.Pipeline`), stepped whole."""
+    """This rank's pipeline stages (:class:`hf_tp.pipeline.schedules.Pipeline`), stepped whole."""
 
     pipe: Pipeline
     device: torch.device

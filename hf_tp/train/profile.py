@@ -14,7 +14,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from hf_tp.train.config import parse_profile_steps
+from hf_tp.run.config import parse_profile_steps
 
 __all__ = ["StepProfiler", "parse_profile_steps"]
 

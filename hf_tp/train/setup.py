@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from hf_tp.adapters.census import unrouted_expert_params
 from hf_tp.checkpoint.dcp import load_checkpoint, load_trainer_state
 from hf_tp.checkpoint.integrity import newest_good_checkpoint
 from hf_tp.core.mesh import MeshSlices, stage_dims
@@ -20,25 +21,24 @@ from hf_tp.data.steps import StepBatchSource
 from hf_tp.data.streaming import StreamingBatchSource
 from hf_tp.gpus import model_flops_per_token
 from hf_tp.objectives.base import Objective
-from hf_tp.parallel.expert_parallel import unrouted_expert_params
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.parallel.pipeline import Pipeline
-from hf_tp.train.config import TrainConfig
+from hf_tp.pipeline.schedules import Pipeline
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.distributed import init_distributed, rank0_first, resolve_device
+from hf_tp.run.errors import ERROR_DIR_ENV
+from hf_tp.run.faults import Faults, apply_collective_timeout, register_rank
+from hf_tp.run.model import build_parallel_model, compute_dtype
+from hf_tp.run.optim import build_optimizer, build_scheduler, restore_schedule_position
+from hf_tp.run.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
+from hf_tp.run.validate import check_resume_compatible, run_fingerprint
 from hf_tp.train.data import build_batches, saved_with_checkpoints, with_document_masking_checked
-from hf_tp.train.distributed import init_distributed, rank0_first, resolve_device
-from hf_tp.train.errors import ERROR_DIR_ENV
 from hf_tp.train.evaluation import EvalSet
-from hf_tp.train.faults import Faults, apply_collective_timeout, register_rank
 from hf_tp.train.metrics import peak_flops
-from hf_tp.train.model import build_parallel_model, compute_dtype
 from hf_tp.train.objective import Staged, build_objective
-from hf_tp.train.optim import build_optimizer, build_scheduler, restore_schedule_position
 from hf_tp.train.pair_evaluation import PairEvalSet
 from hf_tp.train.pipeline_run import build_pipeline, parameter_count, summed_over_stages
 from hf_tp.train.pipeline_stepper import PipelineStepper
-from hf_tp.train.run_dir import check_output_dir, describe, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.stepper import PlainStepper, Stepper
-from hf_tp.train.validate import check_resume_compatible, run_fingerprint
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Run:
     dp_group: dist.ProcessGroup
     fingerprint: dict
     fused: bool
-    faults: Faults  # stop signals noted from set-up on (hf_tp.train.faults)
+    faults: Faults  # stop signals noted from set-up on (hf_tp.run.faults)
     objective: Objective  # cross entropy or a preference loss (hf_tp.train.objective)
     stepper: Stepper  # each step's forward and backward: plain or pipelined (hf_tp.train.stepper)
     route_group: dist.ProcessGroup | None = None  # the ranks whose tokens differ: dp, or dp x cp (MoE aux loss)
@@ -163,7 +163,7 @@ def _stepper(
 
 def accept(run: Run) -> None:
     """Rank 0: move an earlier run aside (``--overwrite``), set aside the metrics records a resumed
-    run writes again, and write the run's record (:mod:`hf_tp.train.run_dir`)."""
+    run writes again, and write the run's record (:mod:`hf_tp.run.run_dir`)."""
     cfg, out = run.cfg, run.out
     if cfg.overwrite and not cfg.resume and (moved := replace_earlier_run(out)) is not None:
         print(

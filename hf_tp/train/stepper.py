@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from hf_tp.data.steps import StepBatches
 from hf_tp.objectives.base import Objective
 from hf_tp.parallel.grad import clip_grad_norm
-from hf_tp.train.loss import loss_context, step_routing
+from hf_tp.run.loss import loss_context, step_routing
 
 
 @dataclass

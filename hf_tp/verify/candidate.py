@@ -1,6 +1,6 @@
 """The layout under test: the model built as ``hf-tp train`` builds it (meta device, parallelize,
 each rank reading its shards from the saved folder), trained with the training loop's own loss
-(:func:`hf_tp.train.loss.training_loss`), its dp factor and its exact gradient clipping."""
+(:func:`hf_tp.run.loss.training_loss`), its dp factor and its exact gradient clipping."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from hf_tp.context.token_share import state_of
 from hf_tp.core.mesh import dp_mesh_of, split_mesh
-from hf_tp.parallel.context import state_of
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.loss import loss_context, training_loss
-from hf_tp.train.model import build_parallel_model
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.loss import loss_context, training_loss
+from hf_tp.run.model import build_parallel_model
 from hf_tp.verify.compare import full, full_buffers, full_grads, full_params
 from hf_tp.verify.injected_faults import after_build, while_building
 from hf_tp.verify.random_model import targets

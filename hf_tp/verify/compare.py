@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_tp.styles.experts import hf_shapes
-from hf_tp.train.optim import ADAMW_BETAS
+from hf_tp.moe.expert_styles import hf_shapes
+from hf_tp.run.optim import ADAMW_BETAS
 
 # Biases added to every key (k_proj, the packed query_key_value, a key LayerNorm): their gradient is zero in
 # exact arithmetic (softmax ignores a per-query constant q.b_k), so their Adam update is round-off.

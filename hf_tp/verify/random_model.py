@@ -16,7 +16,7 @@ def random_model(config: PretrainedConfig, seed: int) -> nn.Module:
     """The model of ``config`` in fp32 with seeded random weights. HF leaves 1-D parameters at
     ones and zeros and some routers at zero; drawn at random here, so a bias or norm weight not
     sharded with its module, or a router gradient, shows in the comparison."""
-    from hf_tp.adapters.wrapper import model_from_config
+    from hf_tp.core.model_source import model_from_config
 
     torch.manual_seed(seed)
     model = model_from_config(config, dtype=torch.float32)
@@ -38,7 +38,7 @@ def draw_index_tables(model: nn.Module, config: PretrainedConfig) -> None:
     trained table is, ``k`` distinct experts per token. (At zeros every token goes ``k`` times to
     expert 0, its routing weights are constant and the gate's gradient is round-off.) Other
     integer buffers are left as the init makes them. Draws from the CPU RNG."""
-    from hf_tp.adapters.modules import num_experts
+    from hf_tp.core.module_queries import num_experts
 
     text = config.get_text_config()
     experts = num_experts(text)

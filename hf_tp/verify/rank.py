@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 
 RESULT_ENV = "HF_TP_VERIFY_RESULT"  # file the launching process reads the exit code from
 
@@ -16,7 +16,7 @@ def rank_main(cfg: TrainConfig) -> int:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from hf_tp.train.distributed import init_distributed, resolve_device
+    from hf_tp.run.distributed import init_distributed, resolve_device
     from hf_tp.verify.report import gathered, render
     from hf_tp.verify.run import remove, verify_rank, work_dir
 

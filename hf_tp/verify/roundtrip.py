@@ -18,7 +18,7 @@ from torch import nn
 
 from hf_tp.checkpoint.dcp import load_checkpoint, save_checkpoint
 from hf_tp.core.mesh import build_mesh
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from hf_tp.verify.compare import Error, tensor_error
 
 

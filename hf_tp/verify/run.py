@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hf_tp.core.model_source import ModelSource
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from hf_tp.verify import candidate, roundtrip
 from hf_tp.verify.compare import adam_error, stream_mixer_params, tensor_error
 from hf_tp.verify.injected_faults import requested
@@ -140,8 +140,8 @@ def _with_lora(model, cfg: TrainConfig):
     zero, where the first gradients would not reach A)."""
     if not cfg.lora_r:
         return model, None, None
-    from hf_tp.parallel.lora import lora_init_state
-    from hf_tp.train.model import with_lora
+    from hf_tp.lora.peft_models import lora_init_state
+    from hf_tp.run.model import with_lora
 
     peft = with_lora(model, cfg)  # in place: ``model`` now holds the adapters, as the candidate does
     state = lora_init_state(model, cfg.seed)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hf_tp.compat.transformers_private import can_set_experts_implementation
-from hf_tp.train.optim import ADAMW_BETAS
+from hf_tp.run.optim import ADAMW_BETAS
 from hf_tp.verify.compare import full_buffers, full_grads, full_params
 
 

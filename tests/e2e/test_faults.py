@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hf_tp.checkpoint.dcp import latest_checkpoint
-from hf_tp.train.faults import EXIT_PREEMPTED
+from hf_tp.run.faults import EXIT_PREEMPTED
 from tests.e2e.test_train_cli import ROOT, hf_tp_train, metrics, setup  # noqa: F401 - fixture
 from tests.reference_loop import reference_losses
 

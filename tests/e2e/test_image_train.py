@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_tp.train.faults import EXIT_PREEMPTED
+from hf_tp.run.faults import EXIT_PREEMPTED
 from tests.e2e.test_train_cli import hf_tp_train, metrics
 from tests.image_data import image_rows, llava_processor, save_tiny_llava, write_images, write_jsonl
 from tests.parity import assert_weights_after_adam_close

@@ -20,7 +20,7 @@ def _peft(model):
     """Plain peft with hf-tp's initial adapters (peft's default init from the run's seed)."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_tp.parallel.lora import lora_init_state
+    from hf_tp.lora.peft_models import lora_init_state
 
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
     missing, unexpected = model.load_state_dict(lora_init_state(model, seed=0), strict=False)

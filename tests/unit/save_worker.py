@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_tp.checkpoint.dcp import save_checkpoint
-from hf_tp.train.launch import free_port
+from hf_tp.run.launch import free_port
 
 
 def main(out: str) -> None:

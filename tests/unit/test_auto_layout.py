@@ -15,7 +15,7 @@ from hf_tp.estimate import sweep as sweep_module
 from hf_tp.estimate.speed import Cluster
 from hf_tp.estimate.sweep import Sweep
 from hf_tp.gpus import get_gpu
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from hf_tp.train.loop import _metrics_record
 from tests.helpers import tiny_config
 from tests.unit.test_estimate_moe import tiny_moe

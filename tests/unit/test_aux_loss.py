@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from hf_tp.parallel.aux_loss import load_balancing_loss
+from hf_tp.moe.aux_loss import load_balancing_loss
 from tests.helpers import run_threaded
 
 

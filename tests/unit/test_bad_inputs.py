@@ -70,8 +70,8 @@ def build_run(run: Path, model: Path, data: Path) -> None:
 
     from hf_tp.checkpoint.checkpoint_dirs import MARKER
     from hf_tp.checkpoint.integrity import write_manifest
-    from hf_tp.train.config import TrainConfig
-    from hf_tp.train.validate import run_fingerprint
+    from hf_tp.run.config import TrainConfig
+    from hf_tp.run.validate import run_fingerprint
 
     cfg = TrainConfig(
         model=str(model), dataset=str(data), output_dir=str(run), max_steps=2, save_every=2, seq_len=32
@@ -613,7 +613,7 @@ ROWS = [
 def no_launch(monkeypatch):
     """The launcher, replaced: a row that reaches it started ranks (a failure unless it is a
     warning row, which then returns 0 here)."""
-    import hf_tp.train.launch as launch
+    import hf_tp.run.launch as launch
 
     launched = []
     monkeypatch.setattr(launch, "launch", lambda cfg, **kw: launched.append(cfg) or 0)

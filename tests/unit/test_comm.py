@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tp
 from hf_tp.parallel.linear_ce import fusable
-from hf_tp.train.loss import training_loss
+from hf_tp.run.loss import training_loss
 from tests.helpers import CollectiveCounter, batch, tiny_config, tiny_model
 
 TP, B, S, H = 2, 2, 12, 64

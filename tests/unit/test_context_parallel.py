@@ -23,10 +23,10 @@ from transformers.masking_utils import (
 )
 
 import hf_tp
+from hf_tp.context.context_install import masks_documents, packed_documents
+from hf_tp.context.token_share import ContextState, TokenShare
 from hf_tp.estimate.spec import EstimateSpec, validate
-from hf_tp.parallel.context import ContextState, TokenShare
-from hf_tp.parallel.context_install import masks_documents, packed_documents
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from tests.family_grid import grid_config
 from tests.helpers import run_threaded, tiny_config, tiny_model
 
@@ -174,7 +174,7 @@ def test_estimate_cp_counts_the_kv_gathers() -> None:
 
 @pytest.mark.large_estimate
 def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
     from tests.unit.test_estimate_moe import tiny_moe
 
     # cp 2 x dp 2: ep 4 spans dp x cp (no dp_out), ep 2 leaves dp_out 2 (experts sharded by FSDP2 there)
@@ -188,7 +188,7 @@ def test_estimate_cp_with_ep_borrows_from_dp_x_cp() -> None:
 def test_one_additive_mask_serves_every_layer() -> None:
     # SDPA given a bool mask keeps an additive copy per layer for backward (quadratic in the row:
     # 4 GiB a layer for a 64k row at cp 2); hf_tp hands every layer one additive mask per forward.
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
 
     config = tiny_config("llama", num_hidden_layers=4, max_position_embeddings=2048)
     whole, split = (estimate(copy.deepcopy(config), 1, 1, 2048, 1, cp=cp, dtype="fp32") for cp in (1, 2))
@@ -201,7 +201,7 @@ def test_moe_aux_loss_on_padded_rows_is_plain_hf() -> None:
     # is the whole rows' and the router logits this rank's tokens (a shape error before): the mask
     # now reaches the decoder through cp's state, and hf_tp's aux loss over the whole rows is HF's.
     from hf_tp.core.mesh import split_mesh
-    from hf_tp.train.loss import training_loss
+    from hf_tp.run.loss import training_loss
     from hf_tp.verify.compare import full_grads
     from tests.family_grid import grid_model
     from tests.helpers import assert_close_dict, batch

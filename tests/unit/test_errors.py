@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.train import errors
+from hf_tp.run import errors
 
 
 def write(folder: Path, name: str, record: dict) -> None:

@@ -14,8 +14,8 @@ from transformers import DeepseekV3Config
 
 from hf_tp.cli.estimate import main
 from hf_tp.cli.estimate_report import format_ranking
-from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work
+from hf_tp.estimate.estimate_run import Estimate, GiB, estimate
 from hf_tp.estimate.layouts import (
     SimulationCache,
     bubble_fraction,

@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from hf_tp.estimate.api import Estimate, GiB
 from hf_tp.estimate.counters import CommStat, Work
+from hf_tp.estimate.estimate_run import Estimate, GiB
 from hf_tp.estimate.layouts import estimate_layout, stage_plan
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.spec import EstimateSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_tp.cli.main import main
-from hf_tp.estimate.api import estimate, reference_cost
+from hf_tp.estimate.estimate_run import estimate, reference_cost
 from tests.unit.test_estimate import tiny_dir, tiny_llama  # noqa: F401 - a fixture
 
 

@@ -13,8 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hf_tp.cli.estimate import main
 from hf_tp.cli.estimate_report import format_ranking
-from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work, WorkCounter
+from hf_tp.estimate.estimate_run import Estimate, GiB, estimate
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
 from hf_tp.estimate.sweep import Sweep, sweep

@@ -10,8 +10,8 @@ import pytest
 
 from hf_tp.cli.estimate import main
 from hf_tp.cli.estimate_report import format_ranking
-from hf_tp.estimate.api import Estimate, GiB, estimate
 from hf_tp.estimate.counters import CommStat, Work
+from hf_tp.estimate.estimate_run import Estimate, GiB, estimate
 from hf_tp.estimate.memory import MemoryBreakdown
 from hf_tp.estimate.speed import BASE_LATENCY, STEP_LATENCY, Cluster, predict
 from hf_tp.estimate.sweep import Sweep, fits, grow_batch, speed_sweep, sweep

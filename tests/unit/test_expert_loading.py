@@ -14,11 +14,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import hf_tp
-from hf_tp.checkpoint import expert_files
 from hf_tp.checkpoint.load import build_empty, file_index, sliced_sources
-from hf_tp.train import model as train_model
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.model import build_parallel_model
+from hf_tp.moe import expert_files
+from hf_tp.run import model as train_model
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.model import build_parallel_model
 from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import run_threaded
 

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tp
-from hf_tp.parallel import expert_parallel, routing
-from hf_tp.record import facts_of, record_of
+from hf_tp.core.record import facts_of, record_of
+from hf_tp.moe import expert_parallel, routing
 from tests.family_grid import grid_config, grid_model, needs_later_release
 from tests.helpers import batch, run_threaded
 from tests.parity import assert_parity, train_steps

@@ -16,9 +16,9 @@ from transformers import AutoConfig
 from hf_tp.checkpoint.checkpoint_dirs import load_trainer_state
 from hf_tp.checkpoint.dcp import _write_rank0_files
 from hf_tp.checkpoint.hf_folder import export_checkpoint
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.run_dir import write_run_record
 from hf_tp.train.metrics import MetricsLogger
-from hf_tp.train.run_dir import write_run_record
 from tests.unit.test_export_stream import fake_checkpoint
 
 TOKEN = "hf_" + "kQ7vXr2LmN9pTz4bWc8dYe1fGh5jUs3aVo"  # the shape of a Hub access token

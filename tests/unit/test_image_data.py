@@ -82,7 +82,7 @@ def test_rows_the_processor_rejects_or_too_long_are_named(processor, tmp_path) -
 
 
 def test_a_later_bad_row_is_named_with_its_line_and_file_in_the_ranks(processor, tmp_path) -> None:
-    # Before launch only the first rows are encoded (hf_tp.train.first_rows); the ranks encode every
+    # Before launch only the first rows are encoded (hf_tp.run.first_rows); the ranks encode every
     # row: a damaged image or the placeholder written as text past them is one line naming the row.
     names = write_images(tmp_path, 2)
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot a png")
@@ -112,9 +112,9 @@ def test_collated_batches_train_a_parallel_llava_as_plain_hf(processor, tmp_path
 
     import hf_tp
     from hf_tp.labels import count_targets
+    from hf_tp.multimodal.passengers import in_tower
     from hf_tp.parallel.linear_ce import fusable
-    from hf_tp.parallel.passengers import in_tower
-    from hf_tp.train.loss import training_loss
+    from hf_tp.run.loss import training_loss
     from tests.helpers import full, full_grads, run_threaded
     from tests.image_grid import image_config
     from tests.wrapper_grid import wrapper_model
@@ -161,8 +161,8 @@ def test_dp_rank_without_images_gets_a_ghost_row_and_plain_hf_gradients(processo
     import hf_tp
     from hf_tp.data.image_steps import ImageStepBatchSource
     from hf_tp.data.sampler import split_global_batch
-    from hf_tp.parallel.passengers import in_tower
-    from hf_tp.train.loss import training_loss
+    from hf_tp.multimodal.passengers import in_tower
+    from hf_tp.run.loss import training_loss
     from tests.helpers import full, full_grads, run_threaded
     from tests.image_grid import image_config
     from tests.wrapper_grid import wrapper_model
@@ -242,7 +242,7 @@ def test_processor_rows_train_a_parallel_smolvlm_as_plain_hf(tmp_path) -> None:
 def test_streamed_image_rows_are_refused_in_the_ranks_too(tmp_path) -> None:
     # hf-tp train refuses them before launch (tests/unit/test_bad_inputs.py); ranks started by torchrun
     # themselves read the stream's columns and say the same line (it was KeyError: 'prompt')
-    from hf_tp.train.config import TrainConfig
+    from hf_tp.run.config import TrainConfig
     from hf_tp.train.data import build_data
 
     path = write_jsonl(tmp_path / "images.jsonl", image_rows(write_images(tmp_path, 1), counts=(1, 1)))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.train.faults import EXIT_PREEMPTED
-from hf_tp.train.launch import _run_launcher, free_port
+from hf_tp.run.faults import EXIT_PREEMPTED
+from hf_tp.run.launch import _run_launcher, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_tp.adapters.census import unrouted_expert_params
 from hf_tp.core.dims import check_cp_rows, check_layout, check_world, row_multiple
 from hf_tp.gpus import GPUS, gpu_of_device, model_flops_per_token
-from hf_tp.parallel.expert_parallel import unrouted_expert_params
+from hf_tp.run.config import TrainConfig
 from hf_tp.train import metrics
-from hf_tp.train.config import TrainConfig
 from tests.unit.test_estimate_moe import tiny_moe
 
 

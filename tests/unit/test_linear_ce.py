@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import hf_tp
 from hf_tp.parallel.linear_ce import causal_lm_loss, fusable, linear_cross_entropy
-from hf_tp.train.loss import training_loss
+from hf_tp.run.loss import training_loss
 from tests.helpers import (
     ATOL,
     RTOL,

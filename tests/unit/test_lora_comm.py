@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_tp
-from hf_tp.record import record_of
+from hf_tp.core.record import record_of
 from tests.helpers import CollectiveCounter, batch, tiny_config, tiny_model
 from tests.unit.test_comm import TP, _assert_first_layer_is_the_sp_minimum, _names, fake_world  # noqa: F401
 

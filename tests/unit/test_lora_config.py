@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 
 
 def test_lora_targets_parse() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_tp
-from hf_tp.styles.tp_dropout import ShardAwareDropout
+from hf_tp.dropout.tp_dropout import ShardAwareDropout
 from tests.helpers import run_threaded, tiny_config, tiny_model
 
 pytest.importorskip("peft")

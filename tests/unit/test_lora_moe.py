@@ -65,8 +65,8 @@ def test_adapter_and_merged_export_of_moe_lora_match_peft(tmp_path) -> None:
     from peft import PeftModel
     from safetensors.torch import save_file
 
-    from hf_tp.adapters.wrapper import model_from_config
     from hf_tp.checkpoint.lora_export import lora_config, param_wrappers, peft_key, wrapped_update
+    from hf_tp.core.model_source import model_from_config
 
     config = grid_config("qwen3_moe", vocab_size=300)
     base = grid_model(config)

@@ -13,10 +13,11 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import hf_tp
 from hf_tp.adapters.generic import derive
-from hf_tp.adapters.source import AS_CALLED, hidden_states_passing
 from hf_tp.compat import family_refusal
-from hf_tp.parallel.dropout import runs_whole
-from hf_tp.styles import ByKind, DenseOrMoE, MoERegion, resolve
+from hf_tp.core.forward_source import AS_CALLED, hidden_states_passing
+from hf_tp.dropout.dropout_install import runs_whole
+from hf_tp.moe.expert_styles import DenseOrMoE, MoERegion
+from hf_tp.styles import ByKind, resolve
 from tests.family_grid import grid_config, run_family, run_family_ep
 
 FAMILIES = ("nemotron_h", "minimax")
@@ -80,7 +81,7 @@ def test_nemotron_h_tp2_ep2() -> None:
 def test_minimax_under_bf16_mixed_precision_is_refused_before_anything_is_built() -> None:
     # its lightning attention mixes fp32 decay buffers with bf16 compute: a RuntimeError deep in
     # the forward otherwise (hf-tp train checks the same before launch)
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
 
     with pytest.raises(ValueError, match=r"bf16 mixed precision cannot train this minimax model: .*--dtype fp32"):
         estimate(grid_config("minimax"), tp=2, dp=1, seq_len=16, batch_size=1, dtype="bf16")

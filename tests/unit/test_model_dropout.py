@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import hf_tp
-from hf_tp.parallel.dropout import region_kinds
-from hf_tp.record import record_of
+from hf_tp.core.record import record_of
+from hf_tp.dropout.dropout_install import region_kinds
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import full_grads, run_threaded
 

@@ -274,7 +274,7 @@ def test_offline_cached_snapshot_is_checked(whole, tmp_path, monkeypatch) -> Non
 
 
 def test_load_model_config_nonexistent_path() -> None:
-    from hf_tp.train.validate import load_model_config
+    from hf_tp.run.validate import load_model_config
 
     with pytest.raises(ValueError) as info:
         load_model_config("/nonexistent/dir")
@@ -283,7 +283,7 @@ def test_load_model_config_nonexistent_path() -> None:
 
 def test_load_model_config_bare_name_hub_unreachable(tmp_path, monkeypatch) -> None:
     import hf_tp.core.model_source
-    from hf_tp.train.validate import load_model_config
+    from hf_tp.run.validate import load_model_config
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(hf_tp.core.model_source, "hub_unreachable", lambda: "ConnectError: Name or service not known")
@@ -316,7 +316,7 @@ def _repo_not_found(monkeypatch) -> None:
 
 
 def test_load_model_config_not_on_the_hub(tmp_path, monkeypatch) -> None:
-    from hf_tp.train.validate import load_model_config
+    from hf_tp.run.validate import load_model_config
 
     monkeypatch.chdir(tmp_path)
     _repo_not_found(monkeypatch)

@@ -103,7 +103,7 @@ def test_linear_attention_heads_need_not_divide_tp() -> None:
     ],
 )
 def test_expert_widths_not_divisible_by_tp_name_the_parameter(model_type: str, sizes: dict, path: str) -> None:
-    from hf_tp.train.validate import validate_model_config
+    from hf_tp.run.validate import validate_model_config
 
     if needs_later_release(model_type):
         return

@@ -12,7 +12,7 @@ from transformers import CONFIG_MAPPING
 import hf_tp
 from hf_tp.adapters.support import TEXT_TOWERS
 from hf_tp.compat import family_refusal
-from hf_tp.parallel.passengers import in_tower
+from hf_tp.multimodal.passengers import in_tower
 from tests.family_grid import grid_config
 from tests.image_grid import ImageCase, image_config, run_image_cases
 from tests.wrapper_grid import WrapperCase, run_cases
@@ -67,7 +67,7 @@ def test_deepstack_merge_hf_tp_does_not_know_is_refused() -> None:
     # A merge that writes the features instead of adding them cannot become a sharded addition.
     from torch import nn
 
-    from hf_tp.parallel.deepstack import shard_deepstack
+    from hf_tp.multimodal.deepstack import shard_deepstack
 
     class Writes(nn.Module):
         def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
@@ -98,7 +98,7 @@ def test_estimate_counts_deepstack_mergers_as_projector() -> None:
 def _meta_model(config):
     import torch
 
-    from hf_tp.adapters.wrapper import model_from_config
+    from hf_tp.core.model_source import model_from_config
 
     with torch.device("meta"):
         return model_from_config(config)

@@ -105,7 +105,7 @@ def test_gemma4_per_layer_embeddings_under_tp2_dp2() -> None:
 
 @LATER["llama4_text"]
 def test_llama4_estimate_counts_every_expert_on_every_token() -> None:
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
 
     moe = estimate(grid_config("llama4_text"), tp=2, dp=1, seq_len=16, batch_size=1).to_dict()["moe"]
     assert moe["top_k"] == 4  # each of the 4 experts runs every token
@@ -114,7 +114,7 @@ def test_llama4_estimate_counts_every_expert_on_every_token() -> None:
 def test_gemma4_estimate_builds_outside_fake_tensors() -> None:
     # the derivation builds the meta model outside the estimate's FakeTensorMode (Gemma 4's layer
     # scalars are real tensors); the per-layer embedding is then simulated vocab-sharded
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
 
     est = estimate(grid_config("gemma4_text"), tp=2, dp=1, seq_len=16, batch_size=1)
     assert est.num_params == sum(p.numel() for p in _meta_model("gemma4_text").parameters())
@@ -134,7 +134,7 @@ def test_qwen4_estimate_takes_the_indexers_nonzero_at_its_bound() -> None:
     # tensors cannot know: the estimate takes every key as visible (the largest tensors it can make)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
     from hf_tp.estimate.simulate import DataDependentBounds
 
     with FakeTensorMode(), DataDependentBounds():

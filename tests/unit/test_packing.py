@@ -13,7 +13,7 @@ import hf_tp
 from hf_tp.data import PadToMultipleCollator
 from hf_tp.data.packing import pack_documents
 from hf_tp.labels import IGNORE_INDEX
-from hf_tp.train.loss import loss_context, training_loss
+from hf_tp.run.loss import loss_context, training_loss
 from tests.helpers import RTOL, assert_close_dict, full_grads, run_threaded, tiny_config, tiny_model
 
 LENGTHS = [6, 9, 5, 7, 4]  # 31 tokens: two rows of 13 (document 2 cut by the row boundary, 5 tokens dropped)

@@ -12,10 +12,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import hf_tp
 from hf_tp.adapters import get_adapter
 from hf_tp.core.dims import check_pipeline
-from hf_tp.parallel.pipeline_build import pipeline_parallelize
-from hf_tp.parallel.pipeline_split import LayerGap, balanced_cuts, check_splittable, cut_stage
-from hf_tp.record import record_of
-from hf_tp.train.config import TrainConfig
+from hf_tp.core.record import record_of
+from hf_tp.pipeline.pipeline_build import pipeline_parallelize
+from hf_tp.pipeline.pipeline_split import LayerGap, balanced_cuts, check_splittable, cut_stage
+from hf_tp.run.config import TrainConfig
 from tests.helpers import tiny_config, tiny_model
 
 
@@ -126,7 +126,7 @@ def test_cp_and_ep_refusals_read_the_whole_model_on_every_rank() -> None:
 
     import hf_tp
     from hf_tp.compat import family_refusal
-    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from hf_tp.pipeline.pipeline_build import pipeline_parallelize
     from tests.family_grid import grid_config
     from tests.helpers import run_threaded
 
@@ -156,7 +156,7 @@ def test_a_tied_weight_under_a_v_shaped_schedule_is_refused() -> None:
     """zbv / dualpipev run the first and last stage on one rank: a tied lm_head's two copies there
     are not kept in step yet (refused before any stage is built)."""
     import hf_tp
-    from hf_tp.parallel.pipeline_build import pipeline_parallelize
+    from hf_tp.pipeline.pipeline_build import pipeline_parallelize
     from tests.helpers import run_threaded
 
     models = [tiny_model(tiny_config("qwen2", tied=True, num_hidden_layers=4)) for _ in range(2)]
@@ -170,13 +170,13 @@ def test_a_tied_weight_under_a_v_shaped_schedule_is_refused() -> None:
 
 
 def test_a_torch_without_the_fsdp2_internals_pp_drives_is_refused(monkeypatch) -> None:
-    """--pp with dp > 1 drives FSDP2's private post-backward by hand (hf_tp.parallel.pipeline_fsdp):
+    """--pp with dp > 1 drives FSDP2's private post-backward by hand (hf_tp.pipeline.pipeline_fsdp):
     a torch whose FSDP2 lacks those names is refused in one line, not an AttributeError mid-step."""
     from types import SimpleNamespace
 
     from torch import nn
 
-    from hf_tp.parallel import pipeline_fsdp
+    from hf_tp.pipeline import pipeline_fsdp
 
     monkeypatch.setattr(pipeline_fsdp, "FSDPModule", nn.Linear)  # any module stands for a root
     monkeypatch.setattr(pipeline_fsdp, "fully_shard", SimpleNamespace(state=lambda root: SimpleNamespace()))

@@ -23,7 +23,7 @@ from hf_tp.estimate.counters import CommCounter
 from hf_tp.plan import ModelPlan, plan_for
 from hf_tp.plan.collectives import summary
 from hf_tp.plan.plan_text import layer_ranges
-from hf_tp.train.validate import validate_model_config
+from hf_tp.run.validate import validate_model_config
 from tests.family_grid import grid_config, is_moe
 from tests.helpers import FAMILY_SETTINGS, batch, tiny_config
 
@@ -146,7 +146,7 @@ def test_collectives_are_what_a_parallelized_model_issues(model_type: str, fake_
 
 def test_cp_and_ep_collectives_are_what_the_estimate_simulates() -> None:
     from hf_tp.compat import moe_estimate_refusal
-    from hf_tp.estimate.api import estimate
+    from hf_tp.estimate.estimate_run import estimate
 
     cases = [(tiny_config("llama"), dict(cp=2))]
     if moe_estimate_refusal("fp32") is None:  # an fp32 MoE estimate needs a later transformers than the floor

@@ -17,7 +17,7 @@ from hf_tp.data.collator import PadToMultipleCollator
 from hf_tp.data.pairs import PairCollator
 from hf_tp.data.steps import StepBatches
 from hf_tp.data.tokenize import tokenize_dataset
-from hf_tp.objectives.preference import DPO, SimPO
+from hf_tp.objectives.pair_losses import DPO, SimPO
 from hf_tp.objectives.reference import FrozenCopy, model_inputs
 from hf_tp.parallel.logps import linear_log_probs
 from tests.chat_data import chat_tokenizer
@@ -387,7 +387,7 @@ def test_dpo_on_a_moe_equals_one_process(tp: int, dp: int, ep: int, cp: int, aux
     pads them) and the aux loss is summed over dp x cp."""
     import hf_tp
     from hf_tp.core.mesh import split_mesh
-    from hf_tp.train.loss import step_routing
+    from hf_tp.run.loss import step_routing
 
     policy, ref, batch = _moe_case(aux)
     step = StepBatches(0, 0, [], num_examples=4)

@@ -11,7 +11,7 @@ import pytest
 from hf_tp.cli.main import main
 from hf_tp.data.formats import PREFERENCE, detect_format
 from hf_tp.data.formats.preference import check_objective_data
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from tests.helpers import offline_datasets
 from tests.unit.test_bad_rows import run_like_hf_tp, write_rows
 
@@ -89,7 +89,7 @@ def test_settings_from_yaml_and_their_checks(tmp_path: Path) -> None:
     assert not cfg.packs and TrainConfig().packs and not TrainConfig(pack=False).packs  # pairs: padded rows
     from transformers import LlamaConfig
 
-    from hf_tp.train.validate import run_fingerprint
+    from hf_tp.run.validate import run_fingerprint
 
     # a run saved before pack could be unset recorded pack=True (the old default): it still resumes
     assert run_fingerprint(cfg, LlamaConfig())["pack"] is True

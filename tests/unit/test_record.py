@@ -1,4 +1,4 @@
-"""The one record of what ``parallelize`` did (:mod:`hf_tp.record`) and ``hf_tp.describe``."""
+"""The one record of what ``parallelize`` did (:mod:`hf_tp.core.record`) and ``hf_tp.describe``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_tp
-from hf_tp.parallel.pipeline_build import pipeline_parallelize
-from hf_tp.record import ParallelRecord, record_of
+from hf_tp.core.record import ParallelRecord, record_of
+from hf_tp.pipeline.pipeline_build import pipeline_parallelize
 from tests.family_grid import grid_config, grid_model
 from tests.helpers import clone, run_threaded, tiny_config, tiny_model
 from tests.wrapper_grid import wrapper_config, wrapper_model

@@ -20,7 +20,7 @@ from hf_tp.checkpoint.hf_folder import export_checkpoint
 from hf_tp.checkpoint.remote_code import copy_model_code
 from hf_tp.cli.main import main
 from hf_tp.core.model_source import RemoteCodeRefused, auto_config
-from hf_tp.train.validate import load_model_config
+from hf_tp.run.validate import load_model_config
 
 CONFIGURATION = """
 from pathlib import Path

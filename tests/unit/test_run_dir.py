@@ -8,8 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from hf_tp.checkpoint.checkpoint_dirs import MARKER, complete_checkpoints
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.run_dir import REPLACED, holds_run, replace_earlier_run, supersede_metrics, write_run_record
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.run_dir import REPLACED, holds_run, replace_earlier_run, supersede_metrics, write_run_record
 from hf_tp.train.setup import accept
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from hf_tp.train.run_lock import LOCK, acquire, release, take
 
 
@@ -60,8 +60,8 @@ def test_another_hosts_lock_is_named_and_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("ending", ["failed", "preempted", "ctrl-c"])
 def test_the_cli_holds_the_lock_through_the_launch_and_releases_it(tmp_path: Path, monkeypatch, ending) -> None:
     """Taken after the checks and before the ranks start; gone after, however the launch ended."""
-    import hf_tp.train.launch as launch
-    import hf_tp.train.validate as validate
+    import hf_tp.run.launch as launch
+    import hf_tp.run.validate as validate
     from hf_tp.cli.main import main
 
     out, seen = tmp_path / "out", []
@@ -83,7 +83,7 @@ def test_the_cli_holds_the_lock_through_the_launch_and_releases_it(tmp_path: Pat
 def test_ctrl_c_while_importing_or_checking_is_one_line(monkeypatch, capsys) -> None:
     """Issue 51 case 12: Ctrl-C in the first seconds (torch, transformers being imported, the
     checks running) printed a whole KeyboardInterrupt traceback."""
-    import hf_tp.train.validate as validate
+    import hf_tp.run.validate as validate
     from hf_tp.cli.main import main
 
     def interrupted(cfg):
@@ -96,7 +96,7 @@ def test_ctrl_c_while_importing_or_checking_is_one_line(monkeypatch, capsys) -> 
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_its_rerun(tmp_path: Path) -> None:
-    from hf_tp.train.run_dir import check_output_dir, holds_run
+    from hf_tp.run.run_dir import check_output_dir, holds_run
 
     out = tmp_path / "run"
     out.mkdir()
@@ -139,7 +139,7 @@ def test_the_embedded_default_ends_with_a_checkpoint() -> None:
 def test_a_step_far_beyond_the_machines_memory_is_refused_in_well_under_a_second() -> None:
     from transformers import LlamaConfig
 
-    from hf_tp.train.fits import GiB, check_step_memory
+    from hf_tp.run.fits import GiB, check_step_memory
 
     config = LlamaConfig(  # Llama 3.1 8B's sizes
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -25,8 +25,8 @@ from hf_tp.checkpoint.lora_export import read_lora_tensors
 from hf_tp.checkpoint.safe_load import ALLOWED_GLOBALS, UnsafeCheckpoint, is_allowed, read_safe_metadata
 from hf_tp.checkpoint.stream import write_shards
 from hf_tp.cli.main import main
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.validate import check_resume_before_launch
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.validate import check_resume_before_launch
 from tests.unit.test_export_stream import fake_checkpoint
 
 FIX = "delete it, or move it out of the run, and use a checkpoint you made"

@@ -94,3 +94,55 @@ def test_functions_stay_short() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: " + "; ".join(long)
+
+
+DOCS = PACKAGE.parent / "docs" / "development.md"
+FLOORS_MARK = "<!-- floors: read by tests/unit/test_structure.py -->"
+
+
+def floors() -> dict[str, int]:
+    """Package (or top-level module) name -> its floor, from docs/development.md's floors block."""
+    text = DOCS.read_text()
+    block = text[text.index(FLOORS_MARK) :].split("```")[1]
+    out: dict[str, int] = {}
+    for line in block.splitlines()[1:]:
+        if line.strip():
+            number, rest = line.split(maxsplit=1)
+            names = rest.split("  ")[0].split()  # the packages, then two spaces and what they hold
+            out |= {name: int(number) for name in names}
+    return out
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_imports_stand_on_lower_floors() -> None:
+    """Each package imports only packages on lower floors (docs/development.md); a ``__main__`` is a
+    program and the ``hf_tp`` namespace only names its public objects lazily."""
+    floor, graph = floors(), import_graph()
+    unlisted = {_package(m) for m in graph} - set(floor) - {""}
+    assert not unlisted, f"packages without a floor in docs/development.md: {sorted(unlisted)}"
+    climbs = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _package(module) and not module.endswith("__main__")
+        for target in targets
+        if _package(target) and _package(target) != _package(module)
+        and floor[_package(target)] >= floor[_package(module)]
+    ]  # fmt: skip
+    assert not climbs, "imports that do not go down a floor: " + "; ".join(sorted(climbs))
+
+
+def test_the_floor_check_reads_the_block() -> None:
+    got = floors()
+    assert got["compat"] == 1 and got["cli"] == max(got.values()) and got["train"] == got["estimate"]
+
+
+def test_no_two_modules_share_a_name() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"module names used twice: {shared}"

@@ -9,7 +9,7 @@ import pytest
 
 from hf_tp.cli.main import main
 from hf_tp.cli.train import add_arguments, config_from_args
-from hf_tp.train.config import TrainConfig
+from hf_tp.run.config import TrainConfig
 from tests.helpers import tiny_config, tiny_model
 
 
@@ -126,7 +126,7 @@ def test_output_dir_with_a_run_is_not_overwritten(qwen_dir, corpus, tmp_path, ca
 
 
 def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
-    from hf_tp.train.validate import check_resume_compatible, run_fingerprint
+    from hf_tp.run.validate import check_resume_compatible, run_fingerprint
 
     model_config = tiny_config("qwen2")
     saved = run_fingerprint(TrainConfig(model="m", dataset="d", seq_len=64, tp=2, dp=2, batch_size=2), model_config)
@@ -160,7 +160,7 @@ def test_resume_with_another_setup_is_a_clear_error(tmp_path: Path) -> None:
 def test_more_processes_than_visible_gpus(monkeypatch) -> None:
     import torch
 
-    from hf_tp.train.validate import check_devices
+    from hf_tp.run.validate import check_devices
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"tp\*dp = 2\*2 = 4 processes need 4 GPUs per node, but 2 are visible"):
@@ -169,7 +169,7 @@ def test_more_processes_than_visible_gpus(monkeypatch) -> None:
 
 
 def test_start_line_says_what_is_launched() -> None:
-    from hf_tp.train.launch import start_line
+    from hf_tp.run.launch import start_line
 
     cfg = TrainConfig(model="m", tp=2, dp=2, batch_size=4, grad_accum=2, seq_len=64, max_steps=10).resolve()
     assert start_line(cfg, "cpu", launching=True) == (
@@ -184,7 +184,7 @@ def test_start_line_says_what_is_launched() -> None:
 
 
 def test_warmup_starts_above_zero_and_reaches_the_peak() -> None:
-    from hf_tp.train.optim import lr_factor
+    from hf_tp.run.optim import lr_factor
 
     f = [lr_factor(s, warmup=3, total=10, min_ratio=0.1) for s in range(11)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # the first step trains at lr / (warmup + 1)
@@ -196,8 +196,8 @@ def test_resume_keeps_this_runs_schedule_length() -> None:
     # Resumed with a larger --max-steps: the saved position, this run's decay (not the first run's end).
     import torch
 
-    from hf_tp.train.config import TrainConfig
-    from hf_tp.train.optim import build_scheduler, restore_schedule_position
+    from hf_tp.run.config import TrainConfig
+    from hf_tp.run.optim import build_scheduler, restore_schedule_position
 
     def schedule(steps: int) -> torch.optim.lr_scheduler.LRScheduler:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -222,7 +222,7 @@ def test_unreachable_hub_fails_at_once_with_one_line(monkeypatch) -> None:
     import time
 
     import hf_tp.core.model_source
-    from hf_tp.train.validate import load_model_config
+    from hf_tp.run.validate import load_model_config
 
     monkeypatch.setattr(hf_tp.core.model_source, "hub_unreachable", lambda: "ConnectError: Name or service not known")
     t0 = time.perf_counter()

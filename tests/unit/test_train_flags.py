@@ -13,7 +13,7 @@ import pytest
 from hf_tp.cli.train import build_parser, config_from_args
 from hf_tp.cli.train_flags import add_field_flags, documented_flags, flags_markdown
 from hf_tp.core.setting import flags_of, setting
-from hf_tp.train.config import GROUPS, TrainConfig
+from hf_tp.run.config import GROUPS, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

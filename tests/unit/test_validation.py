@@ -125,7 +125,7 @@ def test_quantized_checkpoints_are_refused_with_the_fix(model_type: str, quantiz
     # (hf-tp train's launcher and every rank) and in parallelize, never trained as raw codes.
     from transformers import AutoConfig
 
-    from hf_tp.train.validate import validate_model_config
+    from hf_tp.run.validate import validate_model_config
 
     config = AutoConfig.for_model(model_type, quantization_config=quantization)
     with pytest.raises(ValueError, match=message):
@@ -146,7 +146,7 @@ def test_quantized_checkpoints_are_refused_with_the_fix(model_type: str, quantiz
 def test_old_style_load_in_4bit_flag_is_refused_before_loading() -> None:
     from transformers import AutoConfig
 
-    from hf_tp.train.validate import validate_model_config
+    from hf_tp.run.validate import validate_model_config
 
     with pytest.raises(ValueError, match=_QLORA):
         validate_model_config(AutoConfig.for_model("qwen2", load_in_4bit=True), tp=1, seq_len=16)

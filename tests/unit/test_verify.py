@@ -138,7 +138,7 @@ def test_the_flags_shared_with_train_are_trains() -> None:
     from hf_tp.cli.formatting import subcommand_parser
     from hf_tp.cli.train import build_parser
     from hf_tp.cli.verify import TRAIN_FLAGS, add_arguments, config_from_args
-    from hf_tp.train.config import TrainConfig
+    from hf_tp.run.config import TrainConfig
 
     verify = subcommand_parser("hf-tp verify", None, "")
     add_arguments(verify)

@@ -15,7 +15,7 @@ from transformers import CONFIG_MAPPING
 
 import hf_tp
 from hf_tp.compat import family_refusal
-from hf_tp.parallel.context import TokenShare
+from hf_tp.context.token_share import TokenShare
 from tests.cp_grid import cp_batch
 from tests.helpers import run_threaded
 from tests.image_grid import ImageCase, run_image_cases

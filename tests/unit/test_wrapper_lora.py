@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_tp
-from hf_tp.train.config import TrainConfig
-from hf_tp.train.model import with_lora
+from hf_tp.run.config import TrainConfig
+from hf_tp.run.model import with_lora
 from tests.helpers import full, full_grads, run_threaded
 from tests.image_grid import collate, image_config, image_rows
 from tests.wrapper_grid import wrapper_model
