@@ -5,6 +5,10 @@ Kept: the family, head and KV-head counts (what tp splits and replicates), the e
 top-k (up to 16 experts: what ep splits), biases, ties, norms, rotary settings and layer kinds.
 Shrunk: head widths, hidden and MLP widths (multiples of tp), the vocabulary (above 4096 tokens to
 2048 plus its remainder mod 2048, so its divisibility by tp up to 2048 is the same), dropout off.
+
+:func:`shrink_config` shrinks a family's default config whole for the test grids: head counts too,
+every width field by one factor per kind, sequence extents (windows, compression, token top-k)
+inside the test's rows, so every feature of the published shape runs at a tiny size.
 """
 
 from __future__ import annotations
@@ -168,7 +172,7 @@ def _tiny_heads(fields: dict) -> dict:
     if not isinstance(heads, int) or heads <= 0:
         return {}
     g = _pow2_factor(heads, TINY_HEADS)
-    return {k: max(min(v, 2), v // g) for k, v in fields.items() if _is_count(k) and isinstance(v, int) and v > 0}
+    return {k: max(min(v, 2), v // g) for k, v in fields.items() if _is_count(k) and type(v) is int and v > 0}
 
 
 def _is_head_width(key: str) -> bool:
@@ -182,7 +186,7 @@ def _is_width(key: str) -> bool:
 def _tiny_widths(fields: dict, tp: int) -> dict:
     """Head-level widths divided by one power of two (the widest to 16: a head's parts keep their
     sums and the rotary fraction its pairs), model-level widths by ``hidden_size``'s factor."""
-    heads = {k: v for k, v in fields.items() if _is_head_width(k) and isinstance(v, int) and v > 0}
+    heads = {k: v for k, v in fields.items() if _is_head_width(k) and type(v) is int and v > 0}
     out: dict = {}
     if heads:
         f = _pow2_factor(max(heads.values()), TINY_HEAD)
@@ -197,10 +201,11 @@ def _tiny_widths(fields: dict, tp: int) -> dict:
     elif "head_dim" not in fields and hidden % n_heads == 0:
         small = small_heads * max(2, hidden // n_heads // _pow2_factor(hidden // n_heads, TINY_HEAD))
     else:
-        small = math.lcm(2 * tp, small_heads) * max(1, round(hidden / _pow2_factor(hidden, TINY_HIDDEN) / (2 * tp)))
+        unit = math.lcm(2 * tp, small_heads)
+        small = unit * max(1, round(hidden / _pow2_factor(hidden, TINY_HIDDEN) / unit))
     ratio = small / hidden
     for k, v in fields.items():
-        if _is_width(k) and not _is_head_width(k) and isinstance(v, int) and v > 0 and k not in out:
+        if _is_width(k) and not _is_head_width(k) and type(v) is int and v > 0 and k not in out:
             out[k] = max(2 * tp, round(v * ratio / (2 * tp)) * 2 * tp)
     out["hidden_size"] = small
     return out

@@ -37,7 +37,11 @@ def test_a_shrunk_default_keeps_every_feature(model_type: str) -> None:
     assert set(layer_kinds(small)) == set(kinds)
     full, cut = default.to_dict(), small.to_dict()
     for key, value in full.items():
-        if isinstance(value, list) and len(value) == default.num_hidden_layers and key != "architectures":
+        if (
+            isinstance(value, list)
+            and len(value) == default.num_hidden_layers
+            and all(isinstance(v, str) for v in value)
+        ):
             assert set(map(str, cut[key])) == set(map(str, value)), key  # every kind of layer, mixer, indexer
     ratio = cut["hidden_size"] / full["hidden_size"]
     for key, value in full.items():
@@ -56,7 +60,9 @@ def test_the_flagships_widths_shrink_together() -> None:
         if family_refusal(model_type):
             continue
         config = grid_config(model_type)
-        assert all(getattr(config, k) <= 128 for k in keys), {k: getattr(config, k) for k in keys}
+        assert all(getattr(config, k) <= 4 * config.hidden_size <= 4 * 64 for k in keys), {
+            k: getattr(config, k) for k in keys
+        }
     hy = grid_config("hy_v4")
     assert set(hy.indexer_types) == {"full", "shared"} and set(hy.mlp_layer_types) == {"dense", "sparse"}
     ds = grid_config("deepseek_v4")
