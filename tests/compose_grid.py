@@ -18,7 +18,7 @@ import torch
 import hf_tp
 from hf_tp.context.token_share import TokenShare
 from tests.cp_grid import SEQ, cp_batch
-from tests.family_grid import grid_config, grid_model, is_moe
+from tests.family_grid import exact_model, grid_config, grid_model, is_moe
 from tests.helpers import batch, run_threaded
 from tests.parity import Trace, assert_parity, train_steps
 
@@ -39,8 +39,12 @@ FAMILIES: dict[str, dict] = {
 }
 MODES = ("cp", "lora", "ac")
 # cp refuses a sparse-attention indexer with its reason (it selects keys from the whole mask): under
-# cp, DeepSeek-V4's layers are both of its other attention kind
-CP_CONFIG: dict[str, dict] = {"deepseek_v4": dict(layer_types=["heavily_compressed_attention"] * 2)}
+# cp, DeepSeek-V4's layers are all of its other attention kind, at its published compression rate (128
+# tokens: none compressed in these rows; at a rate inside them, cp's mask misses the compressed keys)
+CP_LAYER: dict[str, str] = {"deepseek_v4": "heavily_compressed_attention"}
+CP_CONFIG: dict[str, dict] = {
+    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+}
 
 
 def _reference(name: str, mode: str) -> tuple[torch.nn.Module, dict, Trace]:
@@ -48,9 +52,11 @@ def _reference(name: str, mode: str) -> tuple[torch.nn.Module, dict, Trace]:
     config = grid_config(
         name.split("+")[0], **FAMILIES.get(name, {}), **(CP_CONFIG.get(name, {}) if mode == "cp" else {})
     )
+    if mode == "cp" and name in CP_LAYER:
+        config.layer_types = [CP_LAYER[name]] * config.num_hidden_layers
     if is_moe(config):
         config.output_router_logits = False  # HF's aux loss is per forward (hf_tp.fit reduces it globally)
-    model = grid_model(config)
+    model = exact_model(grid_model(config))
     if mode == "lora":
         from tests.lora_grid import attention_targets, lora, plan_targets
 

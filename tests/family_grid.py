@@ -16,12 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import hf_tp
 from hf_tp.adapters.census import is_mixture
+from hf_tp.adapters.shrink import shrink_config
 from hf_tp.compat import UnsupportedRelease, family_refusal
 from hf_tp.core.module_queries import num_experts
 from hf_tp.verify.compare import stream_mixer_params
 from hf_tp.verify.random_model import draw_index_tables
-from tests.helpers import batch, clone, run_threaded
-from tests.parity import assert_parity, train_steps
+from tests.helpers import batch, clone, float64_everywhere, has_fp32_islands, run_threaded
+from tests.parity import KEY_BIASES, assert_parity, train_steps
 
 # Sizes of the grid's tiny models; heads/kv are per case. Dropout off: dropout draws differ
 # between a sharded and an unsharded run, so no parity could hold with it.
@@ -91,8 +92,6 @@ FAMILY_EXTRAS.update(
         "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
         "qwen3_next": HYBRID,
         "qwen3_5_moe_text": HYBRID,
-        # Linear-attention widths scaled to the grid (32 heads of 128 by default: ~6 s a run)
-        "kimi_linear": dict(**HYBRID, **LINEAR, mlp_layer_types=["dense", "sparse"]),
         "bailing_hybrid": dict(**HYBRID, **LINEAR, mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1),
         # Mamba sizes scaled to the grid (its defaults, 128 heads and state 256, took ~10 s a run)
         "granitemoehybrid": dict(
@@ -130,13 +129,6 @@ FAMILY_EXTRAS.update(
         "llama4_text": dict(interleave_moe_layer_step=2, intermediate_size_mlp=128),
         # Its latent attention's head_dim is the nope + rope parts (the rotary covers the rope part only)
         "mistral4": dict(head_dim=32),
-        # A hash-routed MoE layer, then a learned-router one (two hash layers leave no router logits for the
-        # aux loss: transformers' own loss then fails)
-        # and both attention kinds of its published shape (heavily compressed; compressed with a sparse indexer)
-        "deepseek_v4": dict(
-            mlp_layer_types=["hash_moe", "moe"],
-            layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-        ),
         # A linear-attention layer and an attention one (its 2-layer default has no attention layer)
         # and its attention's QSA indexer, which has no defaults (2 blocks of 2 tokens per query)
         "qwen4_exp_text": dict(
@@ -176,7 +168,27 @@ FAMILY_EXTRAS.update(
 GREEDY_TOKENS = 3
 
 
-def grid_config(model_type: str, heads: int = 4, kv: int = 2, **overrides) -> PretrainedConfig:
+# Families whose tiny model is their default config shrunk whole (hf_tp.adapters.shrink.shrink_config): every
+# layer kind, attention form and width ratio of the published shape kept (tests/unit/test_shrink.py).
+SHRUNK = ("deepseek_v4", "hy_v4", "kimi_linear")
+# What the grid sets on a shrunk default: its uneven vocabulary and token ids, short positions.
+SHRUNK_GRID = dict(vocab_size=301, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=128)
+GRID_SEQ = 13  # the grid's rows (tests.helpers.batch)
+
+
+def grid_config(model_type: str, heads: int | None = None, kv: int | None = None, **overrides) -> PretrainedConfig:
+    """The grid's tiny config of ``model_type`` (``heads`` / ``kv``: attention and KV head counts,
+    4 and 2 unless a shrunk default's own)."""
+    if model_type in SHRUNK:
+        default = AutoConfig.for_model(model_type)
+        counts = {k: v for k, v in (("num_attention_heads", heads), ("num_key_value_heads", kv)) if v}
+        aux = (
+            {"router_aux_loss_coef": MOE_SIZES["router_aux_loss_coef"]}
+            if "router_aux_loss_coef" in default.to_dict()
+            else {}
+        )
+        return shrink_config(default, tp=2, seq_len=GRID_SEQ, **{**SHRUNK_GRID, **aux, **counts, **overrides})
+    heads, kv = heads or 4, kv or 2
     sizes = {**GRID_SIZES, "num_attention_heads": heads, "num_key_value_heads": kv}
     fields = AutoConfig.for_model(model_type).to_dict()
     if is_moe(AutoConfig.for_model(model_type)):
@@ -220,6 +232,26 @@ def grid_model(config: PretrainedConfig) -> torch.nn.Module:
     return model
 
 
+# Parameters no gradient reaches in plain HF by construction (kept out of neither side's check: the
+# gradient check compares the two runs' sets of names): a top-k indexer's (DeepSeek-V4's, HY-V4's) only
+# score tokens to pick which ones attention reads, and the pick (an index) carries no gradient.
+NO_GRADIENT = (".indexer.",)
+
+
+def assert_every_gradient(model: torch.nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Every trainable parameter of the reference ``model`` has a gradient in ``grads``, but those
+    ``NO_GRADIENT`` names as having none by construction."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in grads]
+    missing = sorted(n for n in missing if not any(s in n for s in NO_GRADIENT))
+    assert not missing, f"no gradient in plain HF (the check would not see them): {missing}"
+
+
+def exact_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, computing wholly in float64 where it computes parts in fp32 by construction
+    (:func:`tests.helpers.float64_everywhere`)."""
+    return float64_everywhere(model) if has_fp32_islands(model) else model
+
+
 def is_moe(config: PretrainedConfig) -> bool:
     return is_mixture(config)
 
@@ -244,6 +276,22 @@ class GridResult:
     model_type: str
     status: str  # "parity" or "refused"
     reason: str = ""
+    grad_error: float = 0.0  # the largest gradient error (:func:`gradient_error`) and its parameter
+    grad_where: str = ""
+
+
+def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest max |g - w| over the parameters, each relative to its own largest gradient, but a
+    gradient zero in exact arithmetic (a key bias's: ``KEY_BIASES``), held against the model's
+    largest gradient; and the parameter it is in."""
+    largest = max(w.abs().max().item() for w in want.values())
+    errors = {
+        name: (got[name].double() - w.double()).abs().max().item()
+        / (largest if name.endswith(KEY_BIASES) else max(w.abs().max().item(), 1e-300))
+        for name, w in want.items()
+    }
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
 
 
 def _prompt(vocab: int) -> dict[str, torch.Tensor]:
@@ -254,10 +302,20 @@ def _prompt(vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps: int = 1, **overrides) -> GridResult:
+def run_family(
+    model_type: str,
+    tp: int = 2,
+    heads: int | None = None,
+    kv: int | None = None,
+    steps: int = 1,
+    aux: bool | None = None,
+    **overrides,
+) -> GridResult:
     """Parity of ``model_type`` at ``tp`` against plain HF (logits, loss and every gradient, the
     weights after ``steps`` AdamW steps, and ``model.generate`` greedy tokens), or the
     ``ValueError`` with which hf_tp refuses it. Any other exception propagates (a defect).
+    ``aux``: the router's aux loss in the trained loss (default: on for a MoE family). A model that
+    computes parts in fp32 by construction runs them in float64 (:func:`tests.helpers.float64_everywhere`).
 
     The refusal is asked of ``hf_tp.get_adapter`` and ``Adapter.validate``, the checks
     ``hf_tp.parallelize`` runs first, before any reference model is built (some refused families
@@ -268,17 +326,20 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
         hf_tp.get_adapter(config).validate(config, tp)
     except ValueError as exc:
         return GridResult(model_type, "refused", str(exc))
-    ref = grid_model(config)
+    ref = exact_model(grid_model(config))
     mixers = stream_mixer_params(ref)
-    data = batch(config.vocab_size, b=2, s=13, pad="right")
+    data = batch(config.vocab_size, b=2, s=GRID_SEQ, pad="right")
     prompt = _prompt(config.vocab_size)
     greedy = ref.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
     candidates = [clone(ref) for _ in range(tp)]
-    if is_moe(config):
-        # Train with the router's aux loss in the loss (HF's generate cannot run with it on).
-        for model in [ref, *candidates]:
-            model.config.output_router_logits = True
+    aux = is_moe(config) if aux is None else aux
+    # Train with the router's aux loss in the loss or without (HF's generate cannot run with it on).
+    for model in [ref, *candidates]:
+        model.config.output_router_logits = aux
     want = train_steps(copy.deepcopy(ref), data, steps=steps)
+    assert_every_gradient(ref, want.grads)
+
+    traces = {}
 
     def rank_fn(rank: int) -> None:
         model = candidates[rank]
@@ -286,27 +347,32 @@ def run_family(model_type: str, tp: int = 2, heads: int = 4, kv: int = 2, steps:
         model.config.output_router_logits = False
         got = model.generate(**prompt, max_new_tokens=GREEDY_TOKENS, do_sample=False)
         assert torch.equal(got, greedy), f"model.generate: {got} vs plain HF {greedy}"
-        model.config.output_router_logits = is_moe(config)
+        model.config.output_router_logits = aux
         model.train()
-        assert_parity(train_steps(model, data, steps=steps, ctx=hf_tp.loss_parallel), want, uncapped=mixers)
+        traces[rank] = train_steps(model, data, steps=steps, ctx=hf_tp.loss_parallel)
+        assert_parity(traces[rank], want, uncapped=mixers)
 
     run_threaded(tp, rank_fn)
     assert torch.get_default_dtype() == default_dtype, f"{model_type} left torch's default dtype changed"
-    return GridResult(model_type, "parity")
+    return GridResult(model_type, "parity", "", *gradient_error(traces[0].grads, want.grads))
 
 
-def run_family_ep(model_type: str, ep: int = 2, tp: int = 1, steps: int = 1, dp: int = 0, **overrides) -> None:
+def run_family_ep(
+    model_type: str, ep: int = 2, tp: int = 1, steps: int = 1, dp: int = 0, exact: bool = True, **overrides
+) -> None:
     """Expert parallelism on ``ep`` dp ranks (times ``tp``) against plain HF on the global batch:
     logits, loss, every gradient (experts and routers), AdamW weights. Each dp rank trains on its
     own rows with HF's ``labels=`` loss, so the router's aux loss is off here (its global-batch
     form is tested in tests/unit/test_aux_loss.py and through the training loop). ``dp`` (default
-    ``ep``) > ``ep``: FSDP2 over the rest (``ep=1``: a dense model under tp x dp)."""
+    ``ep``) > ``ep``: FSDP2 over the rest (``ep=1``: a dense model under tp x dp). ``exact=False``: a
+    model's fp32 parameters stay fp32 (what FSDP2 must place beside the float64 ones) and compute so."""
     dp = dp or ep
     config = grid_config(model_type, vocab_size=300, **overrides)  # 300: even vocab shards
-    ref = grid_model(config)
+    ref = exact_model(grid_model(config)) if exact else grid_model(config)
     mixers = stream_mixer_params(ref)
     data = batch(config.vocab_size, b=2 * dp, s=12, pad=None)  # equal token counts per dp rank
     want = train_steps(copy.deepcopy(ref), data, steps=steps)
+    assert_every_gradient(ref, want.grads)
     candidates = [copy.deepcopy(ref) for _ in range(tp * dp)]
 
     def rank_fn(rank: int) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -218,6 +219,56 @@ def run_threaded(world_size: int, fn: Callable[[int], None], timeout: float = 30
         causes = [r for r, text in errors.items() if "Test termination event occurs" not in text] or list(errors)
         rank = min(causes)
         raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+
+
+class _Float64Islands(TorchFunctionMode):
+    """Every fp32 cast and fp32 dtype argument made float64 (``x.float()``, ``x.to(torch.float32)``,
+    ``softmax(dtype=torch.float32)``, ``torch.zeros(..., dtype=torch.float32)``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def has_fp32_islands(model: torch.nn.Module) -> bool:
+    """True if a float64 build of ``model`` kept fp32 parameters: transformers wrote parts of it to
+    compute in fp32 (hyper-connection mixers, routers, norms), whose round-off would sit in its gradients."""
+    return any(p.dtype == torch.float32 for p in model.parameters())
+
+
+_EXACT = threading.local()  # the mode a thread's outermost running module entered, and that module
+
+
+def _enter_float64(module: torch.nn.Module, args) -> None:
+    if getattr(_EXACT, "owner", None) is None:
+        _EXACT.mode, _EXACT.owner = _Float64Islands(), module
+        _EXACT.mode.__enter__()
+
+
+def _exit_float64(module: torch.nn.Module, args, output) -> None:
+    if getattr(_EXACT, "owner", None) is module:
+        mode, _EXACT.mode, _EXACT.owner = _EXACT.mode, None, None
+        mode.__exit__(None, None, None)
+
+
+def float64_everywhere(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a float64 model with fp32 islands) computing wholly in float64: its fp32
+    parameters cast, and every forward of one of its modules, the outermost one running, in a mode
+    that turns each fp32 cast or dtype argument into float64 (a module hook, so it holds in every
+    rank thread, in generate, and in activation checkpointing's recompute during backward).
+
+    What the float64 grid needs where transformers wrote parts of a model to compute in fp32: there
+    both the reference and hf_tp carry fp32 round-off (about 1e-7 of a value, more in a sum over
+    every token) that a tolerance must either admit, hiding a bug of that size, or fail on. With
+    the islands in float64, both runs agree to float64 round-off. Hooks travel with deep copies."""
+    model.double()
+    for module in model.modules():
+        module.register_forward_pre_hook(_enter_float64)
+        module.register_forward_hook(_exit_float64, always_call=True)
+    return model
 
 
 def assert_close_dict(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, **tol) -> None:

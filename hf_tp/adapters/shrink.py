@@ -5,6 +5,10 @@ Kept: the family, head and KV-head counts (what tp splits and replicates), the e
 top-k (up to 16 experts: what ep splits), biases, ties, norms, rotary settings and layer kinds.
 Shrunk: head widths, hidden and MLP widths (multiples of tp), the vocabulary (above 4096 tokens to
 2048 plus its remainder mod 2048, so its divisibility by tp up to 2048 is the same), dropout off.
+
+:func:`shrink_config` shrinks a family's default config whole for the test grids: head counts too,
+every width field by one factor per kind, sequence extents (windows, compression, token top-k)
+inside the test's rows, so every feature of the published shape runs at a tiny size.
 """
 
 from __future__ import annotations
@@ -120,4 +124,112 @@ def _vocab(fields: dict) -> dict:
             out[key] = small - 1 - ("bos" in key) - 2 * ("eos" in key)
         elif isinstance(value, list):
             out[key] = [v if v < small else small - 3 for v in value]
+    return out
+
+
+# --- A default (published-shape) config shrunk whole: every feature kept, every width scaled together ---
+
+TINY_HEAD = 16  # the widest head-level width of a shrunk config
+TINY_HEADS = 4  # attention heads of a shrunk config (other head counts scaled by the same factor)
+TINY_HIDDEN = 64  # about the hidden size of a shrunk config whose hidden size is not its heads' width
+TINY_EXPERTS = 4
+# Integer fields that look like widths but are not: extents along the sequence, kernel sizes, counts.
+NOT_WIDTHS = ("vocab", "position", "window", "kernel", "chunk", "max_", "_topk", "pool", "extent", "compress")
+EXPERT_GROUPS = ("n_group", "topk_group", "num_expert_group")
+
+
+def shrink_config(config: PretrainedConfig, tp: int = 2, seq_len: int = 16, **overrides) -> PretrainedConfig:
+    """``config`` (a family's default, the published shape) shrunk for a parity test: head counts
+    and every width (each ``*_size`` / ``*_dim`` / ``*_rank`` field) divided by one factor per kind
+    (head counts, head-level widths, model-level widths), so their ratios hold; sequence extents
+    (windows, compression rates, top-k selections) fitted inside ``seq_len``; 4 experts; the depth
+    cut to the shortest run of layers holding each layer kind of the full depth. Read from the
+    config's fields, so a feature the default switches on stays on (:func:`layer_kinds` is the test).
+    ``overrides``: set last."""
+    fields = config.to_dict()
+    out = _tiny_heads(fields) | _tiny_widths(fields, tp) | _tiny_extents(fields, seq_len) | _tiny_experts(fields)
+    out |= _vocab(fields) | {k: 0.0 for k in (*RANDOM, *NOISE) if fields.get(k)}
+    out |= dict(initializer_range=0.1, use_cache=False, dtype="float32")
+    small = config.__class__.from_dict({**fields, **out, **overrides})
+    kinds = layer_kinds(small)
+    depth = max(kinds.index(k) for k in set(kinds)) + 1
+    return small.__class__.from_dict({**small.to_dict(), **_depth(small, depth), **overrides})
+
+
+def _pow2_factor(value: float, target: float) -> int:
+    """The power of two that brings ``value`` down to about ``target`` (1 when already under it)."""
+    return 2 ** max(0, math.ceil(math.log2(value / target))) if value > target else 1
+
+
+def _is_count(key: str) -> bool:
+    return key.endswith(("heads", "_groups")) and not key.startswith(EXPERT_GROUPS)
+
+
+def _tiny_heads(fields: dict) -> dict:
+    """Every head count (and head-group count) divided by the power of two that brings the attention
+    heads to 4, none below 1 nor below 2 where it was 2 or more (a grouping stays a grouping)."""
+    heads = fields.get("num_attention_heads")
+    if not isinstance(heads, int) or heads <= 0:
+        return {}
+    g = _pow2_factor(heads, TINY_HEADS)
+    return {k: max(min(v, 2), v // g) for k, v in fields.items() if _is_count(k) and type(v) is int and v > 0}
+
+
+def _is_head_width(key: str) -> bool:
+    return "head_dim" in key or "d_head" in key or key == "rotary_dim"
+
+
+def _is_width(key: str) -> bool:
+    return key.endswith(("_size", "_dim", "_rank")) and not any(s in key for s in NOT_WIDTHS)
+
+
+def _tiny_widths(fields: dict, tp: int) -> dict:
+    """Head-level widths divided by one power of two (the widest to 16: a head's parts keep their
+    sums and the rotary fraction its pairs), model-level widths by ``hidden_size``'s factor."""
+    heads = {k: v for k, v in fields.items() if _is_head_width(k) and type(v) is int and v > 0}
+    out: dict = {}
+    if heads:
+        f = _pow2_factor(max(heads.values()), TINY_HEAD)
+        out = {k: max(2, v // f) for k, v in heads.items()}
+    hidden = fields.get("hidden_size")
+    if not isinstance(hidden, int):
+        return out
+    n_heads = fields.get("num_attention_heads") or 1
+    small_heads = _tiny_heads(fields).get("num_attention_heads", n_heads)
+    if "head_dim" in out and hidden == n_heads * fields["head_dim"]:
+        small = small_heads * out["head_dim"]  # hidden is the heads' width: it stays so
+    elif "head_dim" not in fields and hidden % n_heads == 0:
+        small = small_heads * max(2, hidden // n_heads // _pow2_factor(hidden // n_heads, TINY_HEAD))
+    else:
+        unit = math.lcm(2 * tp, small_heads)
+        small = unit * max(1, round(hidden / _pow2_factor(hidden, TINY_HIDDEN) / unit))
+    ratio = small / hidden
+    for k, v in fields.items():
+        if _is_width(k) and not _is_head_width(k) and type(v) is int and v > 0 and k not in out:
+            out[k] = max(2 * tp, round(v * ratio / (2 * tp)) * 2 * tp)
+    out["hidden_size"] = small
+    return out
+
+
+def _tiny_extents(fields: dict, seq_len: int) -> dict:
+    """Windows, compression rates and top-k selections (over tokens, not experts) inside ``seq_len``,
+    so a test's rows exercise them: windows to half of it, the rest by one power of two."""
+    out: dict = {}
+    for k, v in fields.items():
+        if "window" in k and isinstance(v, int) and v > seq_len // 2:
+            out[k] = max(2, seq_len // 2)
+        elif "compress" in k and "rope" not in k and isinstance(v, dict) and v:
+            f = _pow2_factor(max(v.values()), seq_len // 2)
+            out[k] = {name: max(2, r // f) for name, r in v.items()}
+        elif k.endswith("topk") and k not in TOP_K and isinstance(v, int) and v > seq_len // 4:
+            out[k] = max(2, seq_len // 4)
+    return out
+
+
+def _tiny_experts(fields: dict) -> dict:
+    """4 experts (every count field), at most 2 per token, one expert group."""
+    out = {k: TINY_EXPERTS for k in EXPERT_COUNTS if isinstance(fields.get(k), int) and fields[k] > TINY_EXPERTS}
+    if out:
+        out |= {k: 1 for k in EXPERT_GROUPS if fields.get(k)}
+        out |= {k: min(fields[k], 2) for k in TOP_K if isinstance(fields.get(k), int)}
     return out

@@ -42,7 +42,7 @@ def setting(
     presets: tuple[tuple[str, Any, str], ...] = (),
 ) -> Any:
     """A dataclass field of a training setting with its flags (:class:`Flags`): adding a flag to
-    ``hf-tp train`` is adding one such field to a group of ``hf_tp.train.settings_*``."""
+    ``hf-tp train`` is adding one such field to a group of ``hf_tp.run.settings_*``."""
     flags = Flags(help, names, no_help, metavar, choices, presets)
     return dataclasses.field(default=default, metadata={"flags": flags})
 

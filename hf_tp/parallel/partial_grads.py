@@ -23,6 +23,7 @@ returns the zero placeholder; use ``backward()``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +85,9 @@ class PartialGradReducer:
         pending, self._pending, self._queued = self._pending, [], False
         if not pending:
             return
-        flat = torch.cat([g.reshape(-1).float() for _, g in pending])
+        # summed in fp32 at least (bf16 gradients upcast), never below the gradients' own dtype (float64 stays)
+        dtype = functools.reduce(torch.promote_types, (g.dtype for _, g in pending), torch.float32)
+        flat = torch.cat([g.reshape(-1).to(dtype) for _, g in pending])
         for group in self.groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if self.dp_divisor != 1:

@@ -58,7 +58,7 @@ def test_fp32_router_in_a_float64_model_under_tp_ep_and_fsdp() -> None:
     # Ernie 4.5's router is built in fp32 inside this float64 model: FSDP2 cannot put both dtypes
     # in one unit, so the router stays whole on every dp rank (hf_tp.parallel.fsdp) while the
     # MoE region reads its weights; tp2 x dp2 with ep 2.
-    run_family_ep("ernie4_5_moe", tp=2)
+    run_family_ep("ernie4_5_moe", tp=2, exact=False)
 
 
 def test_gpt_oss_tp2_ep2() -> None:
