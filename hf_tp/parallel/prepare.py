@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers import PretrainedConfig
 
 from hf_tp.adapters import Adapter, PlanOptions, get_adapter
 from hf_tp.adapters.registry import registered_model_types
@@ -57,7 +56,7 @@ class Prepared:
     :func:`hf_tp.apply_prepared` builds it); ``lora_whole``: a peft model's LoRA layers in blocks
     that run whole on every tp rank (their dropout takes the tp group's mask), None without peft;
     ``origin``: where the plan comes from (``hand-written``, ``derived from the model (generic)``,
-    ``multimodal wrapper: its language model (<type>) at <path>``), as plan_for and the record say it."""
+    ``multimodal wrapper: its language model at <path>``), as plan_for and the record say it."""
 
     given: nn.Module
     model: nn.Module
@@ -105,7 +104,7 @@ def prepare(model: nn.Module, layout: DeviceMesh | ParallelDims, **options) -> P
         opts=opts,
         dims=dims.replace(ep=ep),
         options=opt,
-        origin=plan_origin(adapter, config),
+        origin=plan_origin(adapter),
         lora_whole=lora_whole,
         mesh=None if isinstance(layout, ParallelDims) else layout,
     )
@@ -157,9 +156,8 @@ def _pipeline_free(dims: ParallelDims, ep: int) -> int:
     return dims.ep
 
 
-def plan_origin(adapter: Adapter, config: PretrainedConfig) -> str:
+def plan_origin(adapter: Adapter) -> str:
     """Where the plan of ``config``'s model comes from, in the words of ``hf_tp.plan_for`` and the record."""
     if adapter.language_model:
-        text = adapter.layers_config(config)
-        return f"multimodal wrapper: its language model ({text.model_type}) at {adapter.language_model}"
+        return f"multimodal wrapper: its language model at {adapter.language_model}"
     return "hand-written" if adapter.model_type in registered_model_types() else "derived from the model (generic)"
