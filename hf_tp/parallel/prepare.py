@@ -11,6 +11,7 @@ meta-device model and its sizes alone: no mesh, no process group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -73,7 +74,7 @@ class Prepared:
         return self.lora_whole is not None
 
 
-def prepare(model: nn.Module, layout: DeviceMesh | ParallelDims, **options) -> Prepared:
+def prepare(model: nn.Module, layout: DeviceMesh | ParallelDims, **options: Any) -> Prepared:
     """Every check of :func:`hf_tp.parallelize` on ``model`` at ``layout`` (a mesh, read for its sizes,
     or a :class:`hf_tp.ParallelDims`: no process group needed), and what it derives from them; the
     model is left untouched. ``options``: parallelize's keywords (:class:`ParallelizeOptions`)."""
