@@ -61,6 +61,14 @@ class MeshSlices:
         replicas = mesh["dp_replicate"].size() if fsdp is not None else 1
         return cls(mesh, tp, dp, cp_mesh(mesh), fsdp, replicas, dp_mesh_of(mesh) if dp is not None else None)
 
+    @property
+    def dims(self) -> ParallelDims:
+        """This mesh's sizes: tp, dp (without cp), cp, dp_replicate; ep 1 (expert parallelism borrows
+        its ranks from dp x cp, it is no dim of the mesh) and pp 1 (one stage's mesh)."""
+        cp = self.cp.size() if self.cp is not None else 1
+        dp = self.dp.size() // cp if self.dp is not None else 1
+        return ParallelDims(tp=self.tp.size(), dp=dp, cp=cp, dp_replicate=self.dp_replicate)
+
 
 def stage_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     """The dims of a pipeline mesh but ``pp``: each stage's own mesh, ``mesh[stage_dims(mesh)]``."""

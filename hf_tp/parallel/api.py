@@ -7,13 +7,11 @@ import types
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
-from hf_tp.adapters import Adapter, PlanOptions, get_adapter
-from hf_tp.adapters.registry import registered_model_types
-from hf_tp.compat import check_releases, warn_newer_releases
-from hf_tp.context.context_install import check_context_parallel, install_context_parallel
-from hf_tp.core.dims import ParallelDims, check_compile, check_dp_replicate
+from hf_tp.adapters import Adapter
+from hf_tp.context.context_install import install_context_parallel
+from hf_tp.core.dims import ParallelDims
+from hf_tp.core.dims import check_compile as check_compile  # (where tests import it from)
 from hf_tp.core.mesh import MeshSlices
 from hf_tp.core.record import (
     LoraRecord,
@@ -24,24 +22,18 @@ from hf_tp.core.record import (
     record_of,
     replaced_classes,
 )
-from hf_tp.lora.peft_models import (
-    check_dropout_recompute,
-    check_lora,
-    install_dropouts,
-    keep_frozen,
-    lora_adapter,
-    unwrap_peft,
-)
-from hf_tp.moe.expert_parallel import apply_expert_parallel, build_ep_mesh, check_experts
+from hf_tp.lora.peft_models import check_dropout_recompute, install_dropouts, keep_frozen
+from hf_tp.moe.expert_parallel import apply_expert_parallel, build_ep_mesh
 from hf_tp.multimodal.deepstack import shard_deepstack
 from hf_tp.multimodal.packed_positions import pass_packed_positions
-from hf_tp.multimodal.passengers import check_wrapper, freeze_passengers
+from hf_tp.multimodal.passengers import freeze_passengers
 from hf_tp.parallel.fsdp import apply_fsdp, odd_dtype_params
 from hf_tp.parallel.generate import generate as parallel_generate
 from hf_tp.parallel.loss_parallel import local_loss_function
 from hf_tp.parallel.materialize import keep_parameters_on_to_empty
 from hf_tp.parallel.partial_grads import install as install_partial_grad_reduction
-from hf_tp.parallel.tp import apply_tensor_parallel, check_plan_paths, mark_packed_experts
+from hf_tp.parallel.prepare import Prepared, check_not_parallelized, prepare
+from hf_tp.parallel.tp import apply_tensor_parallel, mark_packed_experts
 
 
 def parallelize(
@@ -75,15 +67,81 @@ def parallelize(
     experts. A ``cp`` dim > 1 splits each row's tokens (:mod:`hf_tp.context.token_share`): every rank of a cp x tp group
     passes the same full rows (a multiple of 2 x cp x tp long); the logits are this rank's tokens (``TokenShare.indices``
     says which), a ``labels=`` loss the whole rows' on every rank. A wrapper's vision tower trains if ``train_vision_tower``.
-    ``mesh`` may be a :class:`hf_tp.ParallelDims` (pp 1): its mesh is built here, its ``ep`` taken."""
-    outer, vision = model, train_vision_tower
-    model, adapter, opts, slices, ep_mesh = _check(outer, mesh, sequence_parallel, loss_parallel, ep, vision)
+    ``mesh`` may be a :class:`hf_tp.ParallelDims` (pp 1): its mesh is built here, its ``ep`` taken.
+    The same as ``apply_prepared(prepare(model, mesh, ...))`` (:mod:`hf_tp.parallel.prepare`)."""
+    prepared = prepare(
+        model,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        fuse_partial_grads=fuse_partial_grads,
+        ep=ep,
+        train_vision_tower=train_vision_tower,
+    )
+    return apply_prepared(prepared)
+
+
+def apply_prepared(prepared: Prepared, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Change ``prepared.given`` as :func:`hf_tp.prepare` decided, over ``mesh`` (default: the mesh
+    prepare was given, else one built from ``prepared.dims``); return it. A mesh of other sizes than
+    prepare checked is refused, as is a model already parallelized (a :class:`Prepared` applies once)."""
+    mesh, slices = _mesh_for(prepared, mesh)
+    check_not_parallelized(prepared.model)
+    ep_mesh = build_ep_mesh(mesh, prepared.dims.ep) if prepared.dims.ep > 1 else None
+    _ready(prepared, mesh, slices, ep_mesh)
+    _parallelize(prepared, slices, ep_mesh)
+    return prepared.given
+
+
+def _mesh_for(prepared: Prepared, mesh: DeviceMesh | None) -> tuple[DeviceMesh, MeshSlices]:
+    """The mesh to apply over and its named slices, its sizes those prepare checked."""
+    if mesh is None:
+        mesh = prepared.mesh if prepared.mesh is not None else prepared.dims.build_mesh()
+    slices = MeshSlices.of(mesh)
+    got, want = slices.dims, prepared.dims.replace(ep=1)
+    if got != want:
+        raise ValueError(
+            f"apply_prepared got a mesh of {_sizes(got)}, but prepare checked {_sizes(want)}: "
+            "pass the mesh (or ParallelDims) prepare was given"
+        )
+    return mesh, slices
+
+
+def _sizes(dims: ParallelDims) -> str:
+    return ", ".join(f"{d}={getattr(dims, d)}" for d in ("tp", "dp", "cp", "dp_replicate"))
+
+
+def _ready(prepared: Prepared, mesh: DeviceMesh, slices: MeshSlices, ep_mesh: DeviceMesh | None) -> None:
+    """What parallelize changes before its styles: a peft LoRA model gets tp-aware dropout
+    (:mod:`hf_tp.lora.peft_models`); a multimodal wrapper's passengers are frozen
+    (:mod:`hf_tp.multimodal.passengers`) and its 3-D mrope language model takes packed position
+    ids in its 4-row form (:mod:`hf_tp.multimodal.packed_positions`); packed expert weights are
+    marked; the record is attached."""
+    model, adapter, opts = prepared.model, prepared.adapter, prepared.opts
+    lora = None
+    if prepared.lora_whole is not None:
+        dropouts = install_dropouts(model, list(prepared.lora_whole), prepared.dims.tp)
+        lora = LoraRecord(prepared.lora_whole, dropouts)
+    freeze_passengers(model, adapter, train_vision_tower=prepared.options.train_vision_tower)  # by default
+    if adapter.language_model:  # a wrapper's packed text rows: document positions as its masks read them
+        pass_packed_positions(model.get_submodule(adapter.language_model))
+    if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
+        mark_packed_experts(model, adapter, opts)
+    _record(prepared, mesh, slices, ep_mesh, lora=lora)
+
+
+def _parallelize(prepared: Prepared, slices: MeshSlices, ep_mesh: DeviceMesh | None) -> None:
+    """TP, partial-gradient fusion, compile, cp, ep and FSDP2, in that order; the record completed."""
+    model, adapter, opts, o = prepared.model, prepared.adapter, prepared.opts, prepared.options
     dp_mesh, tp_mesh = slices.dp, slices.tp
-    check_compile(compile, activation_checkpointing, tp_mesh.size())  # (hf_tp.core.dims)
-    record = record_of(model)  # attached by _check, once every check passed
-    if activation_checkpointing:
+    record = record_of(model)  # attached by _ready
+    if o.activation_checkpointing:
         enable_activation_checkpointing(model)
-    fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or mp_policy is not None)
+    fsdp = dp_mesh is not None and (dp_mesh.size() > 1 or o.mp_policy is not None)
     tp = tp_mesh.size() > 1  # at tp=1 the model stays plain torch (a 1-rank DTensor pays per-op dispatch)
     if tp:
         with keep_frozen(model):  # some styles re-register parameters as trainable
@@ -91,10 +149,10 @@ def parallelize(
     whole = odd_dtype_params(model, adapter) if fsdp else set()  # kept whole on every dp rank
     if tp and adapter.moe:
         model.loss_function = local_loss_function(model.loss_function)
-    if tp and fuse_partial_grads:
+    if tp and o.fuse_partial_grads:
         units = list(model.get_submodule(adapter.layers_path)) if fsdp else []  # apply_fsdp's units
         record.partial_grads = install_partial_grad_reduction(model, units, tp_mesh, dp_mesh, fsdp=fsdp, outside=whole)
-    if compile:
+    if o.compile:
         for layer in model.get_submodule(adapter.layers_path):
             layer.compile()
     if slices.cp is not None:
@@ -106,14 +164,14 @@ def parallelize(
             adapter,
             dp_mesh,
             shard_mesh=slices.fsdp,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
+            mp_policy=o.mp_policy,
+            reshard_after_forward=o.reshard_after_forward,
             ignored_params=(set(expert_params) | whole) or None,
             averaged=whole,
-            fused=fuse_partial_grads and tp,
+            fused=o.fuse_partial_grads and tp,
         )
-    _mark_parallelized(model, outer, fsdp, compile, activation_checkpointing, _names(model, whole))
-    return outer
+    flags = (fsdp, o.compile, o.activation_checkpointing, _names(model, whole))
+    _mark_parallelized(model, prepared.given, *flags)
 
 
 def _install_context_parallel(model: nn.Module, adapter: Adapter, cp: DeviceMesh, tp: int) -> None:
@@ -124,23 +182,20 @@ def _install_context_parallel(model: nn.Module, adapter: Adapter, cp: DeviceMesh
 
 
 def _record(
-    model: nn.Module, adapter: Adapter, opts: PlanOptions, mesh: DeviceMesh, *given: DeviceMesh | None, **fields
+    prepared: Prepared, mesh: DeviceMesh, slices: MeshSlices, ep_mesh: DeviceMesh | None, **fields
 ) -> ParallelRecord:
-    """The record of this call (:mod:`hf_tp.core.record`): meshes (``given``: dp or None, tp, ep or None), plans,
-    options; filled in as parallelize goes."""
-    dp_mesh, tp_mesh, ep_mesh = given
-    names, meshes = mesh.mesh_dim_names or (), {"tp": tp_mesh}
-    if dp_mesh is not None:  # every dp rank (both HSDP dims), without cp
-        meshes["dp"] = mesh["dp"] if "dp" in names else dp_mesh
+    """The record of this call (:mod:`hf_tp.core.record`): meshes, plans, options; filled in as
+    parallelize goes."""
+    model, adapter, opts = prepared.model, prepared.adapter, prepared.opts
+    names, meshes = mesh.mesh_dim_names or (), {"tp": slices.tp}
+    if slices.dp is not None:  # every dp rank (both HSDP dims), without cp
+        meshes["dp"] = mesh["dp"] if "dp" in names else slices.dp
     meshes |= {d: mesh[d] for d in ("cp", "dp_replicate") if d in names}
     if ep_mesh is not None:
         meshes["ep"] = ep_mesh["ep"]
-    origin = "hand-written" if adapter.model_type in registered_model_types() else "derived from the model"
-    if adapter.language_model:
-        origin = f"multimodal wrapper: its language model at {adapter.language_model}"
     record = ParallelRecord(
         model_type=model.config.model_type,
-        adapter=origin,
+        adapter=prepared.origin,
         options=opts,
         meshes=meshes,
         layers_path=adapter.layers_path,
@@ -150,7 +205,7 @@ def _record(
         stage=getattr(facts_of(model), "stage", None),  # a pipeline stage's cut (hf_tp.pipeline.pipeline_split)
         **fields,
     )
-    attach(model, record)  # parallelize's steps fill it in; complete (checked in _check) once it returns
+    attach(model, record)  # parallelize's steps fill it in; complete once it returns
     return record
 
 
@@ -164,86 +219,6 @@ def _mark_parallelized(model: nn.Module, outer: nn.Module, *flags) -> None:
         keep_parameters_on_to_empty(*{id(m): m for m in (outer, model)}.values())
     record.overrides = overridden_methods(model)
     record.classes = replaced_classes(model)
-
-
-def _check(
-    outer: nn.Module,
-    mesh: DeviceMesh | ParallelDims,
-    sequence_parallel: bool,
-    loss_parallel: bool,
-    ep: int,
-    train_vision: bool,
-) -> tuple:
-    """Every check of :func:`parallelize`, before any collective: (HF model, adapter, plan options,
-    the mesh's named slices, ep mesh or None). A peft LoRA model is unwrapped to the HF model inside it
-    and gets LoRA-aware plans and tp-aware dropout (:mod:`hf_tp.lora.peft_models`); a multimodal
-    wrapper's passengers are frozen (:mod:`hf_tp.multimodal.passengers`) and its 3-D mrope language model
-    takes packed position ids in its 4-row form (:mod:`hf_tp.multimodal.packed_positions`)."""
-    check_releases()  # a release below the tested floors: one line naming it, before anything else
-    mesh, ep = _mesh_and_ep(mesh, ep)
-    model, peft = unwrap_peft(outer)
-    if peft:
-        warn_newer_releases(("peft",))  # (the lora extra's ceiling, checked where LoRA is used)
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"hf_tp.parallelize expects a HF PreTrainedModel, got {type(model).__name__}")
-    adapter = get_adapter(config)
-    slices = MeshSlices.of(mesh)  # the named slices, read once
-    dp_mesh, tp_mesh, cp = slices.dp, slices.tp, slices.cp
-    adapter.validate(config, tp_mesh.size())
-    opts = PlanOptions(
-        sequence_parallel=sequence_parallel,
-        loss_parallel=loss_parallel,
-        kv_replicas=adapter.kv_replicas(config, tp_mesh.size()),
-    )
-    check_plan_paths(model, adapter, opts)
-    if slices.fsdp is not None:
-        check_dp_replicate(dp_mesh.size(), slices.dp_replicate, ep=ep)  # (hf_tp.core.dims)
-    check_wrapper(model, adapter, cp=cp is not None)
-    if cp is not None:
-        check_context_parallel(model, adapter.layers_path, cp.size())
-    ep_mesh = None
-    if ep > 1:
-        if not adapter.moe:
-            raise ValueError(f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts")
-        check_experts(model, adapter.layers_path, adapter.experts, ep)
-        ep_mesh = build_ep_mesh(mesh, ep)
-    if getattr(record_of(model), "complete", False) or any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError(
-            "this model is already parallelized (hf_tp.describe(model) shows how); call hf_tp.parallelize once per model"
-        )
-    lora = None
-    if peft:
-        whole_run = check_lora(model, adapter, opts, tp_mesh.size(), ep)
-        lora = LoraRecord(tuple(whole_run), install_dropouts(model, whole_run, tp_mesh.size()))
-        adapter = lora_adapter(adapter)
-    if train_vision and not adapter.passengers:
-        raise ValueError(
-            f"train_vision_tower needs a multimodal checkpoint; this {config.model_type} model has no vision tower"
-        )
-    if train_vision and peft:
-        raise ValueError("train_vision_tower trains the tower's own weights, which a peft LoRA model freezes: drop one")
-    freeze_passengers(model, adapter, train_vision_tower=train_vision)  # a wrapper's vision tower, by default
-    if adapter.language_model:  # a wrapper's packed text rows: document positions as its masks read them
-        pass_packed_positions(model.get_submodule(adapter.language_model))
-    if adapter.moe:  # expert weights tp > 1 stores as packed halves: checkpoints hold that layout on every mesh
-        mark_packed_experts(model, adapter, opts)
-    _record(model, adapter, opts, mesh, dp_mesh, tp_mesh, ep_mesh, lora=lora)
-    return model, adapter, opts, slices, ep_mesh
-
-
-def _mesh_and_ep(mesh: DeviceMesh | ParallelDims, ep: int) -> tuple[DeviceMesh, int]:
-    """``parallelize``'s mesh and ep: a :class:`ParallelDims` builds its mesh (one stage: pp 1) and gives ep."""
-    if not isinstance(mesh, ParallelDims):
-        return mesh, ep
-    if mesh.pp > 1:
-        raise ValueError(
-            f"parallelize takes one pipeline stage's mesh, got ParallelDims(pp={mesh.pp}): pipeline stages are "
-            "built by hf-tp train --pp (hf_tp.fit); pass pp=1"
-        )
-    if ep not in (1, mesh.ep):
-        raise ValueError(f"ep={ep} and ParallelDims(ep={mesh.ep}) disagree: give ep once, in the ParallelDims")
-    return mesh.build_mesh(), mesh.ep
 
 
 def _generate(model: nn.Module, inputs=None, **kwargs):

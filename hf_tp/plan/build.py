@@ -1,10 +1,10 @@
 """``hf_tp.plan_for``: the TP+SP plan of a model, derived as ``hf_tp.parallelize`` derives it,
 described without applying it (no mesh, no process group, no weights: a meta-device model).
 
-The same adapter (:func:`hf_tp.get_adapter`), plan options and checks as parallelize and
-``hf-tp train`` (:func:`hf_tp.run.validate.validate_model_config`, the plan paths, the
-wrapper, context- and expert-parallel checks), so a model and layout they refuse is refused
-here with the same one-line message.
+It describes what :func:`hf_tp.prepare` decides (the adapter, plan options, the plan's origin)
+after ``hf-tp train``'s config checks (:func:`hf_tp.run.validate.validate_model_config`): the
+same checks as parallelize, in its order, so a model and layout they refuse is refused here with
+the same one-line message.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from hf_tp.adapters import PlanOptions, get_adapter
 from hf_tp.adapters.adapter import Adapter
 from hf_tp.adapters.overrides import base_tp_plan
-from hf_tp.adapters.registry import registered_model_types
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
-from hf_tp.core.dims import ParallelDims, check_positive, row_multiple
+from hf_tp.core.dims import ParallelDims, check_positive
 from hf_tp.core.model_source import ModelSource
 from hf_tp.core.module_queries import experts_per_token
 from hf_tp.core.record import record_of
+from hf_tp.parallel.prepare import Prepared, prepare
 from hf_tp.plan.collectives import Sizes, keep, top_collectives
 from hf_tp.plan.layers import Context, describe_layer, group_layers
 from hf_tp.plan.model_plan import ModelPlan
@@ -57,26 +56,24 @@ def plan_for(
         check_positive(dim, value, flags=True)
     model, config, label = _resolve(model_or_config)
     validate_model_config(config, tp, seq_len, ep=ep)
-    adapter = get_adapter(config)
-    text = adapter.layers_config(config)
-    opts = PlanOptions(kv_replicas=adapter.kv_replicas(config, tp))
     if model is None:
         with torch.device("meta"):  # shapes only, as parallelize would get it
             model = ModelSource(config).build()
-    _check(model, adapter, opts, ep, cp)
-    multiple = row_multiple(tp, cp)  # training pads rows to this multiple
+    # parallelize's own checks and plan at these sizes (dp = ep: ranks enough for ep to borrow)
+    prepared = prepare(model, ParallelDims(tp=tp, dp=ep, cp=cp, ep=ep))
+    text = prepared.adapter.layers_config(config)
+    multiple = prepared.dims.row_multiple  # training pads rows to this multiple
     padded = -(-seq_len // multiple) * multiple
     dtype = _dtype(text, config)
     sizes = Sizes(batch_size * padded // cp, text.hidden_size, dtype.itemsize, tp, cp, ep, _top_k(text))
     header = dict(model=name or label or config.model_type, seq_len=padded, batch_size=batch_size)
-    return _describe(model, adapter, opts, text, sizes, dtype=str(dtype).removeprefix("torch."), **header)
+    return _describe(prepared, text, sizes, dtype=str(dtype).removeprefix("torch."), **header)
 
 
-def _describe(
-    hf_model: nn.Module, adapter: Adapter, opts: PlanOptions, text: PretrainedConfig, sizes: Sizes, **header
-) -> ModelPlan:
-    """Describe every layer, group them, and add the top level and the notes (``header``: the
-    model's name, its padded sequence length, batch size and dtype)."""
+def _describe(prepared: Prepared, text: PretrainedConfig, sizes: Sizes, **header) -> ModelPlan:
+    """Describe every layer of the prepared model, group them, and add the top level and the notes
+    (``header``: the model's name, its padded sequence length, batch size and dtype)."""
+    hf_model, adapter, opts = prepared.model, prepared.adapter, prepared.opts
     heads = text.num_attention_heads
     tp_plan = {k.split(".*.", 1)[1]: v for k, v in base_tp_plan(text).items() if ".*." in k}
     kv = getattr(text, "num_key_value_heads", None) or heads
@@ -96,7 +93,7 @@ def _describe(
     return ModelPlan(
         **header,
         model_type=mt,
-        adapter=_origin(adapter, text),
+        adapter=prepared.origin,
         note=GENERIC.get(text.model_type) or MOE.get(text.model_type) or TEXT_TOWERS.get(text.model_type) or "",
         tp=sizes.tp,
         ep=sizes.ep,
@@ -119,21 +116,6 @@ def _resolve(given) -> tuple[nn.Module | None, PretrainedConfig, str]:
     return model, source.config, source.name
 
 
-def _check(model: nn.Module, adapter: Adapter, opts: PlanOptions, ep: int, cp: int) -> None:
-    """parallelize's own checks that need the model (its plan paths, wrapper, cp and ep)."""
-    from hf_tp.context.context_install import check_context_parallel
-    from hf_tp.moe.expert_parallel import check_experts
-    from hf_tp.multimodal.passengers import check_wrapper
-    from hf_tp.parallel.tp import check_plan_paths
-
-    check_plan_paths(model, adapter, opts)
-    check_wrapper(model, adapter, cp=cp > 1)
-    if cp > 1:
-        check_context_parallel(model, adapter.layers_path, cp)
-    if ep > 1:
-        check_experts(model, adapter.layers_path, adapter.experts, ep)
-
-
 def _dtype(text: PretrainedConfig, config: PretrainedConfig) -> torch.dtype:
     value = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
     value = getattr(torch, value) if isinstance(value, str) else value
@@ -149,12 +131,6 @@ def _label(config: PretrainedConfig, index: int, moe: bool, moe_model: bool) -> 
     types = getattr(config, "layer_types", None)
     kind = types[index] if isinstance(types, list | tuple) and index < len(types) else ""
     return str(kind), ("MoE" if moe else "dense") if moe_model else ""
-
-
-def _origin(adapter: Adapter, text: PretrainedConfig) -> str:
-    if adapter.language_model:
-        return f"multimodal wrapper: its language model ({text.model_type}) at {adapter.language_model}"
-    return "hand-written" if adapter.model_type in registered_model_types() else "derived from the model (generic)"
 
 
 def _notes(adapter: Adapter, s: Sizes, kv: int) -> tuple[str, ...]:
