@@ -32,8 +32,8 @@ def make_model_dir(shape: str, root: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+    from hf_tp.core.model_source import bundled_config
     from hf_tp.demo.assets import ensure_default_assets
-    from hf_tp.estimate.spec import bundled_config
 
     assets = ensure_default_assets(root / "assets")
     tok = AutoTokenizer.from_pretrained(assets.model_dir)

@@ -47,8 +47,8 @@ from hf_tp.estimate.layouts import estimate_layout  # noqa: E402
 from hf_tp.estimate.memory import find_experts  # noqa: E402
 from hf_tp.estimate.simulate import expert_groups  # noqa: E402
 from hf_tp.estimate.spec import EstimateSpec  # noqa: E402
+from hf_tp.parallel.grad import clip_grad_norm  # noqa: E402
 from hf_tp.pipeline.pipeline_build import pipeline_parallelize  # noqa: E402
-from hf_tp.train.pipeline_run import pipeline_clip  # noqa: E402
 from scripts.measure_memory import small_llama  # noqa: E402
 
 
@@ -153,7 +153,8 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     with LiveBytes(held) as live, counter:
         routing = pipe.route([batch]) if pipe.has_aux else None  # a MoE's aux loss: the step's counts first
         pipe.step(batch, rows * (args.seq_len - 1) * args.dp, args.dp, routing.totals if routing else None)
-        pipeline_clip(pipe, 1.0)  # the tied weight's gradients summed, the norm clipped, as training does
+        pipe.sync_tied_grads()  # the tied weight's gradients summed, the norm clipped, as training does
+        clip_grad_norm(pipe.counted_parameters(), 1.0, pipe.group, pipe.mirrors)
         opt.step()
         opt.zero_grad(set_to_none=True)
     comms = {f"{c.dim} {c.collective}": (c.count, c.bytes) for c in counter.stats()}
