@@ -82,7 +82,7 @@ def test_cycle_finder_sees_a_lazy_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "hf_tp.adapters.inspect_model" in graph["hf_tp.adapters.generic"]
-    assert "hf_tp.adapters.llama" in graph["hf_tp.adapters"]  # `from hf_tp.adapters import llama`
+    assert "hf_tp.cli.plan" in graph["hf_tp.cli.main"]  # `from hf_tp.cli import plan`
 
 
 def test_functions_stay_short() -> None:
