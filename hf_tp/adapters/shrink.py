@@ -65,12 +65,15 @@ def _structure(layer: nn.Module) -> str:
 
 
 def _depth(config: PretrainedConfig, depth: int) -> dict:
-    """``num_hidden_layers`` and every per-layer list field cut to ``depth``."""
+    """``num_hidden_layers`` and every per-layer field cut to ``depth``: a list of one entry per
+    layer, and a dict keyed by layer index (``per_layer_config``) without the layers cut off."""
     total = config.num_hidden_layers
     out: dict = {"num_hidden_layers": depth}
     for key, value in config.to_dict().items():
         if isinstance(value, list) and len(value) == total and key != "architectures":
             out[key] = value[:depth]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() and int(k) < total for k in value):
+            out[key] = {k: v for k, v in value.items() if int(k) < depth}
     return out
 
 

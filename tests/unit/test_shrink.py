@@ -63,6 +63,8 @@ def test_the_flagships_widths_shrink_together() -> None:
         assert all(getattr(config, k) <= 4 * config.hidden_size <= 4 * 64 for k in keys), {
             k: getattr(config, k) for k in keys
         }
+    if family_refusal("hy_v4") or family_refusal("deepseek_v4"):
+        return  # (releases older than these families)
     hy = grid_config("hy_v4")
     assert set(hy.indexer_types) == {"full", "shared"} and set(hy.mlp_layer_types) == {"dense", "sparse"}
     ds = grid_config("deepseek_v4")
