@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HAND_WRITTEN = {
-    "llama": "hand-written (adapters/llama.py): the reference Megatron TP+SP plan",
+    "llama": "hand-written (adapters/families.py): the reference Megatron TP+SP plan",
     "qwen2": "hand-written: Llama's plan, q/k/v biases",
     "mistral": "hand-written: Llama's plan, sliding window",
     "qwen3": "hand-written: per-head q/k norms",
@@ -59,7 +59,7 @@ def main() -> int:
     from transformers import CONFIG_MAPPING
 
     from hf_tp.adapters.census import tensor_parallel_causal_lm_types
-    from hf_tp.adapters.overrides import PLAN_OVERRIDES
+    from hf_tp.adapters.families import PLAN_OVERRIDES
     from hf_tp.adapters.registry import registered_model_types
     from hf_tp.adapters.support import GENERIC, MOE, REFUSED
     from tests.family_grid import run_family
@@ -96,7 +96,7 @@ def main() -> int:
             reason = REFUSED.get(mt) or result.reason.split(": ", 1)[-1].split("; register")[0]
             moe_rows.append(f"| `{mt}` | refused | | {reason} |")
         print(f"{mt:22s} {result.status:8s} {time.perf_counter() - t0:5.1f}s", file=sys.stderr, flush=True)
-    # MoE families transformers has no tp plan for, whose plan an hf_tp family file writes (GPT-OSS)
+    # MoE families transformers has no tp plan for, whose plan hf_tp's family table writes (GPT-OSS)
     own_plan = sorted(set(MOE) - set(mixtures))
     for mt in own_plan:
         result = run_family(mt)
@@ -105,7 +105,7 @@ def main() -> int:
 
     own_plan_text = (
         f" Below the families of transformers' plans, {', '.join(own_plan)}: transformers has no tp plan for it, "
-        "hf_tp writes one (`hf_tp/adapters/<family>.py`) and holds it to the same checks."
+        "hf_tp writes one (`hf_tp/adapters/families.py`) and holds it to the same checks."
         if own_plan
         else ""
     )
@@ -121,9 +121,9 @@ a right-padded row; the weights after an AdamW step; `model.generate` greedy tok
 padding), and the others are refused by `hf_tp.parallelize` with the reason below. tp=4 with KV
 heads replicated is checked for granite, exaone4, granite_swa and lfm3.
 
-- **hand-written**: a registered adapter (`hf_tp/adapters/<family>.py`).
+- **hand-written**: a registered adapter (a plan written in `hf_tp/adapters/families.py`).
 - **hf_tp's layer plan**: transformers' plan shards only the embedding (every decoder layer whole);
-  `hf_tp/adapters/layer_plans.py` (or the family's file) names the projections, the generic
+  the family's entry in `hf_tp/adapters/families.py` names the projections, the generic
   derivation does the rest.
 - **generic**: the plan derived from the model by `hf_tp/adapters/generic.py` (transformers'
   `base_model_tp_plan` for the projections; the model's modules and forward sources for the SP

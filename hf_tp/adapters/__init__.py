@@ -8,26 +8,17 @@ Layers, each importing only those below it:
   mixers                    blocks whose kind changes by layer (a plan entry per module class)
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them
   inspect_moe               read a layer's mixture-of-experts blocks: each parameter's role
-  adapter, facts, modules,  the types (Adapter, Derivation), small module/config queries, source
-  source, overrides,        readers, corrections family files make to transformers' plans,
-  quantized, support        quantized-checkpoint refusals, the support tables (data)
+  overrides                 base_tp_plan's old place, kept while hf_tp/plan/build.py imports it there
+  families                  the family table: hand-written plans (Llama's and those reusing it),
+                            corrections to transformers' tp plans, counts tp must divide
+  adapter, facts,           the types (Adapter, Derivation), quantized-checkpoint refusals,
+  quantized, support        the support tables (data)
   causal_lm_map             causal LMs transformers maps under another task only (Mistral 4), registered
   text_tower                text towers with no causal LM (Qwen2.5-VL's, ...): a base model + lm_head to read
-Family files (llama, qwen2, gemma, ...) sit beside the registry and register themselves on import.
+A family is added as an entry of :data:`hf_tp.adapters.families.FAMILIES` (or, from outside, with
+:func:`register_adapter`).
 """
 
-from hf_tp.adapters import (  # noqa: F401  (importing registers them)
-    codegen,
-    gemma,
-    gpt_oss,
-    layer_plans,
-    llama,
-    mistral,
-    olmo2,
-    qwen2,
-    qwen3,
-    qwen_vl,
-)
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.causal_lm_map import register_causal_lms
 from hf_tp.adapters.registry import get_adapter, register_adapter, supported_model_types, unregister_adapter

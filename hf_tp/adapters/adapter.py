@@ -1,8 +1,8 @@
 """What an adapter is: the plans of one model family and the sizes tensor parallelism splits.
 
 An adapter is data, not a model subclass: two functions that return plans (plain dicts of module
-path -> ``ParallelStyle``) plus the config fields that tp must divide. Hand-written family files
-build one; :mod:`hf_tp.adapters.generic` derives one from a model; :mod:`hf_tp.adapters.registry`
+path -> ``ParallelStyle``) plus the config fields that tp must divide. The family table's
+hand-written plans build one (:mod:`hf_tp.adapters.families`); :mod:`hf_tp.adapters.generic` derives one from a model; :mod:`hf_tp.adapters.registry`
 finds the right one for a config.
 """
 

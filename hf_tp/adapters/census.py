@@ -4,7 +4,7 @@ family grid (tests, ``scripts/family_grid.py``) runs and ``docs/architectures.md
 from __future__ import annotations
 
 from hf_tp.adapters import get_adapter
-from hf_tp.adapters.overrides import PLAN_OVERRIDES
+from hf_tp.adapters.families import PLAN_OVERRIDES
 from hf_tp.core.module_queries import experts_per_token, num_experts
 from hf_tp.moe.expert_parallel import experts_modules
 

@@ -13,7 +13,7 @@ from hf_tp.moe.expert_styles import Role
 
 HOW_TO_ADD = (
     "register a hand-written adapter with hf_tp.register_adapter(hf_tp.Adapter(model_type=..., layer_plan=..., "
-    "top_plan=...)) (see hf_tp/adapters/llama.py)"
+    "top_plan=...)) (see hf_tp/adapters/families.py)"
 )
 
 

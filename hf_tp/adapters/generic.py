@@ -13,7 +13,7 @@ style or module it has no rule for (latent attention, experts, parameters on the
 ...) is a ``ValueError`` naming the module and the way out (a hand-written adapter), never a
 guessed plan.
 
-The rules, per decoder layer (Megatron's SP layout, as ``adapters/llama.py`` writes by hand):
+The rules, per decoder layer (Megatron's SP layout, as ``adapters/families.py`` writes Llama's by hand):
   - ``colwise`` Linear -> ``ColwiseParallel`` (K/V projections replicated when tp > KV heads);
   - ``rowwise`` Linear -> ``RowwiseParallel`` reduce-scattering to sequence shards (DTensor out);
   - the layer-level child holding them (``self_attn``, ``mlp``, ...) -> ``PrepareModuleInput``
@@ -46,8 +46,8 @@ from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.facts import Block, Derivation, Mixer, refuse
+from hf_tp.adapters.families import TP_DIVISORS, base_tp_plan
 from hf_tp.adapters.inspect_model import inspect_model
-from hf_tp.adapters.overrides import TP_DIVISORS, base_tp_plan
 from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.compat.torch_fake import unset_fake_temporarily
 from hf_tp.core.forward_source import AS_CALLED

@@ -3,8 +3,9 @@
 The top of the adapters package: a registered (hand-written) adapter for the config's
 ``model_type`` wins; a family hf_tp refuses gets its reason; a multimodal wrapper (a config with a
 ``text_config``) gets its language model's adapter re-rooted in it (:mod:`hf_tp.adapters.wrapper`);
-anything else gets the plan derived from its model (:mod:`hf_tp.adapters.generic`). Adding an
-architecture means writing one small file that calls :func:`register_adapter`.
+anything else gets the plan derived from its model (:mod:`hf_tp.adapters.generic`). The registry
+starts with the hand-written entries of the family table (:mod:`hf_tp.adapters.families`); an
+architecture is added there, or from outside with :func:`register_adapter`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ from collections.abc import Callable, Iterator
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter
+from hf_tp.adapters.families import HAND_WRITTEN, base_tp_plan
 from hf_tp.adapters.generic import generic_adapter
-from hf_tp.adapters.overrides import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED, WRAPPER_REFUSED
 from hf_tp.adapters.text_tower import is_text_tower
 from hf_tp.adapters.wrapper import refuse, wrapper_adapter
 from hf_tp.compat import UnsupportedRelease, family_refusal
 from hf_tp.core.model_source import text_config_of
 
-_REGISTRY: dict[str, Adapter] = {}
+_REGISTRY: dict[str, Adapter] = dict(HAND_WRITTEN)  # the family table's hand-written plans
 _CHANGE: contextvars.ContextVar[Callable[[Adapter], Adapter] | None] = contextvars.ContextVar("change", default=None)
 HOW_TO_REGISTER = (
-    "hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/llama.py)"
+    "hf_tp.register_adapter(Adapter(model_type='{mt}', layer_plan=..., top_plan=...)) (see hf_tp/adapters/families.py)"
 )
 
 

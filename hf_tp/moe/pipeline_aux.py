@@ -61,9 +61,10 @@ def routing_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
 
 
 @dataclass
-class Routing:
-    """What :func:`route` found over some rows: ``totals``, ``[counts..., rows]`` of every layer of
-    every stage and dp rank (what :meth:`hf_tp.pipeline.schedules.Pipeline.step` takes), and
+class StageRouting:
+    """How a pipeline's stages routed some rows, as :func:`route` found it: ``totals``,
+    ``[counts..., rows]`` of every layer of every stage and dp rank (what
+    :meth:`hf_tp.pipeline.schedules.Pipeline.step` takes), and
     ``term``, this rank's share of the rows' unweighted aux loss (its stages' layers, its rows):
     the shares of the pp and dp ranks sum to the single-device aux loss."""
 
@@ -84,8 +85,8 @@ def stage_totals(model, router_logits, mask: torch.Tensor | None, device) -> tor
     return torch.cat([counts, probs, rows[None]])
 
 
-def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
-    """The :class:`Routing` of ``micro_batches`` (this dp rank's; the counts over every dp rank's):
+def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> StageRouting:
+    """The :class:`StageRouting` of ``micro_batches`` (this dp rank's; the counts over every dp rank's):
     a forward without autograd through the stages in order (:func:`stage_outputs`; collective
     over the pp and dp groups)."""
     parts = []
@@ -102,7 +103,7 @@ def route(pipe, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
     if (cp := state_of(pipe.models[0])) is not None:  # the cp ranks' tokens: the whole rows' share
         dist.all_reduce(probs, group=cp.mesh.get_group())
     term = experts * torch.sum((totals[:-1] / totals[-1]) * (probs / totals[-1]))
-    return Routing(totals, float(term))
+    return StageRouting(totals, float(term))
 
 
 def stage_outputs(pipe, batch: dict[str, torch.Tensor], **kwargs) -> Iterator[tuple]:

@@ -36,7 +36,7 @@ from hf_tp.context.token_share import local_tokens, shift_labels, state_of, sum_
 from hf_tp.core.dims import MULTI_STAGE, V_SHAPED
 from hf_tp.core.record import record_of
 from hf_tp.moe.aux_loss import router_aux_term, standard_aux_loss
-from hf_tp.moe.pipeline_aux import Routing, SideLoss, holds_routers, route, routing_mask
+from hf_tp.moe.pipeline_aux import SideLoss, StageRouting, holds_routers, route, routing_mask
 from hf_tp.parallel.tp import embeddings_tied
 from hf_tp.pipeline.pipeline_fsdp import fsdp_roots, hold_gradients, quiet_stage_views, release_gradients
 from hf_tp.pipeline.pipeline_split import merged_stages
@@ -213,7 +213,7 @@ class Pipeline:
         """The model adds transformers' router aux loss: :meth:`step` needs :meth:`route`'s counts."""
         return standard_aux_loss(self.models[0])
 
-    def route(self, micro_batches: list[dict[str, torch.Tensor]]) -> Routing:
+    def route(self, micro_batches: list[dict[str, torch.Tensor]]) -> StageRouting:
         """The routing counts of every stage and dp rank over ``micro_batches`` and this rank's
         share of their aux loss (collective; see :func:`hf_tp.moe.pipeline_aux.route`)."""
         return route(self, micro_batches)

@@ -19,7 +19,7 @@ from hf_tp.core.setting import coerce_setting, value_types
 from hf_tp.data.columns import STANDARD as STANDARD_COLUMNS
 from hf_tp.data.columns import column_renames
 from hf_tp.run.config_checks import ConfigChecks, parse_profile_steps
-from hf_tp.run.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, Objective
+from hf_tp.run.settings_data import OBJECTIVES, HeldOutEval, ModelAndData, ObjectiveSettings
 from hf_tp.run.settings_run import (
     AUX_LOSS_OVER,
     DEVICES,
@@ -36,7 +36,7 @@ from hf_tp.run.settings_run import (
 GROUPS = (
     ModelAndData,
     HeldOutEval,
-    Objective,
+    ObjectiveSettings,
     Parallelism,
     SizesAndOptimizer,
     OutputAndCheckpoints,
@@ -54,7 +54,7 @@ class TrainConfig(
     OutputAndCheckpoints,
     SizesAndOptimizer,
     Parallelism,
-    Objective,
+    ObjectiveSettings,
     HeldOutEval,
     ModelAndData,
 ):

@@ -122,7 +122,7 @@ class HeldOutEval:
 
 
 @dataclass
-class Objective:
+class ObjectiveSettings:
     TITLE: ClassVar[str] = "objective (preference training: docs/post-training.md)"
 
     objective: str = setting(

@@ -1,7 +1,7 @@
 """Custom ``ParallelStyle``s: what torch's Colwise/Rowwise/SequenceParallel do not cover.
 
 This package sits below :mod:`hf_tp.adapters` (adapters import styles; styles import only torch and
-the core), so every family file and the generic plan build from the same pieces. The expert styles
+the core), so the family table and the generic plan build from the same pieces. The expert styles
 are in :mod:`hf_tp.moe.expert_styles`.
 """
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_tp.data.steps import StepBatches
-from hf_tp.moe.pipeline_aux import Routing
+from hf_tp.moe.pipeline_aux import StageRouting
 from hf_tp.objectives.base import LOSS_ONLY, Objective
 from hf_tp.parallel.grad import clip_grad_norm
 from hf_tp.pipeline.schedules import Pipeline
@@ -51,7 +51,7 @@ class PipelineStepper:
         batch: dict[str, torch.Tensor],
         step: StepBatches,
         objective: Objective,
-        routing: Routing | None,
+        routing: StageRouting | None,
         weight: float,
         index: int,
     ) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:

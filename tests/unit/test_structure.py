@@ -82,7 +82,7 @@ def test_cycle_finder_sees_a_lazy_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "hf_tp.adapters.inspect_model" in graph["hf_tp.adapters.generic"]
-    assert "hf_tp.adapters.llama" in graph["hf_tp.adapters"]  # `from hf_tp.adapters import llama`
+    assert "hf_tp.cli.plan" in graph["hf_tp.cli.main"]  # `from hf_tp.cli import plan`
 
 
 def test_functions_stay_short() -> None:
@@ -146,3 +146,14 @@ def test_no_two_modules_share_a_name() -> None:
             seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, f"module names used twice: {shared}"
+
+
+def test_no_two_classes_share_a_name() -> None:
+    # a class name says what the thing is: two of one name (two `Routing`s, ...) make a reader guess
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    shared = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not shared, f"class names used twice: {shared}"

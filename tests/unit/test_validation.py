@@ -7,7 +7,8 @@ import torch
 from transformers import GPT2Config
 
 import hf_tp
-from hf_tp.adapters import Adapter, get_adapter, llama, register_adapter, unregister_adapter
+from hf_tp.adapters import Adapter, get_adapter, register_adapter, unregister_adapter
+from hf_tp.adapters.families import llama_layer_plan, llama_top_plan
 from tests.helpers import run_threaded, tiny_config, tiny_model
 
 
@@ -24,8 +25,8 @@ def test_unknown_model_type_names_supported_and_how_to_register() -> None:
 
 def test_register_twice_is_an_error_and_custom_adapter_works() -> None:
     with pytest.raises(ValueError, match="already registered"):
-        register_adapter(Adapter(model_type="qwen2", layer_plan=llama.layer_plan, top_plan=llama.top_plan))
-    custom = Adapter(model_type="my_llama", layer_plan=llama.layer_plan, top_plan=llama.top_plan)
+        register_adapter(Adapter(model_type="qwen2", layer_plan=llama_layer_plan, top_plan=llama_top_plan))
+    custom = Adapter(model_type="my_llama", layer_plan=llama_layer_plan, top_plan=llama_top_plan)
     register_adapter(custom)
     try:
         assert get_adapter("my_llama") is custom
