@@ -8,7 +8,6 @@ Layers, each importing only those below it:
   mixers                    blocks whose kind changes by layer (a plan entry per module class)
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them
   inspect_moe               read a layer's mixture-of-experts blocks: each parameter's role
-  overrides                 base_tp_plan's old place, kept while hf_tp/plan/build.py imports it there
   families                  the family table: hand-written plans (Llama's and those reusing it),
                             corrections to transformers' tp plans, counts tp must divide
   adapter, facts,           the types (Adapter, Derivation), quantized-checkpoint refusals,

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter
-from hf_tp.adapters.overrides import base_tp_plan
+from hf_tp.adapters.families import base_tp_plan
 from hf_tp.adapters.support import GENERIC, MOE, TEXT_TOWERS
 from hf_tp.core.dims import ParallelDims, check_positive
 from hf_tp.core.model_source import ModelSource
