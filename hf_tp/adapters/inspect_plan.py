@@ -76,7 +76,7 @@ def layer_tp_styles(mt: str, config, layer: nn.Module) -> dict[str, str]:
             kind = type(module).__name__
             what = f"a {kind}, an nn.Linear with a forward of its own" if isinstance(module, nn.Linear) else f"a {kind}"
             what += " (GPT-2's Conv1D stores its weight transposed)" if kind == "Conv1D" else ""
-            qkv = "; it packs q|k|v, whose interleaving a module does not show" if set(weight.shape) & fused else ""
+            qkv = "; it packs q, k and v, whose interleaving a module does not show" if set(weight.shape) & fused else ""
             raise refuse(mt, f"{path} is {what}, not a plain nn.Linear the plan can split{qkv}")
     owners: dict[str, list[str]] = {}
     for path, module in layer.named_modules():
@@ -112,7 +112,7 @@ def _owner_styles(mt: str, config, layer: nn.Module, owner: str, paths: list[str
         width = linear[p].out_features
         if linear[p].in_features != hidden or width not in allowed:
             what = (
-                "a fused q|k|v projection (how q, k and v interleave in its columns, per head or per tensor, is not "
+                "a fused q/k/v projection (how q, k and v interleave in its columns, per head or per tensor, is not "
                 "readable from the module; a contiguous split would mix them)"
                 if width in _fused_widths(heads, kv, head_dim)
                 else "a fused gate|up projection"

@@ -149,13 +149,13 @@ REFUSED: dict[str, str] = {
 # (adapters/inspect_plan.py): model_type -> the reason the refusal names (tests/unit/test_family_grid.py)
 READ_REFUSED: dict[str, str] = {
     "gpt2": "attn.c_attn is a Conv1D (GPT-2's Conv1D stores its weight transposed), not a plain nn.Linear the plan "
-    "can split; it packs q|k|v",
+    "can split; it packs q, k and v",
     "falcon": "self_attention.query_key_value is a FalconLinear, an nn.Linear with a forward of its own, not a plain "
-    "nn.Linear the plan can split; it packs q|k|v",
+    "nn.Linear the plan can split; it packs q, k and v",
     "bloom": "it adds ALiBi biases built for every attention head in the base model",
     "mpt": "it adds ALiBi biases built for every attention head in the base model",
-    "gpt_bigcode": "attn.c_attn is a fused q|k|v projection",
-    "persimmon": "self_attn.query_key_value is a fused q|k|v projection",
+    "gpt_bigcode": "attn.c_attn is a fused q/k/v projection",
+    "persimmon": "self_attn.query_key_value is a fused q/k/v projection",
     "trocr": "its decoder layer calls encoder_attn with an encoder's states (cross-attention)",
 }
 
