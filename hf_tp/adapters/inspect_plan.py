@@ -76,7 +76,9 @@ def layer_tp_styles(mt: str, config, layer: nn.Module) -> dict[str, str]:
             kind = type(module).__name__
             what = f"a {kind}, an nn.Linear with a forward of its own" if isinstance(module, nn.Linear) else f"a {kind}"
             what += " (GPT-2's Conv1D stores its weight transposed)" if kind == "Conv1D" else ""
-            qkv = "; it packs q, k and v, whose interleaving a module does not show" if set(weight.shape) & fused else ""
+            qkv = (
+                "; it packs q, k and v, whose interleaving a module does not show" if set(weight.shape) & fused else ""
+            )
             raise refuse(mt, f"{path} is {what}, not a plain nn.Linear the plan can split{qkv}")
     owners: dict[str, list[str]] = {}
     for path, module in layer.named_modules():
