@@ -1,16 +1,18 @@
 """The projections' tp styles read off a model that transformers gives no ``base_model_tp_plan``.
 
-For OPT, GPT-Neo, StableLM and the other decoders transformers cannot tensor-parallelize, the
-plan the generic derivation starts from is read from the modules and their forwards, in
+For OPT, GPT-Neo, StableLM, Persimmon and the other decoders transformers cannot
+tensor-parallelize, the plan the generic derivation starts from is read from the modules and their forwards, in
 transformers' own style names: in each module that holds a decoder layer's ``nn.Linear``s, the
 one called last whose output is ``hidden_size`` wide folds the block back into the residual
 (``rowwise``); the others read the hidden states (``colwise``). Attention is the block whose
 row-parallel input is heads x head_dim wide and whose column-parallel outputs are q (heads x
 head_dim) and k/v (kv heads x head_dim) wide: its own head counts (``self.num_heads`` that its
 code reshapes with) become the rank's (``local_head_counts``). An MLP's column outputs are its
-row-parallel input (the intermediate size). What a contiguous column split would get wrong is
-refused naming it: a fused q|k|v or gate|up projection (whose interleaving a module does not
-show), a transposed ``Conv1D``, ALiBi slopes built for every head, norms held one per head.
+row-parallel input (the intermediate size). A q/k/v projection the forward views as
+``(self.num_heads, 3, head_dim)`` is packed head by head (Persimmon) and splits with the heads.
+What a contiguous column split would get wrong is refused naming it: a fused q/k/v or gate|up
+projection in an order the forward does not show, a transposed ``Conv1D``, ALiBi slopes built for
+every head, norms held one per head, cross-attention over an encoder's states.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from hf_tp.adapters.facts import refuse
 from hf_tp.adapters.inspect_layer import LOCAL_COUNTS, head_count_attributes, head_dim_of
 from hf_tp.adapters.inspect_model import base_model_path
-from hf_tp.core.forward_source import cross_attention_children, first_calls, names_containing
+from hf_tp.core.forward_source import cross_attention_children, first_calls, names_containing, views_heads_then_three
 from hf_tp.core.module_queries import has_submodule, is_linear
 
 
@@ -108,8 +110,12 @@ def _owner_styles(mt: str, config, layer: nn.Module, owner: str, paths: list[str
     row = max(outs, key=lambda p: order[names[p]])
     columns = [p for p in paths if p != row]
     inner = linear[row].in_features
-    attention = inner == heads * head_dim and len(columns) >= 3 and owner != ""
-    allowed = {heads * head_dim, kv * head_dim} if attention else {inner}
+    packed = 3 * heads * head_dim  # q, k and v in one projection, packed head by head: split as the heads
+    per_head = any(linear[p].out_features == packed for p in columns) and views_heads_then_three(
+        type(module), head_count_attributes(module, config, head_dim)
+    )
+    attention = inner == heads * head_dim and (len(columns) >= 3 or per_head) and owner != ""
+    allowed = {heads * head_dim, kv * head_dim} | ({packed} if per_head else set()) if attention else {inner}
     for p in columns:
         width = linear[p].out_features
         if linear[p].in_features != hidden or width not in allowed:

@@ -68,6 +68,8 @@ GENERIC: dict[str, str] = {
     "vocab-sharded as the token one; num_heads set to the rank's heads",
     "stablelm": "plan read from its modules; partial rotary; KV heads replicated when tp exceeds them; num_heads and "
     "num_key_value_heads set to the rank's (its optional per-head q/k LayerNorms, qk_layernorm, are refused)",
+    "persimmon": "plan read from its modules; query_key_value packs q, k and v head by head (its forward views it as "
+    "(num_heads, 3, head_dim)), so it splits by heads as is; per-head q/k LayerNorms; partial rotary",
     "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); its MoE variant (enable_moe_block=True: the layer calls router and experts itself on flattened tokens) runs the experts as an expert-TP region, router and norms per token",
 }
 
@@ -155,7 +157,6 @@ READ_REFUSED: dict[str, str] = {
     "bloom": "it adds ALiBi biases built for every attention head in the base model",
     "mpt": "it adds ALiBi biases built for every attention head in the base model",
     "gpt_bigcode": "attn.c_attn is a fused q/k/v projection",
-    "persimmon": "self_attn.query_key_value is a fused q/k/v projection",
     "trocr": "its decoder layer calls encoder_attn with an encoder's states (cross-attention)",
 }
 

@@ -224,3 +224,21 @@ def cross_attention_children(fn) -> list[str]:
                 found.append(name)
                 break
     return found
+
+
+def views_heads_then_three(cls: type, counts: tuple[str, ...]) -> bool:
+    """The source of ``cls`` views a tensor as ``(..., self.<count>, 3, ...)``, one of ``counts``
+    (``num_heads``) right before a 3: q, k and v packed head by head (Persimmon's query_key_value),
+    so a contiguous split by heads keeps each head's q, k and v together."""
+    tree = source_tree(cls)
+    for node in ast.walk(tree) if tree is not None else ():
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("view", "reshape")
+        ):
+            for a, b in zip(node.args, node.args[1:], strict=False):
+                own = isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+                if own and a.attr in counts and isinstance(b, ast.Constant) and b.value == 3:
+                    return True
+    return False

@@ -46,7 +46,7 @@ def test_the_flagships_are_families_of_this_release() -> None:
     assert not missing, missing
 
 
-@pytest.mark.parametrize("model_type", ["opt", "xglm", "biogpt", "gpt_neo", "stablelm"])
+@pytest.mark.parametrize("model_type", ["opt", "xglm", "biogpt", "gpt_neo", "stablelm", "persimmon"])
 def test_plans_read_from_the_modules_plan_at_the_default_shape(model_type: str) -> None:
     # no tp plan in transformers: hf_tp reads the projections' split from the modules
     assert default_shape(model_type) == "plan"

@@ -141,7 +141,7 @@ def test_read_from_modules_tp4(model_type: str, sizes: dict) -> None:
 
 
 def test_read_from_modules_tables() -> None:
-    assert {"opt", "xglm", "biogpt", "gpt_neo", "stablelm"} <= set(READ)
+    assert {"opt", "xglm", "biogpt", "gpt_neo", "stablelm", "persimmon"} <= set(READ)
     assert not set(READ_REFUSED) & set(GENERIC)
 
 
