@@ -49,6 +49,49 @@ def valid_tp(model_type: str) -> str:
     return ", ".join(ok)
 
 
+TINY = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=301)
+
+
+def plan_less_section() -> str:
+    """The families transformers gives no tp plan: those whose plan hf_tp reads from the modules
+    (parity at tp=2, three AdamW steps) and the decoders it refuses, with the reason."""
+    from transformers import AutoConfig
+
+    import hf_tp
+    from hf_tp.adapters.census import plan_less_causal_lm_types
+    from hf_tp.adapters.support import GENERIC, READ_REFUSED
+    from tests.family_grid import run_family
+
+    rows, held = [], 0
+    read = sorted(set(GENERIC) & set(plan_less_causal_lm_types()))
+    for mt in read:
+        result = run_family(mt, steps=3)
+        held += result.status == "parity"
+        rows.append(f"| `{mt}` | read from its modules: {result.status} | {valid_tp(mt)} | {GENERIC[mt]} |")
+    for mt in sorted(READ_REFUSED):
+        tiny = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=301) if mt == "gpt2" else TINY
+        try:
+            hf_tp.get_adapter(AutoConfig.for_model(mt, **tiny))
+            rows.append(f"| `{mt}` | placed (update support.READ_REFUSED) | | |")
+        except ValueError as exc:
+            rows.append(f"| `{mt}` | refused | | {str(exc).split(': ', 1)[-1].split('; register')[0]} |")
+    return f"""
+
+## Families transformers gives no tp plan
+
+Their configs carry no `base_model_tp_plan`. hf_tp reads the projections' split from the modules and
+their forwards (`hf_tp/adapters/inspect_plan.py`): in each module holding a decoder layer's
+`nn.Linear`s, the one called last into the hidden size is row-parallel, the others column-parallel;
+attention when its q / k / v widths are heads x head_dim and kv heads x head_dim, its own head counts
+(`num_heads`, `embed_dim`) set to the rank's. **{held} of {len(read)} hold parity** at tp=2 under the
+checks above (three AdamW steps); the decoders it refuses name what is missing (q, k and v fused in one projection whose
+interleaving the module does not show, ALiBi slopes built for every head, cross-attention).
+
+| model_type | status | valid tp | what is special / why refused |
+|---|---|---|---|
+""" + "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "architectures.md"))
@@ -138,6 +181,7 @@ Seed-OSS's default residual dropout is 0.1). Mixture-of-experts families are in 
 |---|---|---|---|
 """
         + "\n".join(rows)
+        + plan_less_section()
         + f"""
 
 ## Mixture-of-experts families

@@ -55,6 +55,12 @@ FAMILY_EXTRAS: dict[str, dict] = {
         # the grid's 16 has 8 (transformers 5.17 cannot build the model with the default).
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]}},
     ),
+    # Families transformers gives no tp plan (hf_tp reads theirs from the model): dropout off under
+    # their own field names; GPT-Neo keeps its global and local layers, its window inside the grid's rows.
+    "opt": dict(dropout=0.0, ffn_dim=128),
+    "xglm": dict(dropout=0.0, attention_dropout=0.0, ffn_dim=128),
+    "biogpt": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
 }
 
 
@@ -302,6 +308,12 @@ def _prompt(vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
+# Families whose code builds a tensor in torch's default dtype and mixes it with the model's (XGLM's
+# eager attention floor, torch.full((), torch.finfo(weights.dtype).min), overflows float32): the
+# grid's float64 model runs with float64 as the default dtype (plain HF fails otherwise).
+DEFAULT_DTYPE_OF_MODEL = ("xglm",)
+
+
 def run_family(
     model_type: str,
     tp: int = 2,
@@ -320,6 +332,13 @@ def run_family(
     The refusal is asked of ``hf_tp.get_adapter`` and ``Adapter.validate``, the checks
     ``hf_tp.parallelize`` runs first, before any reference model is built (some refused families
     build GBs of encoders at their default sizes)."""
+    if model_type in DEFAULT_DTYPE_OF_MODEL and torch.get_default_dtype() != torch.float64:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return run_family(model_type, tp, heads, kv, steps, aux, **overrides)
+        finally:
+            torch.set_default_dtype(previous)
     config = grid_config(model_type, heads, kv, **overrides)
     default_dtype = torch.get_default_dtype()  # checked at the end: a leak would change later tests
     try:

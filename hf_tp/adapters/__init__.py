@@ -4,6 +4,7 @@ Layers, each importing only those below it:
   registry, census          find the adapter for a config (hand-written, refused, wrapper, or derived)
   wrapper                   a multimodal wrapper: its language model's adapter re-rooted, passengers
   generic                   the rules: facts read off a model -> the TP+SP plans of an Adapter
+  inspect_plan              a tp plan read off the modules where transformers gives none (OPT, GPT-Neo, ...)
   inspect_model             read a model: its layer kinds merged, embedding, final norms, lm_head
   mixers                    blocks whose kind changes by layer (a plan entry per module class)
   inspect_layer             read one decoder layer: projections, norms, blocks and how it calls them

@@ -64,6 +64,12 @@ class Adapter:
     # the layers flatten batch and sequence themselves for modules they call (Gemma 4's own experts):
     # their one-token steps need a gather first (hf_tp.parallel.one_token)
     flattens_tokens: bool = False
+    # the layers flatten the residual's tokens and view them back around an MLP they run themselves
+    # (OPT): both reshapes done on the rank's own tokens (hf_tp.parallel.flat_tokens)
+    local_token_reshapes: bool = False
+    # a derived plan whose projections were read from the model's modules and forwards, transformers
+    # having no tp plan for the family (hf_tp.adapters.inspect_plan); else from transformers' plan
+    read_from_modules: bool = False
     language_model: str = ""  # a multimodal wrapper's language model (hf_tp.adapters.wrapper)
     passengers: tuple[str, ...] = ()  # a wrapper's modules and parameters outside it and its lm_head
 

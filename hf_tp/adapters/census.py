@@ -28,6 +28,26 @@ def tensor_parallel_causal_lm_types() -> dict[str, bool]:
     return out
 
 
+def plan_less_causal_lm_types() -> list[str]:
+    """Every causal-LM ``model_type`` of the installed transformers whose config carries no
+    ``base_model_tp_plan`` (and no hf_tp correction to one): hf_tp reads their plan from the
+    model's modules (:mod:`hf_tp.adapters.inspect_plan`) or refuses them."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hf_tp.adapters.causal_lm_map import causal_lms_mapped_elsewhere
+
+    out = []
+    for model_type in [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *causal_lms_mapped_elsewhere()]:
+        try:
+            plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
+        except KeyError:
+            continue
+        if not plan and model_type not in PLAN_OVERRIDES:
+            out.append(model_type)
+    return sorted(set(out))
+
+
 def is_mixture(config) -> bool:
     """``config`` builds a mixture of experts: transformers' tp or ep plan (5.25 keeps experts in
     the ep plan only) or hf_tp's overrides name experts."""

@@ -81,6 +81,10 @@ class Derivation:
     embedding_norm: str = ""  # a norm child the embedding applies to its lookup (relative to it)
     top_norms: tuple[str, ...] = ()  # norms outside the layers (sequence parallel), model-relative
     top_embeddings: tuple[str, ...] = ()  # further token embeddings (vocab-sharded as the input one)
+    # position embeddings that compute their own positions (OPT's learned ones, from the attention
+    # mask; XGLM's sinusoid table): whole on every rank, their output handed on as sequence shards
+    top_positions: tuple[str, ...] = ()
+    top_position_weights: tuple[str, ...] = ()  # those of them with a learned weight (replicated)
     top_linears: tuple[str, ...] = ()  # per-token Linears outside the layers (replicated, sequence parallel)
     lm_head: str = ""
     plain_lm_head: bool = False
@@ -93,3 +97,7 @@ class Derivation:
     # blocks whose kind changes by layer: path -> module class name -> that kind (the plan's entry
     # chooses per layer; a MoE kind is in ``regions``)
     mixers: dict[str, dict[str, Mixer]] = field(hash=False, default_factory=dict)
+    # attention module -> its own head-count attributes its code reshapes with (set to the rank's)
+    head_counts: dict[str, tuple[str, ...]] = field(hash=False, default_factory=dict)
+    flattening: tuple[str, ...] = ()  # layer classes that run their own MLP on flattened tokens (OPT's)
+    plan_source: str = "transformers"  # where the projections' styles come from: "transformers" or "model"

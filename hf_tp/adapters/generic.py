@@ -32,6 +32,7 @@ model sequence parallel, the output embedding column-parallel over the vocab.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -48,20 +49,24 @@ from hf_tp.adapters.adapter import Adapter, Plan, PlanOptions
 from hf_tp.adapters.facts import Block, Derivation, Mixer, refuse
 from hf_tp.adapters.families import TP_DIVISORS, base_tp_plan
 from hf_tp.adapters.inspect_model import inspect_model
+from hf_tp.adapters.inspect_plan import model_tp_plan
 from hf_tp.adapters.text_tower import causal_lm_from_config
 from hf_tp.compat.torch_fake import unset_fake_temporarily
 from hf_tp.core.forward_source import AS_CALLED
 from hf_tp.moe.expert_styles import DenseOrMoE, MoERegion
 from hf_tp.styles import (
     ByKind,
+    ColwiseGatherIn,
     ColwiseOwnOutput,
     Compose,
     GatherAsCalled,
     HyperConnectionLayer,
     HyperConnectionOnShards,
+    LocalHeadCounts,
     LocalHeadParams,
     LocalParamViews,
     PerTokenOnShards,
+    PositionsToSequenceShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
@@ -95,9 +100,12 @@ def generic_adapter(config: PretrainedConfig) -> Adapter:
         split_fields=split,
         check=lambda cfg, tp: _check_widths(d, cfg, tp),
         plain_lm_head=d.plain_lm_head,
+        read_from_modules=d.plan_source == "model",
+        local_token_reshapes=bool(d.flattening),
         moe=bool(d.regions),
         experts=tuple(sorted(f"{b}.{r.experts}" if r.experts else b for b, r in d.regions.items())),
-        flattens_tokens=any(not r.experts for r in d.regions.values()),  # experts the layer calls itself
+        # experts the layer calls itself, or an MLP it runs on its flattened tokens
+        flattens_tokens=any(not r.experts for r in d.regions.values()) or bool(d.flattening),
     )
 
 
@@ -107,12 +115,20 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     kv_style = ReplicatedKVProjection(opts.kv_replicas) if opts.kv_replicas > 1 else None
     out = dict(output_layouts=Shard(1), use_local_output=False) if opts.sequence_parallel else {}
     for path in d.colwise:
+        if path not in d.blocks and "." not in path:  # the layer's own MLP: the up projection gathers its input
+            plan[path] = ColwiseGatherIn() if opts.sequence_parallel else ColwiseParallel()
+            continue
         own = d.blocks[path.split(".", 1)[0]].edits_in_place
         if path in d.gathered:
             plan[path] = ColwiseParallel(output_layouts=Replicate())
         else:
             plan[path] = (kv_style if path in d.kv else None) or (ColwiseOwnOutput() if own else ColwiseParallel())
     for path in d.rowwise:
+        if "." not in path and d.flattening and opts.sequence_parallel:
+            # the layer's own MLP on its flattened tokens (a strided shard of them): all-reduced whole, the
+            # residual add takes the rank's rows (a reduce-scatter to Shard(1) would split the features)
+            plan[path] = RowwiseParallel(output_layouts=Replicate(), use_local_output=False)
+            continue
         plan[path] = RowwiseParallel(input_layouts=Replicate(), **out) if path in d.gathered else RowwiseParallel(**out)
     for path in d.head_norms:
         plan[path] = head_norm()
@@ -141,6 +157,9 @@ def layer_plan(d: Derivation, opts: PlanOptions) -> Plan:
     for path, names in d.head_params.items():
         own = LocalHeadParams(names)
         plan[path] = Compose(plan[path], own) if path in plan else own
+    for path, names in d.head_counts.items():
+        counts = LocalHeadCounts(names)
+        plan[path] = Compose(plan[path], counts) if path in plan else counts
     plan = dict(sorted(plan.items()))
     if opts.sequence_parallel and d.layer_mixers:  # hyper-connections: the layer itself last (its hooks run last)
         stream = StreamShape(d.hidden_size)
@@ -199,6 +218,11 @@ def top_plan(d: Derivation, opts: PlanOptions) -> Plan:
         plan[path] = ScaledEmbeddingRowwise(
             input_layouts=Replicate(), output_layouts=seq, use_local_output=not opts.sequence_parallel
         )
+    for path in d.top_positions:  # whole on every rank (a replicated weight, if any), handed on as sequence shards
+        styles = [LocalParamViews(("weight",), Replicate())] if path in d.top_position_weights else []
+        styles += [PositionsToSequenceShards()] if opts.sequence_parallel else []
+        if styles:
+            plan[path] = Compose(*styles) if len(styles) > 1 else styles[0]
     if opts.sequence_parallel:
         for path in d.top_norms:
             plan[path] = SequenceParallel()
@@ -252,8 +276,6 @@ def derive(config: PretrainedConfig) -> Derivation:
     """Read the plan's facts off ``config``'s causal-LM model, built on the meta device."""
     mt = config.model_type
     tp_plan = base_tp_plan(config)
-    if not tp_plan:
-        raise refuse(mt, "its config has no base_model_tp_plan (transformers cannot tensor-parallelize it either)")
     # outside any fake-tensor mode (hf-tp estimate's): building reads real scalars (Gemma 4's layer scalars)
     with unset_fake_temporarily(), torch.device("meta"):
         try:
@@ -261,7 +283,10 @@ def derive(config: PretrainedConfig) -> Derivation:
         except Exception as exc:  # noqa: BLE001 - any failure to build means no derivation
             raise refuse(mt, f"its model could not be built from the config ({type(exc).__name__}: {exc})") from None
     try:
-        return inspect_model(model, tp_plan)
+        if tp_plan:
+            return inspect_model(model, tp_plan)
+        # transformers has no tp plan for it: the projections' styles read from the model itself
+        return replace(inspect_model(model, model_tp_plan(model)), plan_source="model")
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model the reading does not understand is refused, not crashed on

@@ -12,11 +12,12 @@ from torch import nn
 from hf_tp.adapters.facts import Block, refuse
 from hf_tp.adapters.inspect_moe import derived_expert_styles, layer_experts_region, moe_blocks, moe_region
 from hf_tp.compat.torch_internals import own_attribute
-from hf_tp.core.forward_source import edits_in_place, hidden_states_passing
+from hf_tp.core.forward_source import edits_in_place, hidden_states_passing, reshapes, self_attributes
 from hf_tp.core.module_queries import expert_holders, has_submodule, is_linear, is_norm, shapes, stream_mixers
 
 # transformers' gathered styles and the plain one each amounts to, the gathered region aside
 GATHERED = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+LOCAL_COUNTS = "local_head_counts"  # hf_tp's style: an attention module's own head counts become the rank's
 
 
 def layer_facts(
@@ -59,12 +60,19 @@ def layer_facts(
     facts.update(_unplanned(layer, blocks, facts, head_dim))
     planned = facts.pop("planned")
     # Linears the layer calls itself on the residual stream (Gemma 4's per-layer input gate): per token
-    linears = [n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in skip]
+    linears = [
+        n for n, child in layer.named_children() if is_linear(child) and n not in blocks and n not in skip | planned
+    ]
     norms = _layer_norms(mt, layer, planned | skip | set(linears), blocks, config.hidden_size)
+    # the layer runs an MLP itself and reshapes (OPT flattens its tokens around fc1 / fc2): its norms,
+    # as those of a layer calling its own experts, run per token (SequenceParallel would re-split them)
+    inline = any("." not in p for p in facts["rowwise"]) and reshapes(type(layer).forward)
+    per_token = bool(own) or inline
     facts.update(
-        layer_linears=linears + layer_routers + (norms if own else []),
+        flattening=[type(layer).__name__] if inline else [],
+        layer_linears=linears + layer_routers + (norms if per_token else []),
         layer_mixers=mixers,
-        layer_norms=[] if own else norms,
+        layer_norms=[] if per_token else norms,
         blocks=blocks,
         regions=regions,
     )
@@ -86,7 +94,7 @@ def _mixers(mt: str, layer: nn.Module, hidden: int, streams: bool) -> list[str]:
 def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str], head_dim: int) -> dict:
     """The plan's own entries, checked against the modules they name: projections, per-head and
     full-width norms, per-head parameters (attention sinks)."""
-    colwise, rowwise, head_norms, width_norms, head_params, gathered = [], [], [], [], {}, []
+    colwise, rowwise, head_norms, width_norms, head_params, gathered, counts = [], [], [], [], {}, [], {}
     for path, style in sorted(layer_styles.items(), key=lambda item: item[1] == "width_norm"):  # norms last
         try:
             module = layer.get_submodule(path)
@@ -109,6 +117,8 @@ def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str
             if not own or any(p.dim() < 1 or p.shape[0] != config.num_attention_heads for p in own.values()):
                 raise refuse(mt, f"{path}'s own parameters ({shapes(module)}) are not one entry per attention head")
             head_params[path] = tuple(own)
+        elif style == LOCAL_COUNTS:
+            counts[path] = head_count_attributes(module, config, head_dim)
         elif style == "width_norm":
             widths = {layer.get_submodule(p).out_features for p in colwise}
             if not any(is_norm(module, w) for w in widths):
@@ -123,6 +133,7 @@ def _plan_entries(mt: str, config, layer: nn.Module, layer_styles: dict[str, str
         head_norms=head_norms,
         width_norms=width_norms,
         head_params=head_params,
+        head_counts=counts,
     )
 
 
@@ -188,6 +199,25 @@ def _own_params(layer: nn.Module, block: str, planned: set[str]) -> tuple[str, .
     return tuple(out)
 
 
+def head_count_attributes(module: nn.Module, config, head_dim: int) -> tuple[str, ...]:
+    """The integer attributes of an attention ``module`` that its class's code reads and that count
+    heads (``num_heads``, ``num_key_value_heads``, ``all_head_size``) or the width of all heads
+    (``embed_dim``): what must become the rank's own under a head split. Not sizes per head
+    (``head_dim``, ``rotary_ndims``), which may equal a count by chance."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    found = []
+    for name in sorted(self_attributes(type(module))):
+        value = own_attribute(module, name)
+        if type(value) is not int:
+            continue
+        if ("head" in name and "dim" not in name and value in {heads, kv, heads * head_dim, kv * head_dim}) or (
+            name in ("embed_dim", "hidden_size") and value == heads * head_dim
+        ):
+            found.append(name)
+    return tuple(found)
+
+
 def head_dim_of(layer: nn.Module, config) -> int:
     """The attention's own ``head_dim`` (it may differ per layer: Gemma 4 reads it from per-layer
     configs and refuses the global one), else the config's, else hidden / heads."""
@@ -208,10 +238,11 @@ def _blocks(mt: str, layer: nn.Module, facts: dict, hidden: int, skip: set) -> d
     transformers leaves whole, or runs gathered), which run on every rank on the all-gathered
     sequence and hand their output back as sequence shards. And how the layer calls each."""
     colwise, rowwise, gathered = facts["colwise"], facts["rowwise"], facts["gathered"]
-    for path in colwise + rowwise:
-        if "." not in path:
-            raise refuse(mt, f"the projection {path} is called by the decoder layer itself, not by a block")
-    names = {p.split(".", 1)[0] for p in colwise + rowwise}
+    own = [p for p in colwise + rowwise if "." not in p]  # an MLP the layer runs itself (OPT's fc1, fc2)
+    if own and (any(p in gathered for p in own) or not any(p in colwise for p in own) or not set(own) & set(rowwise)):
+        raise refuse(mt, f"the decoder layer calls the projections {', '.join(own)} itself, not as a column/row pair")
+    skip = skip | set(own)
+    names = {p.split(".", 1)[0] for p in colwise + rowwise if "." in p}
     for name, child in layer.named_children():  # blocks the plan leaves whole
         if name not in skip and name not in names and any(True for _ in child.parameters()):
             if not is_norm(child, hidden) and not is_linear(child):  # a Linear the layer calls: layer_linears

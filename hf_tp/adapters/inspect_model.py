@@ -18,7 +18,7 @@ from hf_tp.adapters.facts import Derivation, Region, refuse
 from hf_tp.adapters.inspect_layer import head_dim_of, layer_facts
 from hf_tp.adapters.inspect_moe import router_classes
 from hf_tp.adapters.mixers import per_kind_blocks
-from hf_tp.core.forward_source import plain_logits, returned_self_call
+from hf_tp.core.forward_source import first_param, plain_logits, returned_self_call
 from hf_tp.core.module_queries import has_submodule, is_linear, is_norm, stream_mixers
 
 
@@ -181,13 +181,24 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int, mixers: list[str
     owners = {o for o in owners if o not in (embedding, lm_head, *mixers) and not o.startswith(skip)}
     module = {o: model.get_submodule(o) if o else model for o in owners}
     embeddings = sorted(o for o in owners if o and isinstance(module[o], nn.Embedding))
+    # an embedding whose forward takes no token ids (OPT's positions, read off the attention mask)
+    positions = [o for o in embeddings if first_param(type(module[o]).forward) not in ("input", "input_ids")]
+    embeddings = [o for o in embeddings if o not in positions]
     linears = sorted(o for o in owners if o and is_linear(module[o]))
     extra = {module[o].embedding_dim for o in embeddings} | {module[o].out_features for o in linears}
     norms = sorted(o for o in owners if o and any(is_norm(module[o], w) for w in {hidden} | _parts(extra)))
-    for owner in sorted(owners - set(embeddings) - set(linears) - set(norms)):
+    for owner in sorted(owners - set(embeddings) - set(positions) - set(linears) - set(norms)):
         name = next(n for n, _ in module[owner].named_parameters(recurse=False))
         where = f"{owner}.{name}" if owner else name
         raise refuse(mt, f"the parameter {where} outside the decoder layers has no place in a TP plan")
+    base = model.get_submodule(layers_path.rpartition(".")[0]) if "." in layers_path else model
+    # a fixed position table (XGLM's sinusoids): no parameters, a buffer of hidden-size rows
+    tables = [
+        f"{paths[id(base)]}.{name}".lstrip(".")
+        for name, child in base.named_children()
+        if not any(True for _ in child.parameters())
+        and any(b.dim() == 2 and b.shape[-1] == hidden for b in child.buffers())
+    ]
     own_norm = returned_self_call(embed) or ""  # the embedding's forward ends in a norm of its own
     return dict(
         embedding=embedding,
@@ -195,6 +206,8 @@ def _top_level(model: nn.Module, layers_path: str, hidden: int, mixers: list[str
         lm_head=lm_head,
         top_norms=norms,
         top_embeddings=embeddings,
+        top_positions=positions + tables,
+        top_position_weights=positions,
         top_linears=linears,
         top_mixers=mixers,
     )

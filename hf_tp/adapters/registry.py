@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from transformers import PretrainedConfig
 
 from hf_tp.adapters.adapter import Adapter
-from hf_tp.adapters.families import HAND_WRITTEN, base_tp_plan
+from hf_tp.adapters.families import HAND_WRITTEN
 from hf_tp.adapters.generic import generic_adapter
 from hf_tp.adapters.support import GENERIC, MOE, REFUSED, WRAPPER_REFUSED
 from hf_tp.adapters.text_tower import is_text_tower
@@ -105,12 +105,6 @@ def _adapter(config_or_type: PretrainedConfig | str, *, in_wrapper: bool) -> Ada
         raise ValueError(
             f"no registered hf_tp adapter for model_type '{model_type}' (a generic plan is derived from a config: "
             f"pass the model's config); supported: {', '.join(supported_model_types())}"
-        )
-    if not base_tp_plan(config_or_type):
-        raise ValueError(
-            f"no hf_tp adapter for model_type '{model_type}'; supported: {', '.join(supported_model_types())}. Its "
-            "config has no base_model_tp_plan to derive a generic plan from (transformers cannot tensor-parallelize "
-            f"it either). Add one with {how}"
         )
     return generic_adapter(config_or_type)
 

@@ -58,6 +58,18 @@ GENERIC: dict[str, str] = {
     "vaultgemma": "Gemma layout (scaled embedding, (1 + w) norms), soft-capped logits (not fused)",
     "minicpm3": "latent attention (low-rank q and kv projections) runs whole on every rank, its parameters replicated",
     "youtu": "latent attention (no tp plan for it) runs whole on every rank, its parameters replicated",
+    # transformers gives these no tp plan: the projections are read from the modules (adapters/inspect_plan.py)
+    "opt": "plan read from its modules (transformers has none); its layer runs fc1/fc2 itself on flattened tokens "
+    "(fc1 gathers its input, fc2 all-reduced); learned positions replicated; num_heads set to the rank's heads",
+    "xglm": "plan read from its modules; its layer runs fc1/fc2 itself; sinusoidal positions handed on as sequence "
+    "shards; scaled embedding; num_heads and embed_dim set to the rank's heads",
+    "biogpt": "plan read from its modules; its layer runs fc1/fc2 itself; learned positions replicated; scaled embedding",
+    "gpt_neo": "plan read from its modules; global and local (windowed) attention layers; the position embedding "
+    "vocab-sharded as the token one; num_heads set to the rank's heads",
+    "stablelm": "plan read from its modules; partial rotary; KV heads replicated when tp exceeds them; num_heads and "
+    "num_key_value_heads set to the rank's (its optional per-head q/k LayerNorms, qk_layernorm, are refused)",
+    "persimmon": "plan read from its modules; query_key_value packs q, k and v head by head (its forward views it as "
+    "(num_heads, 3, head_dim)), so it splits by heads as is; per-head q/k LayerNorms; partial rotary",
     "gemma4_text": "per-layer embeddings vocab-sharded as the input embedding, their projections run per token on sequence shards (replicated); its MoE variant (enable_moe_block=True: the layer calls router and experts itself on flattened tokens) runs the experts as an expert-TP region, router and norms per token",
 }
 
@@ -133,6 +145,19 @@ REFUSED: dict[str, str] = {
     # mixture-of-experts families
     "longcat_flash": "two attention and two MLP sublayers per decoder layer held in ModuleLists that the layer indexes itself (self_attn[0], mlps[1], input_layernorm[0], ...), which the generic plan cannot read (it reads a layer's blocks as its named children); its MoE block also has zero-computation (identity) experts, whose whole output every tp rank would add once; train it with plain FSDP2 or DDP",
     "inkling2_text": "block attention residuals: each layer's attention_input / mlp_input (Inkling2BlockAttentionResidual) attends over a stack of earlier blocks' outputs that the model carries from layer to layer as an extra argument (block_states), which hf_tp cannot yet place on sequence shards; train it with plain FSDP2 or DDP",
+}
+
+# Decoders transformers gives no tp plan that reading the plan from their modules refuses
+# (adapters/inspect_plan.py): model_type -> the reason the refusal names (tests/unit/test_family_grid.py)
+READ_REFUSED: dict[str, str] = {
+    "gpt2": "attn.c_attn is a Conv1D (GPT-2's Conv1D stores its weight transposed), not a plain nn.Linear the plan "
+    "can split; it packs q, k and v",
+    "falcon": "self_attention.query_key_value is a FalconLinear, an nn.Linear with a forward of its own, not a plain "
+    "nn.Linear the plan can split; it packs q, k and v",
+    "bloom": "it adds ALiBi biases built for every attention head in the base model",
+    "mpt": "it adds ALiBi biases built for every attention head in the base model",
+    "gpt_bigcode": "attn.c_attn is a fused q/k/v projection",
+    "trocr": "its decoder layer calls encoder_attn with an encoder's states (cross-attention)",
 }
 
 # Language models with no causal LM of their own in transformers (a bare *TextModel, the lm_head in

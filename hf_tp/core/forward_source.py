@@ -166,3 +166,79 @@ def _is_hidden_state(value: ast.AST | None, name: str) -> bool:
     if isinstance(value, ast.Call) and "slice" in ast.unparse(value.func):
         return bool(value.args) and _is_hidden_state(value.args[0], name) or ast.unparse(value.args[0]) == name
     return False
+
+
+def first_calls(fn) -> dict[str, tuple[int, int]]:
+    """Where ``fn``'s source first calls each ``self.<name>(...)``, to order them as they run: the
+    end of the call (line, column), as a call runs after its arguments (``self.down(self.up(x))``)."""
+    return {name: min((c.end_lineno, c.end_col_offset) for c in calls) for name, calls in self_calls(fn).items()}
+
+
+def self_attributes(cls: type) -> set[str]:
+    """Every ``self.<name>`` the source of ``cls`` reads (its methods, helpers included); empty
+    when it has no source to read."""
+    tree = source_tree(cls)
+    return {
+        node.attr
+        for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+
+
+def names_containing(cls: type, word: str) -> bool:
+    """The source of ``cls`` names something (a variable, attribute or function) containing ``word``."""
+    tree = source_tree(cls)
+    return tree is not None and any(
+        word in (node.id if isinstance(node, ast.Name) else node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name | ast.Attribute)
+    )
+
+
+def reshapes(fn) -> bool:
+    """The source reshapes a tensor (``x.reshape(...)``, ``x.view(...)``, ``x.flatten(...)``): a layer
+    that flattens batch and sequence itself (OPT's ``hidden_states.reshape(-1, hidden)``)."""
+    tree = source_tree(fn)
+    return tree is not None and any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("reshape", "view", "flatten")
+        for n in ast.walk(tree)
+    )
+
+
+ENCODER_STATES = ("key_value_states", "encoder_hidden_states")
+
+
+def cross_attention_children(fn) -> list[str]:
+    """The ``self.<name>(...)`` calls in ``fn``'s source that hand it an encoder's states
+    (``key_value_states=`` or ``encoder_hidden_states``): a decoder layer's cross-attention."""
+    found = []
+    for name, calls in self_calls(fn).items():
+        for call in calls:
+            args = [*call.args, *(k.value for k in call.keywords)]
+            if any(k.arg in ENCODER_STATES for k in call.keywords) or any(
+                isinstance(a, ast.Name) and a.id in ENCODER_STATES for a in args
+            ):
+                found.append(name)
+                break
+    return found
+
+
+def views_heads_then_three(cls: type, counts: tuple[str, ...]) -> bool:
+    """The source of ``cls`` views a tensor as ``(..., self.<count>, 3, ...)``, one of ``counts``
+    (``num_heads``) right before a 3: q, k and v packed head by head (Persimmon's query_key_value),
+    so a contiguous split by heads keeps each head's q, k and v together."""
+    tree = source_tree(cls)
+    for node in ast.walk(tree) if tree is not None else ():
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("view", "reshape")
+        ):
+            for a, b in zip(node.args, node.args[1:], strict=False):
+                own = isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+                if own and a.attr in counts and isinstance(b, ast.Constant) and b.value == 3:
+                    return True
+    return False

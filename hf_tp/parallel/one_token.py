@@ -14,6 +14,8 @@ Longer sequences never enter the mode and pay nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -46,13 +48,23 @@ class _GatherBeforeReshape(TorchFunctionMode):
 
 def gather_one_token_steps(layer: nn.Module) -> None:
     """Run ``layer``'s one-token steps under :class:`_GatherBeforeReshape` (see the module docstring)."""
-    active: list[_GatherBeforeReshape] = []
+
+    def one_token(args: tuple, kwargs: dict) -> TorchFunctionMode | None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        one = isinstance(hidden, DTensor) and hidden.dim() >= 2 and hidden.shape[1] == 1
+        return _GatherBeforeReshape() if one else None
+
+    mode_during_forward(layer, one_token)
+
+
+def mode_during_forward(layer: nn.Module, make: Callable[[tuple, dict], TorchFunctionMode | None]) -> None:
+    """Run each ``layer`` call under the torch-function mode ``make(args, kwargs)`` returns (none: as is)."""
+    active: list[TorchFunctionMode] = []
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(hidden, DTensor) and hidden.dim() >= 2 and hidden.shape[1] == 1:
-            active.append(_GatherBeforeReshape())
-            active[-1].__enter__()
+        if (mode := make(args, kwargs)) is not None:
+            active.append(mode)
+            mode.__enter__()
 
     def leave(mod: nn.Module, args: tuple, kwargs: dict, output):
         if active:

@@ -161,4 +161,8 @@ def plan_origin(adapter: Adapter) -> str:
     """Where the plan of ``config``'s model comes from, in the words of ``hf_tp.plan_for`` and the record."""
     if adapter.language_model:
         return f"multimodal wrapper: its language model at {adapter.language_model}"
-    return "hand-written" if adapter.model_type in registered_model_types() else "derived from the model (generic)"
+    if adapter.model_type in registered_model_types():
+        return "hand-written"
+    if adapter.read_from_modules:  # transformers has no tp plan for it: the projections read off the modules
+        return "derived from the model (generic; its projections read from its modules, transformers has no tp plan)"
+    return "derived from the model (generic)"

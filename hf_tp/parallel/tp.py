@@ -17,6 +17,7 @@ from hf_tp.dropout.dropout_install import install_model_dropout
 from hf_tp.moe.expert_styles import mark_packed
 from hf_tp.multimodal.deepstack import shard_deepstack
 from hf_tp.multimodal.passengers import split_at_language_model
+from hf_tp.parallel.flat_tokens import keep_token_reshapes_local
 from hf_tp.parallel.one_token import gather_one_token_steps
 from hf_tp.styles import ReplicatedKVProjection, set_local_kv_groups
 
@@ -88,6 +89,8 @@ def apply_tensor_parallel(model: nn.Module, adapter: Adapter, tp_mesh: DeviceMes
         for attention in {p.rpartition(".")[0] for p in replicated_kv if has_submodule(layer, p)}:
             set_local_kv_groups(layer.get_submodule(attention), config.num_attention_heads, tp_mesh.size())
         parallelize_module(layer, tp_mesh, {p: style for p, style in layer_plan.items() if has_submodule(layer, p)})
+        if adapter.local_token_reshapes:  # (before the one-token gather: its mode then runs first)
+            keep_token_reshapes_local(layer)
         if adapter.flattens_tokens:
             gather_one_token_steps(layer)
     parallelize_module(model, tp_mesh, _top_plan_of(model, adapter, opts))

@@ -62,9 +62,12 @@ def block_collectives(
     head, tail = _block_ends(name, kinds, s, routed=takes_routing(block))
     mid: list[Item] = []
     selectors = [f"{name}.{path}." for path, m in block.named_modules() if "Indexer" in type(m).__name__]
+    for p in own:  # a projection the layer calls itself (the up and down projections of OPT's MLP)
+        if p.kind in ("rowwise", "rowwise_all_reduce"):
+            tail.insert(0, _rowwise(name, block, False, s) if p.kind == "rowwise" else _all_reduced(name, block, s))
     for path, module, ps in inside:
         for p in ps:
-            if p.kind.startswith("rowwise") and p.kind != "rowwise_plain":
+            if p.kind.startswith("rowwise") and p.kind not in ("rowwise_plain", "rowwise_all_reduce"):
                 tail.insert(0, _rowwise(path, module, p.kind == "rowwise_gathered", s))
             elif (item := _inside(path, module, p.kind, whole, s)) is not None:
                 mid.append((item[0], []) if any(path.startswith(sel) for sel in selectors) else item)
@@ -88,7 +91,7 @@ def _block_ends(block: str, kinds: set[str], s: Sizes, routed: bool = False) -> 
     gather = _c("all_gather", "tp", f"{block}: hidden states in", t * h, b)
     head: list[Item] = []
     tail: list[Item] = []
-    if "gather_in" in kinds or "moe" in kinds:
+    if kinds & {"gather_in", "colwise_gather_in", "moe"}:
         head.append(([gather], [_c("reduce_scatter", "tp", f"{block}: input gradient", t * h, b)]))
     if "moe" in kinds and routed:  # int64 expert indices; weights in fp32 (routers' softmax)
         rows = t * s.top_k
@@ -115,6 +118,15 @@ def _rowwise(path: str, module: nn.Module, gathered: bool, s: Sizes) -> Item:
     if gathered:
         back.append(_c("all_gather", "tp", f"{path}: input gradient", t * module.in_features, b))
     return [out], back
+
+
+def _all_reduced(path: str, module: nn.Module, s: Sizes) -> Item:
+    """A row-parallel projection whose output is all-reduced whole, the layer adding the rank's rows
+    of it (backward: the rows' gradients all-gathered)."""
+    size = s.tokens * module.out_features
+    return [_c("all_reduce", "tp", f"{path}: output", size, s.itemsize)], [
+        _c("all_gather", "tp", f"{path}: output gradient", size, s.itemsize)
+    ]
 
 
 def _inside(path: str, module: nn.Module, kind: str, whole: bool, s: Sizes) -> Item | None:
@@ -183,6 +195,8 @@ def top_collectives(
         if kind.startswith("embedding"):
             fwd.insert(0, _c("reduce_scatter", "tp", f"{path}: output to sequence shards", t * h, b))
             bwd.append(_c("all_gather", "tp", f"{path}: output gradient", t * h, b))
+        elif kind == "positions":  # whole on every rank, sliced to shards: the gradient all-gathered back
+            bwd.append(_c("all_gather", "tp", f"{path}: output gradient", t * s.hidden, b))
         elif kind.startswith("lm_head"):
             fwd.append(_c("all_gather", "tp", f"{path}: hidden states in", t * h, b))
             bwd.insert(0, _c("reduce_scatter", "tp", f"{path}: input gradient", t * h, b))

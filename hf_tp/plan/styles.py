@@ -24,13 +24,16 @@ from torch.distributed.tensor.parallel import (
 from hf_tp.core.module_queries import has_parameter
 from hf_tp.moe.expert_styles import MoERegion
 from hf_tp.styles import (
+    ColwiseGatherIn,
     ColwiseOwnOutput,
     Compose,
     HyperConnectionLayer,
     HyperConnectionOnShards,
+    LocalHeadCounts,
     LocalParamViews,
     PerLayerChoice,
     PerTokenOnShards,
+    PositionsToSequenceShards,
     ReplicatedKVProjection,
     ReplicatedToSequenceShards,
     ScaledEmbeddingRowwise,
@@ -66,6 +69,11 @@ WORDS = {
     "colwise": "colwise",
     "colwise_own": "colwise (its own output copy: the block edits it in place)",
     "colwise_gathered": "colwise, output all-gathered",
+    "colwise_gather_in": "colwise, all-gather the sequence in",
+    "rowwise_all_reduce": "rowwise, output all-reduced (the layer adds its rows of the flattened tokens)",
+    "head_counts": "its head counts set to the rank's heads",
+    "positions": "whole on every rank, output sliced to sequence shards",
+    "positions_fixed": "whole on every rank (no weights), output sliced to sequence shards",
     "rowwise": "rowwise, reduce-scatter to sequence shards",
     "rowwise_gathered": "rowwise from the whole input, reduce-scatter to sequence shards",
     "rowwise_plain": "rowwise",
@@ -117,6 +125,8 @@ def _kind(style: ParallelStyle, module: nn.Module) -> str:
         return "hyper_layer"
     if isinstance(style, PerTokenOnShards):
         return "per_token"
+    if isinstance(style, PositionsToSequenceShards):  # (a fixed table passes no gradient back)
+        return "positions" if any(p.requires_grad for p in module.parameters()) else "positions_fixed"
     if isinstance(style, ReplicatedToSequenceShards):
         return ""  # part of a whole block (with its PrepareModuleInput)
     if isinstance(style, PrepareModuleInput):
@@ -126,6 +136,10 @@ def _kind(style: ParallelStyle, module: nn.Module) -> str:
         return {1: "sp_norm", 2: "head_norm"}.get(dim, "activation")
     if isinstance(style, RowwiseParallel):
         return _rowwise_kind(style, module)
+    if isinstance(style, ColwiseGatherIn):
+        return "colwise_gather_in"
+    if isinstance(style, LocalHeadCounts):
+        return "head_counts"
     if isinstance(style, ColwiseParallel):
         out = style.output_layouts[0]
         if isinstance(style.input_layouts[0], Shard):  # the lm_head, on sequence shards
@@ -141,7 +155,7 @@ def _rowwise_kind(style: RowwiseParallel, module: nn.Module) -> str:
         scaled = isinstance(style, ScaledEmbeddingRowwise) and hasattr(module, "embed_scale")
         return "embedding_scaled" if scaled else "embedding"
     if not isinstance(style.output_layouts[0], Shard):
-        return "rowwise_plain"
+        return "rowwise_plain" if style.use_local_output else "rowwise_all_reduce"
     return "rowwise_gathered" if isinstance(style.input_layouts[0], Replicate) else "rowwise"
 
 

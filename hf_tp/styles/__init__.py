@@ -7,9 +7,16 @@ are in :mod:`hf_tp.moe.expert_styles`.
 
 from hf_tp.styles.choice import ByKind, GatherAsCalled, PerLayerChoice, resolve
 from hf_tp.styles.embedding import ScaledEmbeddingRowwise
-from hf_tp.styles.heads import Compose, LocalHeadParams, LocalParamViews, ReplicatedToSequenceShards
+from hf_tp.styles.heads import (
+    Compose,
+    LocalHeadCounts,
+    LocalHeadParams,
+    LocalParamViews,
+    PositionsToSequenceShards,
+    ReplicatedToSequenceShards,
+)
 from hf_tp.styles.kv_heads import KVHeadLinear, ReplicatedKVProjection, set_local_kv_groups
-from hf_tp.styles.linear import ColwiseOwnOutput, PerTokenOnShards
+from hf_tp.styles.linear import ColwiseGatherIn, ColwiseOwnOutput, PerTokenOnShards
 from hf_tp.styles.norms import HEADS_DIM, WidthNormParallel, head_norm
 from hf_tp.styles.streams import HyperConnectionLayer, HyperConnectionOnShards, StreamShape
 
@@ -18,11 +25,14 @@ __all__ = [
     "GatherAsCalled",
     "PerLayerChoice",
     "resolve",
+    "ColwiseGatherIn",
     "ColwiseOwnOutput",
     "Compose",
+    "LocalHeadCounts",
     "LocalHeadParams",
     "LocalParamViews",
     "PerTokenOnShards",
+    "PositionsToSequenceShards",
     "ReplicatedToSequenceShards",
     "HEADS_DIM",
     "HyperConnectionLayer",

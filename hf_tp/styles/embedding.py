@@ -47,7 +47,10 @@ class ScaledEmbeddingRowwise(RowwiseParallel):
 
 
 def _scale_output(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    scale = module.embed_scale.to(module.weight.dtype)  # HF's expression, same rounding
+    scale = module.embed_scale
+    if not isinstance(scale, torch.Tensor):  # a Python float (XGLM's, BioGPT's): HF multiplies by it as is
+        return output * scale
+    scale = scale.to(module.weight.dtype)  # HF's expression, same rounding
     if isinstance(scale, DTensor) and not isinstance(output, DTensor):
         scale = scale.to_local()  # distribute_module replicated the buffer; the output is local without SP
     return output * scale

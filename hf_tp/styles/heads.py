@@ -76,6 +76,11 @@ class ReplicatedToSequenceShards(ParallelStyle):
         return module
 
 
+class PositionsToSequenceShards(ReplicatedToSequenceShards):
+    """A position embedding outside the layers that computes its own positions (OPT's learned one,
+    XGLM's sinusoids): run whole on every rank, its output handed on as the rank's sequence shard."""
+
+
 class Compose(ParallelStyle):
     """Several styles on one module, applied in order (a plan has one entry per module path)."""
 
@@ -86,4 +91,28 @@ class Compose(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for style in self.styles:
             module = style._apply(module, device_mesh)
+        return module
+
+
+class LocalHeadCounts(ParallelStyle):
+    """Point an attention module's own head counts at the rank's heads: each integer attribute in
+    ``names`` (``num_heads``, ``num_key_value_heads``, ``embed_dim`` = heads x head_dim...) becomes
+    its value / tp, or 1 where tp is a multiple of it (a KV head replicated on tp / kv ranks).
+    For attention code that reshapes with ``self.num_heads`` rather than ``-1``: with its
+    projections column-parallel it holds the local heads' columns only."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name in self.names:
+            value = getattr(module, name)
+            if value % tp and tp % value:
+                raise ValueError(
+                    f"tp ({tp}) neither divides nor is a multiple of {type(module).__name__}.{name} ({value}): "
+                    "use a tp that divides the head counts"
+                )
+            setattr(module, name, value // tp if value % tp == 0 else 1)
         return module

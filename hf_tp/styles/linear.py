@@ -8,10 +8,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from hf_tp.compat.torch_internals import parameter_slots, pop_own_attribute, set_own_attribute
 from hf_tp.compat.torch_styles import ColwiseOwnOutput  # noqa: F401  (hf_tp.styles' name for it)
+
+
+class ColwiseGatherIn(ColwiseParallel):
+    """``ColwiseParallel`` that all-gathers its own input from sequence shards: the up projection of
+    an MLP a decoder layer runs itself (OPT's ``fc1``), with no block around it to gather for it."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(1))
 
 
 class PerTokenOnShards(ParallelStyle):

@@ -44,3 +44,9 @@ def test_the_default_config_plans_or_is_refused_with_a_reason(model_type: str) -
 def test_the_flagships_are_families_of_this_release() -> None:
     missing = [mt for mt in FLAGSHIPS if mt in CONFIG_MAPPING and mt not in FAMILIES and not family_refusal(mt)]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("model_type", ["opt", "xglm", "biogpt", "gpt_neo", "stablelm", "persimmon"])
+def test_plans_read_from_the_modules_plan_at_the_default_shape(model_type: str) -> None:
+    # no tp plan in transformers: hf_tp reads the projections' split from the modules
+    assert default_shape(model_type) == "plan"

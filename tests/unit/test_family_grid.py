@@ -5,16 +5,19 @@ refused with a clear ``ValueError``; nothing crashes inside torch or diverges si
 from __future__ import annotations
 
 import pytest
-from transformers import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, AutoConfig
 
 import hf_tp
 from hf_tp.adapters import registry
-from hf_tp.adapters.census import tensor_parallel_causal_lm_types
+from hf_tp.adapters.census import plan_less_causal_lm_types, tensor_parallel_causal_lm_types
 from hf_tp.adapters.generic import generic_adapter
-from hf_tp.adapters.support import GENERIC, MOE, REFUSED
+from hf_tp.adapters.support import GENERIC, MOE, READ_REFUSED, REFUSED
+from hf_tp.plan.plan_text import format_plan
 from tests.family_grid import grid_config, needs_later_release, run_family
 
 DENSE = sorted(mt for mt, moe in tensor_parallel_causal_lm_types().items() if not moe)
+# families transformers gives no tp plan whose plan hf_tp reads from their modules
+READ = sorted(set(GENERIC) & set(plan_less_causal_lm_types()))
 
 
 @pytest.mark.parametrize("model_type", DENSE)
@@ -109,3 +112,64 @@ def test_codegen_qkv_groups_bound_tp() -> None:
     assert run_family("codegen", tp=4, heads=8, kv=8).status == "parity"
     result = run_family("codegen", tp=8, heads=16, kv=16)
     assert result.status == "refused" and "mp_num" in result.reason and "use tp in 1, 2, 4" in result.reason
+
+
+@pytest.mark.parametrize("model_type", READ)
+def test_family_read_from_modules_tp2(model_type: str) -> None:
+    # No tp plan in transformers: q/k/v and the MLP's up projections column-parallel, the output and
+    # down projections row-parallel, read off the modules and forwards; three AdamW steps.
+    assert get_adapter_of(model_type).read_from_modules
+    result = run_family(model_type, steps=3)
+    assert result.status == "parity", result.reason
+
+
+def get_adapter_of(model_type: str) -> hf_tp.Adapter:
+    return hf_tp.get_adapter(grid_config(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "sizes"),
+    [
+        # 8 heads, 2 KV heads at tp=4 (each KV head on 2 ranks: num_key_value_heads becomes 1); the MLP
+        # as wide as the hidden size, so its down projection is told from gate and up by call order alone
+        ("stablelm", dict(heads=8, kv=2, hidden_size=128, intermediate_size=128)),
+        ("opt", dict(heads=8)),
+    ],
+)
+def test_read_from_modules_tp4(model_type: str, sizes: dict) -> None:
+    assert run_family(model_type, tp=4, **sizes).status == "parity"
+
+
+def test_read_from_modules_tables() -> None:
+    assert {"opt", "xglm", "biogpt", "gpt_neo", "stablelm", "persimmon"} <= set(READ)
+    assert not set(READ_REFUSED) & set(GENERIC)
+
+
+@pytest.mark.parametrize("model_type", sorted(READ_REFUSED))
+def test_plan_less_family_refused_naming_what_is_missing(model_type: str) -> None:
+    # fused q|k|v whose interleaving the module does not show, ALiBi built for every head, cross-attention
+    config = AutoConfig.for_model(model_type, **TINY.get(model_type, TINY["*"]))
+    with pytest.raises(ValueError, match="register_adapter") as caught:
+        hf_tp.get_adapter(config)
+    assert READ_REFUSED[model_type] in str(caught.value), caught.value
+
+
+TINY = {
+    "*": dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=301),
+    "gpt2": dict(n_embd=64, n_head=4, n_layer=2, vocab_size=301),
+}
+
+
+def test_per_head_norm_modules_refused() -> None:
+    # StableLM's qk_layernorm: one LayerNorm per head in a ModuleList; a rank's local head i is not head i
+    with pytest.raises(ValueError, match=r"'stablelm': self_attn.q_layernorm.norms holds one module per attention"):
+        hf_tp.get_adapter(grid_config("stablelm", qk_layernorm=True))
+
+
+def test_plan_says_it_was_read_from_the_modules() -> None:
+    text = format_plan(hf_tp.plan_for(grid_config("opt"), tp=2, seq_len=64))
+    assert "its projections read from its modules, transformers has no tp plan" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert "colwise, all-gather the sequence in" in rows["fc1"]
+    assert "output all-reduced" in rows["fc2"]  # OPT's layer adds it to its flattened tokens
+    assert "all-reduce      tp  fc2: output" in text

@@ -111,6 +111,10 @@ FAMILIES += [
     pytest.param(mt, marks=pytest.mark.skipif(bool(family_refusal(base)), reason=str(family_refusal(base))))
     for mt, base in (("qwen4_exp_text", "qwen4_exp_text"), ("gemma4_text+moe", "gemma4_text"))
 ]
+# plans read from the modules (no tp plan in transformers): OPT's layer runs its MLP itself on flattened
+# tokens (fc1 gathers, fc2 all-reduces); GPT-Neo's attention sits one module down (attn.attention);
+# XGLM's sinusoidal positions run whole, sliced to sequence shards
+FAMILIES += ["opt", "gpt_neo", "xglm"]
 VARIANTS = {"gemma4_text+moe": dict(enable_moe_block=True, top_k_experts=2)}
 
 
