@@ -38,13 +38,11 @@ FAMILIES: dict[str, dict] = {
     "dots1": {},
 }
 MODES = ("cp", "lora", "ac")
-# cp refuses a sparse-attention indexer with its reason (it selects keys from the whole mask): under
-# cp, DeepSeek-V4's layers are all of its other attention kind, at its published compression rate (128
-# tokens: none compressed in these rows; at a rate inside them, cp's mask misses the compressed keys)
+# cp refuses a sparse-attention indexer (it selects keys from the whole mask) and DeepSeek-V4's
+# compressors (they pool every compress_rate tokens of the whole row before attention): under cp,
+# DeepSeek-V4's layers are all of one kind, so the refusal names its compressor
 CP_LAYER: dict[str, str] = {"deepseek_v4": "heavily_compressed_attention"}
-CP_CONFIG: dict[str, dict] = {
-    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
-}
+CP_CONFIG: dict[str, dict] = {}
 
 
 def _reference(name: str, mode: str) -> tuple[torch.nn.Module, dict, Trace]:

@@ -25,9 +25,12 @@ from hf_tp.labels import IGNORE_INDEX
 
 # Sequence mixers that are not attention: their tokens meet outside the attention function, so a
 # rank holding part of the sequence would compute them wrong (Mamba, short convolutions, linear
-# attention all carry a causal conv1d or a recurrent state).
+# attention all carry a causal conv1d or a recurrent state; DeepSeek-V4's compressors pool every
+# compress_rate tokens of the whole sequence into one key before attention).
 # Matched case-sensitively in class names ("SSM" must not match "CompassMLP").
-_NOT_ATTENTION = ("Mamba", "DeltaNet", "ShortConv", "LinearAttention", "Lightning", "SSM", "Rwkv", "RWKV", "Retention")
+_NOT_ATTENTION = (
+    "Mamba", "DeltaNet", "ShortConv", "LinearAttention", "Lightning", "SSM", "Rwkv", "RWKV", "Retention", "Compressor",
+)  # fmt: skip
 _KERNELS = ("sdpa", "eager")
 
 

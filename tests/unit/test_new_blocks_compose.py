@@ -12,7 +12,10 @@ from hf_tp.compat import family_refusal
 from tests.compose_grid import run_compose
 
 # Where cp cannot split the block by sequence: the one line parallelize refuses it with.
-REFUSED = {("nemotron_h", "cp"): "NemotronHMamba2Mixer at layers.0.mixer), which needs the whole sequence"}
+REFUSED = {
+    ("nemotron_h", "cp"): "NemotronHMamba2Mixer at layers.0.mixer), which needs the whole sequence",
+    ("deepseek_v4", "cp"): "DeepseekV4HCACompressor at layers.0.self_attn.compressor), which needs the whole sequence",
+}
 NAMES = ("deepseek_v4", "nemotron_h", "gemma4_text", "minimax_m3_vl_text")
 
 
