@@ -118,6 +118,8 @@ def test_codegen_qkv_groups_bound_tp() -> None:
 def test_family_read_from_modules_tp2(model_type: str) -> None:
     # No tp plan in transformers: q/k/v and the MLP's up projections column-parallel, the output and
     # down projections row-parallel, read off the modules and forwards; three AdamW steps.
+    if needs_later_release(model_type):  # (below the release a family needs, refused naming it)
+        return
     assert get_adapter_of(model_type).read_from_modules
     result = run_family(model_type, steps=3)
     assert result.status == "parity", result.reason
