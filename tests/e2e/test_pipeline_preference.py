@@ -5,38 +5,19 @@ global batches of pairs, with gradient accumulation and a tied lm_head (a copy o
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
+from tests.e2e.test_preference_train import tiny_pairs_run
 from tests.e2e.test_train_cli import hf_tp_train, metrics
 from tests.reference_loop import reference_dpo_run
 
 pytestmark = pytest.mark.e2e
-NAMES = ["ada", "bob", "cy", "dee"]
-CITIES = ["paris", "rome", "oslo", "lima"]
 
 
 def test_pp2_dpo_trains_on_plain_hf_dpo_curve(tmp_path) -> None:
-    from tests.chat_data import chat_tokenizer
-    from tests.helpers import tiny_config, tiny_model
-
-    tok = chat_tokenizer()
-    config = tiny_config("llama", tied=True, num_hidden_layers=4, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-    tiny_model(config).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    rows = [
-        {
-            "prompt": [{"role": "user", "content": f"hi , i am {n} . where should i go ?"}],
-            "chosen": [{"role": "assistant", "content": f"hello {n} , go to {c} ."}],
-            "rejected": [{"role": "assistant", "content": f"i am {n} ."}],
-        }
-        for n in NAMES
-        for c in CITIES[:2]
-    ]
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = tiny_pairs_run(tmp_path, num_hidden_layers=4)
     model = str(tmp_path / "model")
     want_losses, want_norms, want_margins = reference_dpo_run(
         model, str(data), seq_len=32, global_batch=4, steps=3, lr=1e-2, warmup_steps=0

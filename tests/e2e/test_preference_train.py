@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,13 +17,15 @@ NAMES = ["ada", "bob", "cy", "dee"]
 CITIES = ["paris", "rome", "oslo", "lima"]
 
 
-def test_dpo_at_tp2_logs_trl_metrics_and_learns(tmp_path) -> None:
+def tiny_pairs_run(tmp_path: Path, **config) -> Path:
+    """A tiny tied Llama with a chat tokenizer in ``tmp_path/model`` (``config``: its overrides) and
+    pairs in TRL's conversational preference format in ``tmp_path/pairs.jsonl`` (returned)."""
     from tests.chat_data import chat_tokenizer
     from tests.helpers import tiny_config, tiny_model
 
     tok = chat_tokenizer()
-    config = tiny_config("llama", tied=True, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-    tiny_model(config).save_pretrained(tmp_path / "model")
+    model_config = tiny_config("llama", tied=True, vocab_size=len(tok), pad_token_id=tok.pad_token_id, **config)
+    tiny_model(model_config).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     rows = [
         {
@@ -35,6 +38,11 @@ def test_dpo_at_tp2_logs_trl_metrics_and_learns(tmp_path) -> None:
     ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_dpo_at_tp2_logs_trl_metrics_and_learns(tmp_path) -> None:
+    data = tiny_pairs_run(tmp_path)
     out = tmp_path / "run"
     flags = ["--objective", "dpo", "--tp", "2", "--dp", "1", "--batch-size", "4", "--seq-len", "32"]
     proc = hf_tp_train(
